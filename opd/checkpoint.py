@@ -1,0 +1,172 @@
+"""Hugging Face checkpoint folders: `config.json` + `model.safetensors` (or sharded with an index) + `tokenizer.json`.
+
+Folders we save load in `transformers.AutoModelForCausalLM` and vLLM; Llama, Qwen2 and Qwen3 folders saved by
+transformers load here. Saving is atomic: everything is written into a temporary sibling folder that is renamed
+into place, so a crash never leaves a half-written checkpoint under the real name.
+"""
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from opd.errors import OpdError, require
+from opd.model import ModelConfig, Transformer
+from opd.tokenizer import TextTokenizer
+
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def to_hf_config(cfg: ModelConfig) -> dict:
+    if cfg.arch == "qwen2":
+        require(cfg.qkv_bias and not cfg.o_bias and not cfg.mlp_bias and not cfg.qk_norm,
+                "a qwen2 model has q/k/v bias only and no QK-norm")
+    else:
+        require(cfg.qkv_bias == cfg.o_bias, f"{cfg.arch}: q/k/v and o biases must match (attention_bias)")
+        require(cfg.qk_norm == (cfg.arch == "qwen3"), "QK-norm is what distinguishes qwen3 from llama")
+        require(not (cfg.mlp_bias and cfg.arch == "qwen3"), "qwen3 has no MLP bias")
+    out = {
+        "architectures": [HF_CLASSES[cfg.arch]], "model_type": cfg.arch,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id, "torch_dtype": "float32",
+        "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+    }
+    if cfg.arch != "qwen2":
+        out["attention_bias"] = cfg.qkv_bias
+    if cfg.arch == "llama":
+        out["mlp_bias"] = cfg.mlp_bias
+    else:
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+    return out
+
+
+def from_hf_config(d: dict, where: str = "config.json") -> ModelConfig:
+    arch = d.get("model_type")
+    require(arch in HF_CLASSES, f"{where}: model_type {arch!r} is not supported",
+            f"opd reads {', '.join(HF_CLASSES)} checkpoints")
+    require(d.get("hidden_act", "silu") == "silu", f"{where}: hidden_act {d.get('hidden_act')!r} is not supported",
+            "only silu (SwiGLU) MLPs are implemented")
+    require(not d.get("use_sliding_window", False), f"{where}: sliding-window attention is not supported",
+            "set use_sliding_window to false")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    require(rope.get("rope_type", rope.get("type", "default")) == "default",
+            f"{where}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported",
+            "only default RoPE (no scaling) is implemented")
+    eos = d.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    try:
+        heads = d["num_attention_heads"]
+        bias = bool(d.get("attention_bias", False))
+        return ModelConfig(
+            arch=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            qkv_bias=True if arch == "qwen2" else bias, o_bias=False if arch == "qwen2" else bias,
+            mlp_bias=bool(d.get("mlp_bias", False)) if arch == "llama" else False, qk_norm=arch == "qwen3",
+            bos_token_id=d.get("bos_token_id"), eos_token_id=eos,
+            pad_token_id=d.get("pad_token_id") if d.get("pad_token_id") is not None else eos)
+    except KeyError as e:
+        raise OpdError(f"{where}: missing field {e.args[0]!r}", "the file is not a complete model config") from None
+
+
+def read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise OpdError(f"{what} not found: {path}", "check the path")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpdError(f"{path} is not valid JSON ({e})", "re-create the file") from None
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(read_json(index, "index").get("weight_map", {}).values())) if index.is_file() \
+        else ["model.safetensors"]
+    tensors = {}
+    for name in files:
+        path = folder / name
+        require(path.is_file(), f"checkpoint {folder} has no {name}", "save the weights next to config.json")
+        try:
+            tensors.update(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise OpdError(f"cannot read {path}: {e}", "the file is truncated or corrupt; re-save it") from None
+    return tensors
+
+
+def load_model(folder, dtype: torch.dtype = torch.float32) -> Transformer:
+    folder = Path(folder)
+    require(folder.is_dir(), f"checkpoint folder not found: {folder}", "check the path, or run `opd pretrain`")
+    cfg = from_hf_config(read_json(folder / "config.json", "config.json"), str(folder / "config.json"))
+    model = Transformer(cfg)
+    state = {k.removeprefix("model."): v for k, v in _read_tensors(folder).items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    require(not missing and not unexpected,
+            f"checkpoint {folder} does not match its config.json: missing {missing[:3]}, unexpected {unexpected[:3]}",
+            "the weights and config.json come from different models")
+    for k, v in model.state_dict().items():
+        if k in state:
+            require(state[k].shape == v.shape, f"checkpoint {folder}: tensor {k} has shape {tuple(state[k].shape)}, "
+                    f"config.json implies {tuple(v.shape)}", "the weights and config.json disagree")
+    model.load_state_dict(state, strict=False)
+    return model.to(dtype).eval()
+
+
+def load_tokenizer(folder, cfg: ModelConfig) -> TextTokenizer:
+    return TextTokenizer.load(Path(folder), cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
+
+
+def load_checkpoint(folder, dtype: torch.dtype = torch.float32) -> tuple[Transformer, TextTokenizer]:
+    model = load_model(folder, dtype)
+    tok = load_tokenizer(folder, model.cfg)
+    require(tok.vocab_size <= model.cfg.vocab_size,
+            f"checkpoint {folder}: tokenizer has {tok.vocab_size} tokens but the model only {model.cfg.vocab_size}",
+            "the tokenizer belongs to another model")
+    return model, tok
+
+
+def save_checkpoint(folder, model: Transformer, tokenizer: TextTokenizer, extra_json: dict | None = None) -> Path:
+    """Write config.json, model.safetensors, tokenizer files and any extra JSON files, atomically."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(to_hf_config(model.cfg), indent=2))
+        state = {"model." + k: v.detach().float().contiguous() for k, v in model.state_dict().items()
+                 if not (model.cfg.tie_word_embeddings and k == "lm_head.weight")}
+        state = {("lm_head.weight" if k == "model.lm_head.weight" else k): v for k, v in state.items()}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save(tmp)
+        for name, payload in (extra_json or {}).items():
+            (tmp / name).write_text(json.dumps(payload, indent=2))
+        _replace_dir(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    old = None
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        dst.rename(old)
+    src.rename(dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

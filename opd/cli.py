@@ -1,0 +1,101 @@
+"""The `opd` command line. Each subcommand is one typed function; its flags map one to one onto its arguments.
+
+User errors (`OpdError`, bad flags) print one line `opd: error: ...` and exit 2; no traceback.
+"""
+import argparse
+import json
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+from opd.checkpoint import load_checkpoint
+from opd.data import load_prompts
+from opd.errors import OpdError
+from opd.evaluate import greedy_accuracy
+from opd.pretrain import FAMILIES, ROLES, PretrainConfig, default_cache_dir, pretrain
+from opd.task import TASKS, get_task, held_out_examples
+
+
+def cmd_pretrain(family: str, role: str, task: str, steps: int, seed: int, cache_dir: Path, force: bool,
+                 jobs: int, threads: int) -> None:
+    """Train (or reuse from the cache) the built-in teacher/student pairs and print their held-out accuracy."""
+    families = FAMILIES if family == "all" else (family,)
+    roles = ROLES if role == "both" else (role,)
+    configs = [PretrainConfig(family=f, role=r, task=task, steps=steps, seed=seed) for f in families for r in roles]
+    args = [(c, cache_dir, force, threads, jobs == 1) for c in configs]
+    if jobs == 1:
+        results = [_pretrain_job(a) for a in args]
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            results = list(pool.map(_pretrain_job, args))
+    print(f"{'family':7} {'role':8} {'params':>8} {'steps':>6} {'accuracy':>9} {'train_s':>8}  checkpoint")
+    for cfg, (folder, r) in zip(configs, results):
+        print(f"{cfg.family:7} {cfg.role:8} {r['train/params']:>8} {cfg.steps:>6} {r['eval/accuracy']:>9.3f} "
+              f"{r['train/seconds']:>8.0f}  {folder}")
+
+
+def _pretrain_job(args) -> tuple[Path, dict]:
+    cfg, cache_dir, force, threads, progress = args
+    torch.set_num_threads(threads)  # the thread count is part of what makes a run bit-reproducible
+    return pretrain(cfg, cache_dir, force=force, progress=progress)
+
+
+def cmd_eval(model: Path, task: str, prompts: Path | None, n: int, max_new_tokens: int) -> None:
+    """Greedy exact-match accuracy of a checkpoint on the task's held-out split or on a JSONL prompt file."""
+    net, tok = load_checkpoint(model)
+    examples = load_prompts(prompts) if prompts else held_out_examples(get_task(task), n)
+    if not any(ex.answer is not None for ex in examples):
+        raise OpdError(f"no prompt in {prompts} has an answer to score", 'add "answer" fields to the JSONL lines')
+    result = greedy_accuracy(net, tok, examples, max_new_tokens or get_task(task).max_new_tokens)
+    print(json.dumps(result))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise OpdError(f"{self.prog}: {message}", f"see `{self.prog} --help`")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="opd", description="On-policy distillation with mismatched rollouts.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("pretrain", help=cmd_pretrain.__doc__)
+    p.add_argument("--family", choices=FAMILIES + ("all",), default="all")
+    p.add_argument("--role", choices=ROLES + ("both",), default="both")
+    p.add_argument("--task", choices=list(TASKS), default="chain")
+    p.add_argument("--steps", type=int, default=0, help="optimizer steps (0: the role's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="default: $OPD_CACHE or ~/.cache/opd")
+    p.add_argument("--force", action="store_true", help="retrain even if the cache has the model")
+    p.add_argument("--jobs", type=int, default=2, help="models trained in parallel processes")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per model")
+    p.set_defaults(func=cmd_pretrain)
+
+    p = sub.add_parser("eval", help=cmd_eval.__doc__)
+    p.add_argument("--model", type=Path, required=True, help="HF checkpoint folder")
+    p.add_argument("--task", choices=list(TASKS), default="chain")
+    p.add_argument("--prompts", type=Path, help="JSONL prompt file instead of the task's held-out split")
+    p.add_argument("--n", type=int, default=500, help="held-out examples")
+    p.add_argument("--max-new-tokens", type=int, default=0, help="0: the task's default")
+    p.set_defaults(func=cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = vars(build_parser().parse_args(argv))
+        args.pop("command")
+        args.pop("func")(**args)
+    except OpdError as e:
+        print(f"opd: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("opd: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

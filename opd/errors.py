@@ -1,0 +1,17 @@
+"""One exception type for every user-facing problem.
+
+Anything the user can fix (a bad path, a bad config value, a malformed file) raises `OpdError` with one
+line that names the problem and the fix. The CLI prints that line and exits non-zero; everything else is
+a bug and keeps its traceback.
+"""
+
+
+class OpdError(Exception):
+    def __init__(self, problem: str, fix: str = ""):
+        self.problem, self.fix = problem, fix
+        super().__init__(f"{problem} ({fix})" if fix else problem)
+
+
+def require(ok: bool, problem: str, fix: str = "") -> None:
+    if not ok:
+        raise OpdError(problem, fix)

@@ -1,0 +1,183 @@
+"""A compact decoder-only transformer covering the Llama, Qwen2 and Qwen3 architectures.
+
+The three differ only in small switches, all carried by `ModelConfig`:
+- Llama: optional bias on q/k/v/o (`attention_bias`) and on the MLP (`mlp_bias`);
+- Qwen2: bias on q/k/v, none on o;
+- Qwen3: RMSNorm over each head's q and k before RoPE (QK-norm), which bounds the key magnitudes;
+  this is why an FP8 KV cache is expected to hurt Qwen3-style models less than the others.
+All use RMSNorm (computed in float32, as Hugging Face does), SwiGLU, rotate-half RoPE and grouped-query
+attention. Parameter names equal Hugging Face's minus the leading `model.`, so checkpoints map 1:1.
+
+The model is a pure function of (tokens, positions, mask, cache): it never stores a KV cache. A cache is any
+object with `update(layer_idx, k, v) -> (k_all, v_all)` and `advance(T)` (see kv_cache.py); keys arrive after RoPE (vLLM's convention), so a
+quantizing cache sees exactly what a real engine would store.
+"""
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from opd.errors import require
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "llama"
+    vocab_size: int = 128
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = True
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    pad_token_id: int = 0
+
+    def __post_init__(self):
+        require(self.arch in ARCHITECTURES, f"unknown architecture {self.arch!r}",
+                f"use one of {', '.join(ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            require(getattr(self, name) > 0, f"model config: {name} must be positive, got {getattr(self, name)}")
+        require(self.num_heads % self.num_kv_heads == 0,
+                f"model config: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}",
+                "grouped-query attention needs num_heads divisible by num_kv_heads")
+        require(self.head_dim % 2 == 0, f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 statistics whatever the input dtype, as Hugging Face computes them
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [B, T] -> cos, sin: [B, 1, T, head_dim] in float32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx, self.cfg = layer_idx, cfg
+        d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(d, h * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, kv * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, kv * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(h * hd, d, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache):
+        B, T, _ = x.shape
+        hd = self.cfg.head_dim
+        q = self.q_proj(x).view(B, T, -1, hd)
+        k = self.k_proj(x).view(B, T, -1, hd)
+        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)  # [B, KV, T, D]
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, KV, T, D]
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # [B, KV, S, D]
+        gqa = self.cfg.num_heads != self.cfg.num_kv_heads
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
+                                           enable_gqa=gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, f, b), nn.Linear(d, f, b), nn.Linear(f, d, b)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def init_weights(self, generator: torch.Generator, std: float = 0.02) -> "Transformer":
+        """Hugging Face's initialisation: N(0, std) matrices, zero biases, unit norms."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                with torch.no_grad():
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        return self
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """input_ids, positions: [B, T]; mask: [B, 1, T, S] bool (True = may attend), or None for plain causal
+        attention over input_ids alone. Returns logits [B, T, V]."""
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        assert positions.shape == (B, T), f"positions {tuple(positions.shape)} != {(B, T)}"
+        assert mask is not None or cache is None or T == 1, "a multi-token forward with a cache needs a mask"
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache)
+        if cache is not None:
+            cache.advance(T)
+        return self.lm_head(self.norm(x))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

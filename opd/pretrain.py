@@ -1,0 +1,135 @@
+"""Supervised pretraining of the built-in teacher/student pairs, cached so the demo and tests reuse them.
+
+A pair is two models of one family (architecture) trained on the task's ground-truth completions: a teacher
+big and long enough to solve the task, and a smaller, shorter-trained student that leaves room for OPD.
+Families: `llama` (plain attention) and `qwen3` (QK-norm), whose different sensitivity to an FP8 KV cache the
+later issues measure. Training is deterministic for a given config and thread count.
+
+Cache: `<cache_dir>/<family>-<role>-<task>-<hash>/`, an HF checkpoint plus `pretrain.json` (the resolved config)
+and `eval.json` (held-out accuracy). The hash covers the resolved config and `RECIPE_VERSION`, so a changed
+recipe never reuses a stale model.
+"""
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from opd.checkpoint import save_checkpoint
+from opd.data import IGNORE, sft_batch
+from opd.errors import require
+from opd.evaluate import greedy_accuracy
+from opd.model import ModelConfig, Transformer
+from opd.task import get_task, held_out_examples, train_examples
+from opd.tokenizer import TextTokenizer
+
+RECIPE_VERSION = 1
+FAMILIES = ("llama", "qwen3")
+ROLES = ("teacher", "student")
+SIZES = {
+    "teacher": dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32),
+    "student": dict(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32),
+}
+DEFAULT_STEPS = {"teacher": 1500, "student": 400}
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd"))
+
+
+@dataclass
+class PretrainConfig:
+    family: str = "llama"
+    role: str = "teacher"
+    task: str = "chain"
+    steps: int = 0  # 0: the role's default
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    seed: int = 0
+    eval_examples: int = 500
+    model: dict = field(default_factory=dict)  # overrides of the role's size preset
+
+    def __post_init__(self):
+        require(self.family in FAMILIES, f"unknown family {self.family!r}", f"use one of {', '.join(FAMILIES)}")
+        require(self.role in ROLES, f"unknown role {self.role!r}", f"use one of {', '.join(ROLES)}")
+        get_task(self.task)
+        self.steps = self.steps or DEFAULT_STEPS[self.role]
+        for name in ("steps", "batch_size", "eval_examples"):
+            require(getattr(self, name) > 0, f"pretrain: {name} must be positive, got {getattr(self, name)}")
+        require(self.lr > 0, f"pretrain: lr must be positive, got {self.lr}")
+
+    def model_config(self, vocab_size: int) -> ModelConfig:
+        sizes = {**SIZES[self.role], **self.model}
+        return ModelConfig(arch=self.family, vocab_size=vocab_size, qk_norm=self.family == "qwen3",
+                           tie_word_embeddings=True, max_position_embeddings=512, **sizes)
+
+    def cache_name(self) -> str:
+        digest = hashlib.sha256(json.dumps([RECIPE_VERSION, asdict(self)], sort_keys=True).encode()).hexdigest()
+        return f"{self.family}-{self.role}-{self.task}-{digest[:10]}"
+
+
+def lr_at(step: int, cfg: PretrainConfig) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+
+
+def sft_step(model: Transformer, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor],
+             lr: float) -> float:
+    inputs, targets = batch  # [B, T] each
+    loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.step()
+    return loss.item()
+
+
+def train(cfg: PretrainConfig, progress: bool = True) -> tuple[Transformer, TextTokenizer, dict]:
+    """Train one model from scratch; returns it with its tokenizer and training stats."""
+    torch.manual_seed(cfg.seed)
+    tok, task = TextTokenizer.builtin(), get_task(cfg.task)
+    model = Transformer(cfg.model_config(tok.vocab_size))
+    model.init_weights(torch.Generator().manual_seed(cfg.seed))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    stream = train_examples(task, seed=cfg.seed)
+    start, losses = time.perf_counter(), []
+    bar = tqdm(range(cfg.steps), desc=f"pretrain {cfg.family} {cfg.role}", disable=not progress, leave=False)
+    for step in bar:
+        batch = sft_batch(tok, [next(stream) for _ in range(cfg.batch_size)])
+        losses.append(sft_step(model, opt, batch, lr_at(step, cfg)))
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    stats = {"train/seconds": time.perf_counter() - start, "train/final_loss": sum(losses[-20:]) / len(losses[-20:]),
+             "train/params": model.num_params()}
+    return model.eval(), tok, stats
+
+
+def evaluate(model: Transformer, tok: TextTokenizer, cfg: PretrainConfig) -> dict:
+    task = get_task(cfg.task)
+    return greedy_accuracy(model, tok, held_out_examples(task, cfg.eval_examples), task.max_new_tokens)
+
+
+def pretrain(cfg: PretrainConfig, cache_dir: Path | None = None, force: bool = False,
+             progress: bool = True) -> tuple[Path, dict]:
+    """The cached checkpoint folder for cfg and its eval.json, training it first if it is not there."""
+    folder = Path(cache_dir or default_cache_dir()) / cfg.cache_name()
+    if (folder / "eval.json").is_file() and not force:
+        return folder, json.loads((folder / "eval.json").read_text())
+    model, tok, stats = train(cfg, progress)
+    start = time.perf_counter()
+    result = {**evaluate(model, tok, cfg), "eval/seconds": time.perf_counter() - start, **stats}
+    save_checkpoint(folder, model, tok, {"pretrain.json": asdict(cfg), "eval.json": result})
+    return folder, result

@@ -1,0 +1,111 @@
+"""The built-in task: verifiable integer arithmetic, scored by exact match of the extracted answer.
+
+Two variants share one format, `prompt -> completion` where the completion ends in `#<answer>`:
+- `add`   (short, for fast unit tests): `123+456=` -> `#579`, 5 generated tokens with <eos>.
+- `chain` (long-form, the default): a sum of 8 two-digit terms with every running total written out,
+          `37+85+12+64+29+53+71+40=` -> `37+85=122\\n122+12=134\\n...\\n#451`, about 80 generated tokens.
+  Rollouts are long, so decoding dominates the step time and KV-cache quantization error has a long context to
+  accumulate over, as in real reasoning workloads; every line is checkable, and so is the final answer.
+
+The held-out split is fixed by a hash of the prompt text, so it is disjoint from training data by construction,
+identical on every machine, and independent of how many training examples are drawn.
+"""
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+
+from opd.errors import OpdError
+
+HELD_OUT_SEED = 20261130
+_ANSWER = re.compile(r"-?\d+")
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    completion: str
+    answer: str | None
+
+
+def extract_answer(completion: str) -> str | None:
+    """The integer after the last '#', or the whole completion if it has no '#'; None if that is not an integer."""
+    text = completion.rsplit("#", 1)[-1].strip()
+    return text if _ANSWER.fullmatch(text) else None
+
+
+def is_correct(completion: str, answer: str) -> bool:
+    got = extract_answer(completion)
+    return got is not None and int(got) == int(answer)
+
+
+def is_held_out(prompt: str) -> bool:
+    return hashlib.sha256(prompt.encode()).digest()[0] % 10 == 0
+
+
+@dataclass(frozen=True)
+class AdditionTask:
+    """Short variant: two `digits`-digit numbers."""
+    digits: int = 3
+    name: str = "add"
+
+    def sample(self, rng: random.Random) -> Example:
+        hi = 10 ** self.digits - 1
+        a, b = rng.randint(0, hi), rng.randint(0, hi)
+        return Example(f"{a}+{b}=", f"#{a + b}", str(a + b))
+
+    @property
+    def max_new_tokens(self) -> int:  # '#', the digits of the sum, eos, and a little slack
+        return self.digits + 6
+
+
+@dataclass(frozen=True)
+class ChainTask:
+    """Long-form variant: a chain of `terms` numbers of `digits` digits with every running total written out."""
+    terms: int = 8
+    digits: int = 2
+    name: str = "chain"
+
+    def sample(self, rng: random.Random) -> Example:
+        lo, hi = 10 ** (self.digits - 1), 10 ** self.digits - 1
+        xs = [rng.randint(lo, hi) for _ in range(self.terms)]
+        lines, total = [], xs[0]
+        for x in xs[1:]:
+            lines.append(f"{total}+{x}={total + x}")
+            total += x
+        return Example("+".join(map(str, xs)) + "=", "\n".join(lines) + f"\n#{total}", str(total))
+
+    @property
+    def max_new_tokens(self) -> int:  # the longest worked completion, plus slack for a model that rambles
+        total = len(str(self.terms * (10 ** self.digits - 1)))
+        line = total + 1 + self.digits + 1 + total + 1
+        return (self.terms - 1) * line + 1 + total + 1 + 16
+
+
+TASKS = {"add": AdditionTask(), "chain": ChainTask()}
+
+
+def get_task(name: str):
+    if name not in TASKS:
+        raise OpdError(f"unknown task {name!r}", f"use one of {', '.join(TASKS)}")
+    return TASKS[name]
+
+
+def train_examples(task, seed: int):
+    """An endless, seeded stream of training examples, none of them in the held-out split."""
+    rng = random.Random(seed)
+    while True:
+        ex = task.sample(rng)
+        if not is_held_out(ex.prompt):
+            yield ex
+
+
+def held_out_examples(task, n: int) -> list[Example]:
+    """The first n distinct held-out examples: the same list on every machine and for every caller."""
+    rng, seen, out = random.Random(HELD_OUT_SEED), set(), []
+    while len(out) < n:
+        ex = task.sample(rng)
+        if is_held_out(ex.prompt) and ex.prompt not in seen:
+            seen.add(ex.prompt)
+            out.append(ex)
+    return out

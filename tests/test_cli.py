@@ -1,0 +1,82 @@
+"""The CLI end to end: a shortened pretrain, eval, and one clear line for each kind of bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from opd.checkpoint import save_checkpoint
+from opd.model import ModelConfig, Transformer
+from opd.tokenizer import TextTokenizer
+
+
+def opd(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "opd.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=600)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("opd: error: ")
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ckpt") / "tiny"
+    cfg = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16)
+    save_checkpoint(folder, Transformer(cfg).init_weights(torch.Generator().manual_seed(0)), TextTokenizer.builtin())
+    return folder
+
+
+def test_unknown_option():
+    assert_one_line_error(opd("pretrain", "--no-such-flag"), "--no-such-flag")
+
+
+def test_unknown_command():
+    assert_one_line_error(opd("fly"), "fly")
+
+
+def test_missing_checkpoint_folder(tmp_path):
+    assert_one_line_error(opd("eval", "--model", tmp_path / "nope"), "checkpoint folder not found", "nope")
+
+
+def test_unsupported_architecture(tmp_path, tiny_checkpoint):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 100}))
+    assert_one_line_error(opd("eval", "--model", folder), "model_type 'gpt2' is not supported")
+
+
+def test_truncated_weights(tmp_path, tiny_checkpoint):
+    folder = tmp_path / "trunc"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (folder / name).write_bytes((tiny_checkpoint / name).read_bytes())
+    (folder / "model.safetensors").write_bytes((tiny_checkpoint / "model.safetensors").read_bytes()[:500])
+    assert_one_line_error(opd("eval", "--model", folder), "model.safetensors", "truncated or corrupt")
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path, tiny_checkpoint):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+2=", "answer": "3"}\n{"prompt": "2+2=", "answer": \n')
+    assert_one_line_error(opd("eval", "--model", tiny_checkpoint, "--prompts", prompts), "prompts.jsonl:2:")
+
+
+def test_eval_on_prompt_file(tmp_path, tiny_checkpoint):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+2=", "answer": "3"}\n{"prompt": "2+2=", "answer": 4}\n{"prompt": "hi"}\n')
+    result = opd("eval", "--model", tiny_checkpoint, "--prompts", prompts, "--max-new-tokens", 8)
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads(result.stdout)
+    assert metrics["eval/n"] == 2 and 0 <= metrics["eval/accuracy"] <= 1
+
+
+def test_bad_config_value():
+    assert_one_line_error(opd("pretrain", "--steps", "-5"), "steps must be positive")
