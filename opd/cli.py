@@ -8,11 +8,9 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import torch
-
 from opd.checkpoint import load_checkpoint
 from opd.data import load_prompts
-from opd.errors import OpdError
+from opd.errors import OpdError, require
 from opd.evaluate import greedy_accuracy
 from opd.pretrain import FAMILIES, ROLES, PretrainConfig, default_cache_dir, pretrain
 from opd.task import TASKS, get_task, held_out_examples
@@ -23,8 +21,9 @@ def cmd_pretrain(family: str, role: str, task: str, steps: int, seed: int, cache
     """Train (or reuse from the cache) the built-in teacher/student pairs and print their held-out accuracy."""
     families = FAMILIES if family == "all" else (family,)
     roles = ROLES if role == "both" else (role,)
-    configs = [PretrainConfig(family=f, role=r, task=task, steps=steps, seed=seed) for f in families for r in roles]
-    args = [(c, cache_dir, force, threads, jobs == 1) for c in configs]
+    configs = [PretrainConfig(family=f, role=r, task=task, steps=steps, seed=seed, threads=threads)
+               for r in roles for f in families]
+    args = [(c, cache_dir, force, jobs == 1) for c in configs]
     if jobs == 1:
         results = [_pretrain_job(a) for a in args]
     else:
@@ -37,19 +36,29 @@ def cmd_pretrain(family: str, role: str, task: str, steps: int, seed: int, cache
 
 
 def _pretrain_job(args) -> tuple[Path, dict]:
-    cfg, cache_dir, force, threads, progress = args
-    torch.set_num_threads(threads)  # the thread count is part of what makes a run bit-reproducible
+    cfg, cache_dir, force, progress = args
     return pretrain(cfg, cache_dir, force=force, progress=progress)
 
 
 def cmd_eval(model: Path, task: str, prompts: Path | None, n: int, max_new_tokens: int) -> None:
     """Greedy exact-match accuracy of a checkpoint on the task's held-out split or on a JSONL prompt file."""
+    require(max_new_tokens >= 0, f"--max-new-tokens must be >= 0, got {max_new_tokens}", "0 means the task's default")
     net, tok = load_checkpoint(model)
     examples = load_prompts(prompts) if prompts else held_out_examples(get_task(task), n)
     if not any(ex.answer is not None for ex in examples):
         raise OpdError(f"no prompt in {prompts} has an answer to score", 'add "answer" fields to the JSONL lines')
     result = greedy_accuracy(net, tok, examples, max_new_tokens or get_task(task).max_new_tokens)
     print(json.dumps(result))
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,15 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="default: $OPD_CACHE or ~/.cache/opd")
     p.add_argument("--force", action="store_true", help="retrain even if the cache has the model")
-    p.add_argument("--jobs", type=int, default=2, help="models trained in parallel processes")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per model")
+    p.add_argument("--jobs", type=positive_int, default=2, help="models trained in parallel processes")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per model (part of the config)")
     p.set_defaults(func=cmd_pretrain)
 
     p = sub.add_parser("eval", help=cmd_eval.__doc__)
     p.add_argument("--model", type=Path, required=True, help="HF checkpoint folder")
     p.add_argument("--task", choices=list(TASKS), default="chain")
     p.add_argument("--prompts", type=Path, help="JSONL prompt file instead of the task's held-out split")
-    p.add_argument("--n", type=int, default=500, help="held-out examples")
+    p.add_argument("--n", type=positive_int, default=500, help="held-out examples")
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: the task's default")
     p.set_defaults(func=cmd_eval)
     return parser

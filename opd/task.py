@@ -3,9 +3,12 @@
 Two variants share one format, `prompt -> completion` where the completion ends in `#<answer>`:
 - `add`   (short, for fast unit tests): `123+456=` -> `#579`, 5 generated tokens with <eos>.
 - `chain` (long-form, the default): a sum of 8 two-digit terms with every running total written out,
-          `37+85+12+64+29+53+71+40=` -> `37+85=122\\n122+12=134\\n...\\n#451`, about 80 generated tokens.
+          `37+85+12+64+29+53+71+40=` -> `037+085=122\\n122+012=134\\n...\\n#451`, 84-85 generated tokens.
   Rollouts are long, so decoding dominates the step time and KV-cache quantization error has a long context to
   accumulate over, as in real reasoning workloads; every line is checkable, and so is the final answer.
+  Scratchpad numbers are zero-padded to the width of the largest possible total so that digits of equal place
+  value sit at fixed offsets: a 0.8M-parameter model then learns the task in about half the steps it needs with
+  natural widths (dev/LOG.md).
 
 The held-out split is fixed by a hash of the prompt text, so it is disjoint from training data by construction,
 identical on every machine, and independent of how many training examples are drawn.
@@ -69,17 +72,21 @@ class ChainTask:
     def sample(self, rng: random.Random) -> Example:
         lo, hi = 10 ** (self.digits - 1), 10 ** self.digits - 1
         xs = [rng.randint(lo, hi) for _ in range(self.terms)]
+        w = self.width
         lines, total = [], xs[0]
         for x in xs[1:]:
-            lines.append(f"{total}+{x}={total + x}")
+            lines.append(f"{total:0{w}d}+{x:0{w}d}={total + x:0{w}d}")
             total += x
         return Example("+".join(map(str, xs)) + "=", "\n".join(lines) + f"\n#{total}", str(total))
 
     @property
+    def width(self) -> int:  # digits of the largest possible total
+        return len(str(self.terms * (10 ** self.digits - 1)))
+
+    @property
     def max_new_tokens(self) -> int:  # the longest worked completion, plus slack for a model that rambles
-        total = len(str(self.terms * (10 ** self.digits - 1)))
-        line = total + 1 + self.digits + 1 + total + 1
-        return (self.terms - 1) * line + 1 + total + 1 + 16
+        line = 3 * self.width + 3
+        return (self.terms - 1) * line + 1 + self.width + 1 + 16
 
 
 TASKS = {"add": AdditionTask(), "chain": ChainTask()}

@@ -80,3 +80,17 @@ def test_eval_on_prompt_file(tmp_path, tiny_checkpoint):
 
 def test_bad_config_value():
     assert_one_line_error(opd("pretrain", "--steps", "-5"), "steps must be positive")
+
+
+def test_pretrain_shortened_run_through_cli(tmp_path):
+    """Both families' students, in two parallel jobs, then again from the cache."""
+    args = ("pretrain", "--role", "student", "--task", "add", "--steps", 15, "--cache-dir", tmp_path, "--jobs", 2)
+    first = opd(*args)
+    assert first.returncode == 0, first.stderr
+    rows = [line.split() for line in first.stdout.splitlines()[1:]]
+    assert [(r[0], r[1], r[3]) for r in rows] == [("llama", "student", "15"), ("qwen3", "student", "15")]
+    for row in rows:
+        assert (tmp_path / row[-1].split("/")[-1] / "model.safetensors").is_file()
+        assert 0.0 <= float(row[4]) <= 1.0
+    again = opd(*args)
+    assert again.returncode == 0 and again.stdout == first.stdout

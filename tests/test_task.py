@@ -26,7 +26,7 @@ def test_chain_worked_solution_is_arithmetically_right():
     lines = ex.completion.split("\n")
     total = terms[0]
     for line, x in zip(lines, terms[1:]):
-        assert line == f"{total}+{x}={total + x}"
+        assert line == f"{total:03d}+{x:03d}={total + x:03d}"
         total += x
     assert lines[-1] == f"#{total}" and ex.answer == str(total) == str(sum(terms))
 
