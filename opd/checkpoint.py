@@ -62,7 +62,8 @@ def from_hf_config(d: dict, where: str = "config.json") -> ModelConfig:
             f"{where}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported",
             "only default RoPE (no scaling) is implemented")
     eos = d.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) else eos
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    require(isinstance(eos, int), f"{where}: no eos_token_id", "generation needs it: add eos_token_id to config.json")
     try:
         heads = d["num_attention_heads"]
         bias = bool(d.get("attention_bias", False))

@@ -37,6 +37,8 @@ def cmd_pretrain(family: str, role: str, task: str, steps: int, seed: int, cache
 
 def _pretrain_job(args) -> tuple[Path, dict]:
     cfg, cache_dir, force, progress = args
+    if not progress:  # parallel jobs: one line per model instead of interleaved progress bars
+        print(f"pretrain {cfg.family} {cfg.role}: {cfg.steps} steps ...", file=sys.stderr, flush=True)
     return pretrain(cfg, cache_dir, force=force, progress=progress)
 
 

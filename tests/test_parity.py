@@ -105,3 +105,18 @@ def test_cached_decoding_equals_uncached_oracle():
     batched = greedy_generate(model, prompts, max_new_tokens=24, eos_id=-1, pad_id=0)
     for prompt, got in zip(prompts, batched):
         assert got == naive_greedy(model, prompt, 24, eos_id=-1)
+
+
+def test_parity_sharded_bf16_checkpoint(tmp_path):
+    """Real checkpoints come sharded (model.safetensors.index.json) and in bfloat16."""
+    hf = hf_random_model("qwen3").to(torch.bfloat16)
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    TextTokenizer.builtin().save(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 1
+    ours, _ = load_checkpoint(tmp_path)
+    assert next(ours.parameters()).dtype == torch.float32
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = random_ids(7)
+    with torch.no_grad():
+        diff = (ours(ids) - reloaded(ids).logits).abs().max().item()
+    assert diff <= 1e-4
