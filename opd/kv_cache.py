@@ -1,33 +1,144 @@
-"""The KV cache the model writes into: one preallocated buffer per layer, filled left to right.
+"""The KV cache the model writes into: preallocated per-layer buffers at any precision, filled left to right.
 
-This is the full-precision cache (float32 or bfloat16). Every cache speaks the same two calls, so a quantizing
-cache can replace it without touching the model:
-- `update(layer_idx, k, v)` stores the new keys/values ([B, KV, T, D], keys after RoPE) at the current length
-  and returns everything stored so far for that layer ([B, KV, S, D]);
+Every cache speaks two calls, so the model never knows which precision it runs on:
+- `update(layer_idx, k, v)` stores the new keys/values ([B, KV, T, D], keys after RoPE, the current token's own
+  K/V included, as vLLM does) at the current length and returns everything stored so far for that layer
+  ([B, KV, S, D], dequantized to the compute dtype);
 - `advance(T)` moves the length on once every layer has stored its T new positions (the model calls it).
+
+Precisions (`KVSpec.dtype`): `fp32`, `bf16`, `fp8_e4m3`, `fp8_e5m2` (real float8 tensors plus a descale),
+`int8` (symmetric), `int4` (asymmetric, per token and group of `group` channels, two codes a byte). Numerics are in
+quant.py. Each layer may have its own spec: that is what a per-layer precision plan sets.
+
+Scales for fp8 and int8 are per tensor or per KV head (`per_head`) and come from a `scales` dict the caller owns:
+a layer without an entry is calibrated on its first update (the prefill) and the entry is kept. fp8 uses vLLM's
+rule, `k_scale = amax(k) / 200`, `v_scale = amax(v) / 100` (headroom for later tokens larger than the prompt's);
+int8 uses `amax / 127`. Passing the same dict to every cache calibrates once on the first batch; a fresh dict per
+generation call recalibrates every step; `scale_mode="fixed"` uses 1.0, vLLM's default when a checkpoint has none.
+
+For speed the cache also keeps the dequantized values it has stored, so a decode step costs O(new tokens), not
+O(context); they are exactly what dequantizing the stored codes would give. `bytes_per_token` counts only the
+real storage (codes and per-token scales), read from the tensors.
 """
+from dataclasses import dataclass
+
 import torch
 
+from opd.errors import require
 from opd.model import ModelConfig
+from opd.quant import (FP8_DTYPES, dequantize_fp8, dequantize_int4, dequantize_int8, fp8_max, quantize_fp8,
+                       quantize_int4, quantize_int8, safe_scale)
+
+KV_DTYPES = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+SCALE_MODES = ("fixed", "calibrate", "dynamic")
+FP8_SCALE_DIVISORS = (200.0, 100.0)  # vLLM's K_SCALE_CONSTANT, V_SCALE_CONSTANT
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    dtype: str = "fp32"
+    scale_mode: str = "fixed"  # fp8: fixed | calibrate | dynamic; int8: calibrate | dynamic; else ignored
+    per_head: bool = False
+    group: int = 32  # int4 channels per scale/zero pair
+
+    def __post_init__(self):
+        require(self.dtype in KV_DTYPES, f"unknown KV cache dtype {self.dtype!r}", f"use one of {', '.join(KV_DTYPES)}")
+        require(self.scale_mode in SCALE_MODES, f"unknown KV scale mode {self.scale_mode!r}",
+                f"use one of {', '.join(SCALE_MODES)}")
+        require(not (self.dtype == "int8" and self.scale_mode == "fixed"),
+                "an int8 KV cache with a fixed scale of 1.0 would round keys to integers",
+                "use scale_mode calibrate or dynamic")
+        require(self.group > 0 and self.group % 2 == 0, f"int4 group must be even and positive, got {self.group}")
+
+    @property
+    def calibrated(self) -> bool:
+        return self.dtype in ("fp8_e4m3", "fp8_e5m2", "int8") and self.scale_mode != "fixed"
+
+
+class LayerKV:
+    """One layer's K and V: real storage plus the dequantized values attention reads."""
+
+    def __init__(self, spec: KVSpec, shape: tuple, compute_dtype: torch.dtype, device):
+        B, KV, S, D = shape
+        self.spec = spec
+        if spec.dtype == "int4":
+            require(D % spec.group == 0, f"int4 KV: head_dim {D} is not a multiple of group {spec.group}")
+        self.deq = [torch.zeros(shape, dtype=compute_dtype, device=device) for _ in range(2)]
+        self.store = [self._storage(shape, device) for _ in range(2)]
+
+    def _storage(self, shape, device) -> list[torch.Tensor]:
+        B, KV, S, D = shape
+        dt = self.spec.dtype
+        if dt == "int4":
+            per_group = (B, KV, S, D // self.spec.group)
+            return [torch.zeros((B, KV, S, D // 2), dtype=torch.uint8, device=device),
+                    torch.zeros(per_group, device=device), torch.zeros(per_group, device=device)]
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}.get(dt) or FP8_DTYPES[dt]
+        return [torch.zeros(shape, dtype=dtype, device=device)]
+
+    def write(self, which: int, x: torch.Tensor, start: int, scale) -> None:
+        """Quantize x [B, KV, T, D] into slot `which` (0 = K, 1 = V) at positions start..start+T."""
+        end, dt = start + x.shape[2], self.spec.dtype
+        store = self.store[which]
+        if dt == "int4":
+            codes = quantize_int4(x, self.spec.group)
+            for buf, part in zip(store, codes):
+                buf[:, :, start:end] = part
+            deq = dequantize_int4(*codes, self.spec.group)
+        elif dt == "int8":
+            store[0][:, :, start:end] = quantize_int8(x, scale)
+            deq = dequantize_int8(store[0][:, :, start:end], scale)
+        elif dt in FP8_DTYPES:
+            store[0][:, :, start:end] = quantize_fp8(x, scale, FP8_DTYPES[dt])
+            deq = dequantize_fp8(store[0][:, :, start:end], scale)
+        else:
+            store[0][:, :, start:end] = x
+            deq = store[0][:, :, start:end]
+        self.deq[which][:, :, start:end] = deq
+
+    def bytes_per_token(self) -> int:
+        return sum(t[0, :, 0].numel() * t.element_size() for slot in self.store for t in slot)
+
+
+def calibrate_scale(x: torch.Tensor, spec: KVSpec, which: int) -> torch.Tensor:
+    """Descale for x [B, KV, T, D]: a scalar, or [KV, 1, 1] per head."""
+    amax = x.detach().abs().amax(dim=(0, 2, 3)).view(-1, 1, 1) if spec.per_head else x.detach().abs().amax()
+    divisor = FP8_SCALE_DIVISORS[which] if spec.dtype in FP8_DTYPES else 127.0
+    return safe_scale(amax, divisor)
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype=torch.float32, device="cpu"):
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype=torch.float32, device="cpu",
+                 specs: list[KVSpec] | None = None, scales: dict | None = None):
+        specs = specs or [KVSpec("bf16" if dtype == torch.bfloat16 else "fp32")] * cfg.num_layers
+        require(len(specs) == cfg.num_layers, f"KV plan has {len(specs)} layers, the model {cfg.num_layers}")
         shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.layers = [LayerKV(spec, shape, dtype, device) for spec in specs]
+        self.scales = {} if scales is None else scales  # layer_idx -> (k_scale, v_scale)
         self.length, self.max_len = 0, max_len
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[2]
         assert end <= self.max_len, f"KV cache overflow: {end} > {self.max_len}"
-        self.k[layer_idx][:, :, self.length:end] = k
-        self.v[layer_idx][:, :, self.length:end] = v
-        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+        layer = self.layers[layer_idx]
+        for which, x in enumerate((k, v)):
+            layer.write(which, x, self.length, self._scale(layer_idx, which, x))
+        return layer.deq[0][:, :, :end], layer.deq[1][:, :, :end]
+
+    def _scale(self, layer_idx: int, which: int, x: torch.Tensor):
+        spec = self.layers[layer_idx].spec
+        if not spec.calibrated:
+            return 1.0
+        if layer_idx not in self.scales:
+            self.scales[layer_idx] = [None, None]
+        if self.scales[layer_idx][which] is None:
+            self.scales[layer_idx][which] = calibrate_scale(x, spec, which)
+        return self.scales[layer_idx][which]
 
     def advance(self, n: int) -> None:
         self.length += n
 
     def bytes_per_token(self) -> int:
-        per_layer = sum(t[0, :, 0].numel() * t.element_size() for t in (self.k[0], self.v[0]))
-        return per_layer * len(self.k)
+        """Bytes of real KV storage per token of one sequence, summed over layers (excluding the emulation's
+        dequantized shadow, which a real engine does not keep)."""
+        return sum(layer.bytes_per_token() for layer in self.layers)
