@@ -1,14 +1,16 @@
-"""Greedy decoding: a batched KV-cached path, and the naive uncached loop that is its oracle.
+"""Padding helpers, and the naive generation loops that are the engine's oracles.
 
 Ragged prompts are left-padded. A pad position may not be attended to by any real token, and attends only to
 itself (a fully masked softmax row would give NaN, and NaN values times a zero weight still poison the sum).
 Positions count real tokens only, so a sequence's RoPE phases do not depend on how much padding it got.
-Token ids in, token ids out: no tokenizer here.
+
+The naive loops re-run the whole context through the model for every new token, with no KV cache: slow, and
+obviously right. engine.py must match them token for token.
 """
 import torch
 
-from opd.kv_cache import KVCache
 from opd.model import Transformer
+from opd.sampling import SamplingParams, process_logits, sample
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,33 +32,8 @@ def prefill_mask(valid: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy_generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
-                    pad_id: int) -> list[list[int]]:
-    """Batched greedy decoding with a KV cache. Each completion stops after (and includes) its first eos."""
-    ids, valid = left_pad(prompts, pad_id)  # [B, P]
-    B, P = ids.shape
-    cache = KVCache(model.cfg, B, P + max_new_tokens, dtype=next(model.parameters()).dtype)
-    positions = (valid.cumsum(1) - 1).clamp(min=0)  # [B, P]
-    logits = model(ids, positions, prefill_mask(valid), cache)[:, -1]  # [B, V]
-    next_pos = valid.sum(1, keepdim=True)  # [B, 1]
-    key_valid = torch.cat([valid, torch.ones(B, max_new_tokens, dtype=torch.bool)], 1)
-    out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long)
-    done = torch.zeros(B, dtype=torch.bool)
-    for t in range(max_new_tokens):
-        tok = logits.argmax(-1)  # [B]
-        out[:, t] = torch.where(done, pad_id, tok)
-        done |= tok == eos_id
-        if done.all() or t == max_new_tokens - 1:
-            break
-        mask = key_valid[:, None, None, :P + t + 1]  # [B, 1, 1, S]
-        logits = model(tok[:, None], next_pos + t, mask, cache)[:, -1]
-    # the loop only ends early once every row has its eos, so a row without one used all max_new_tokens
-    return [row[:row.index(eos_id) + 1] if eos_id in row else row for row in out.tolist()]
-
-
-@torch.no_grad()
 def naive_greedy(model: Transformer, prompt: list[int], max_new_tokens: int, eos_id: int) -> list[int]:
-    """The oracle: one sequence, the whole context re-run through the model for every new token."""
+    """One sequence, the whole context re-run through the model for every new token."""
     ids = list(prompt)
     for _ in range(max_new_tokens):
         tok = int(model(torch.tensor([ids]))[0, -1].argmax())
@@ -64,3 +41,18 @@ def naive_greedy(model: Transformer, prompt: list[int], max_new_tokens: int, eos
         if tok == eos_id:
             break
     return ids[len(prompt):]
+
+
+@torch.no_grad()
+def naive_sample(model: Transformer, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
+                 pad_id: int) -> torch.Tensor:
+    """The batch sampled one token at a time without a cache: [B, max_new_tokens] ids, nothing cut at stops
+    (the engine decodes finished rows too and discards them, so the two draw the same randomness)."""
+    ids, valid = left_pad(prompts, pad_id)
+    for _ in range(params.max_new_tokens):
+        positions = (valid.cumsum(1) - 1).clamp(min=0)
+        logits = model(ids, positions, prefill_mask(valid))[:, -1]
+        tok = sample(process_logits(logits, params), params, generator)
+        ids = torch.cat([ids, tok[:, None]], 1)
+        valid = torch.cat([valid, torch.ones_like(valid[:, :1])], 1)
+    return ids[:, -params.max_new_tokens:]

@@ -4,8 +4,10 @@ import torch
 import transformers
 
 from opd.checkpoint import load_checkpoint, save_checkpoint
-from opd.generate import greedy_generate, naive_greedy
+from opd.engine import Engine
+from opd.generate import naive_greedy
 from opd.model import ModelConfig, Transformer
+from opd.sampling import SamplingParams
 from opd.tokenizer import TextTokenizer
 
 VOCAB = 100
@@ -39,6 +41,13 @@ def random_ids(seed: int, batch: int = 3, length: int = 17) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+def greedy(model, prompts, n):
+    """The engine at temperature 0, with no eos (-1), so every continuation runs n tokens."""
+    rollouts = Engine(model, eos_id=-1, pad_id=0).generate(prompts, SamplingParams(n, temperature=0.0),
+                                                            torch.Generator())
+    return [r.completion_ids for r in rollouts]
+
+
 @pytest.fixture(params=list(HF_CONFIGS))
 def hf_folder(request, tmp_path):
     hf = hf_random_model(request.param)
@@ -61,7 +70,7 @@ def test_parity_greedy_continuations(hf_folder):
     arch, hf, folder = hf_folder
     ours, _ = load_checkpoint(folder)
     prompts = [random_ids(2, 1, n)[0].tolist() for n in (5, 9, 12)]
-    ours_out = greedy_generate(ours, prompts, max_new_tokens=20, eos_id=-1, pad_id=0)
+    ours_out = greedy(ours, prompts, 20)
     for prompt, got in zip(prompts, ours_out):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
@@ -102,7 +111,7 @@ def test_cached_decoding_equals_uncached_oracle():
                                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True))
     model.init_weights(torch.Generator().manual_seed(5), std=0.2).eval()
     prompts = [random_ids(6, 1, n)[0].tolist() for n in (3, 11, 7, 1)]
-    batched = greedy_generate(model, prompts, max_new_tokens=24, eos_id=-1, pad_id=0)
+    batched = greedy(model, prompts, 24)
     for prompt, got in zip(prompts, batched):
         assert got == naive_greedy(model, prompt, 24, eos_id=-1)
 

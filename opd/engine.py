@@ -1,0 +1,94 @@
+"""The built-in rollout engine: batched prefill + decode over the shared model, with a KV cache at any precision.
+
+Token ids in, `Rollout` records out; no tokenizer, loss or optimizer here. One `generate` call is one batch:
+left-pad the prompts, prefill them in one forward, then decode one token per step for every sequence until
+each has stopped (eos or a stop token, kept in the completion) or hit `max_new_tokens`. Finished sequences keep
+being decoded with their outputs discarded, so the randomness drawn per step does not depend on which rows
+finished: that is what lets the naive loop in generate.py reproduce the engine token for token.
+
+The KV plan is one `KVSpec` per layer. Calibrated scales (`scale_mode="calibrate"`) are measured on the first batch
+this engine ever prefills and kept for its lifetime, as vLLM does; `"dynamic"` layers are recalibrated on every
+batch. `update_weights` publishes new weights with their policy version; every record carries the version of the
+weights that sampled it.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from opd.errors import require
+from opd.generate import left_pad, prefill_mask
+from opd.kv_cache import KVCache, KVSpec
+from opd.model import Transformer
+from opd.sampling import SamplingParams, process_logits, sample
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # processed: log-prob under the distribution the token was drawn from (mu)
+    raw_logprobs: list[float]  # log_softmax of the raw logits
+    finish_reason: str  # "stop" | "length"
+    policy_version: int
+
+
+class Engine:
+    def __init__(self, model: Transformer, eos_id: int, pad_id: int, kv_plan: list[KVSpec] | KVSpec | None = None,
+                 version: int = 0):
+        n = model.cfg.num_layers
+        plan = kv_plan if isinstance(kv_plan, list) else [kv_plan or KVSpec()] * n
+        require(len(plan) == n, f"KV plan has {len(plan)} layers, the model has {n}")
+        self.model, self.eos_id, self.pad_id, self.kv_plan, self.version = model.eval(), eos_id, pad_id, plan, version
+        self.scales: dict = {}  # layer -> [k_scale, v_scale], shared by every batch
+
+    def update_weights(self, state_dict: dict, version: int) -> None:
+        self.model.load_state_dict(state_dict)
+        self.version = version
+
+    def _scales_for_batch(self) -> dict:
+        for i, spec in enumerate(self.kv_plan):
+            if spec.scale_mode == "dynamic":
+                self.scales.pop(i, None)
+        return self.scales
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        dtype = next(self.model.parameters()).dtype
+        return KVCache(self.model.cfg, batch_size, max_len, dtype, specs=self.kv_plan, scales=self._scales_for_batch())
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> list[Rollout]:
+        require(all(len(p) > 0 for p in prompts), "every prompt needs at least one token")
+        ids, valid = left_pad(prompts, self.pad_id)  # [B, P]
+        B, P = ids.shape
+        N = params.max_new_tokens
+        require(P + N <= self.model.cfg.max_position_embeddings,
+                f"prompt ({P}) + max_new_tokens ({N}) exceeds the model's context "
+                f"({self.model.cfg.max_position_embeddings})", "shorten the prompts or lower max_new_tokens")
+        cache = self.new_cache(B, P + N)
+        logits = self.model(ids, (valid.cumsum(1) - 1).clamp(min=0), prefill_mask(valid), cache)[:, -1]  # [B, V]
+        next_pos = valid.sum(1, keepdim=True)  # [B, 1]
+        key_valid = torch.cat([valid, torch.ones(B, N, dtype=torch.bool)], 1)
+        stops = torch.tensor([self.eos_id, *params.stop_token_ids])
+        tokens, mu, raw = (torch.zeros(B, N, dtype=torch.long), torch.zeros(B, N), torch.zeros(B, N))
+        lengths = torch.full((B,), N)
+        done = torch.zeros(B, dtype=torch.bool)
+        for t in range(N):
+            tok, mu[:, t], raw[:, t] = self._step(logits, params, generator)
+            tokens[:, t] = tok
+            stopped = torch.isin(tok, stops) & ~done
+            lengths[stopped] = t + 1
+            done |= stopped
+            if done.all() or t == N - 1:
+                break
+            logits = self.model(tok[:, None], next_pos + t, key_valid[:, None, None, :P + t + 1], cache)[:, -1]
+        return [Rollout(prompts[b], tokens[b, :lengths[b]].tolist(), mu[b, :lengths[b]].tolist(),
+                        raw[b, :lengths[b]].tolist(), "stop" if done[b] else "length", self.version)
+                for b in range(B)]
+
+    @staticmethod
+    def _step(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
+        """logits [B, V] -> sampled token [B], its processed and raw log-probs [B]."""
+        processed = process_logits(logits, params)
+        tok = sample(processed, params, generator)
+        raw = logits.float().log_softmax(-1)
+        return tok, processed.gather(1, tok[:, None])[:, 0], raw.gather(1, tok[:, None])[:, 0]

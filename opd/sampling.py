@@ -1,0 +1,54 @@
+"""From logits to a sampled token: temperature, top-k, top-p, and the two log-probs vLLM distinguishes.
+
+`raw` log-probs are log_softmax of the model's logits; `processed` ones are log_softmax of the logits after
+temperature scaling and top-k/top-p masking, i.e. the distribution the token was actually drawn from. OPD wants
+the processed one as `mu` when temperature != 1 or truncation is on (vLLM: `logprobs_mode="processed_logprobs"`).
+
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1), as vLLM's sampler does): it draws a fixed
+amount of randomness per step whatever the probabilities are, so two loops that make the same calls on the same
+generator draw the same tokens. Temperature 0 is greedy.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from opd.errors import require
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()  # extra stop tokens besides the engine's eos
+
+    def __post_init__(self):
+        require(self.max_new_tokens > 0, f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        require(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        require(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}", "0 turns it off")
+        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [B, V] -> processed log-probs [B, V] (-inf outside the top-k / top-p support)."""
+    logits = logits.float()
+    if params.temperature > 0:
+        logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > params.top_p  # mass strictly before this token already exceeds top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits.log_softmax(-1)
+
+
+def sample(logprobs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """processed log-probs [B, V] -> token ids [B]."""
+    if params.temperature == 0:
+        return logprobs.argmax(-1)
+    race = torch.empty_like(logprobs).exponential_(generator=generator)
+    return (logprobs.exp() / race).argmax(-1)

@@ -1,0 +1,125 @@
+"""The rollout engine against its oracles: the naive uncached sampling loop, and the trainer-side recomputation."""
+import math
+
+import pytest
+import torch
+
+from opd.engine import Engine
+from opd.errors import OpdError
+from opd.generate import naive_sample
+from opd.kv_cache import KVSpec
+from opd.model import ModelConfig, Transformer
+from opd.sampling import SamplingParams, process_logits, sample
+
+CFG = ModelConfig(arch="qwen3", vocab_size=50, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=16, qk_norm=True)
+EOS, PAD = 2, 0
+PROMPTS = [[1, 5, 9], [1, 7, 8, 9, 10, 11, 12], [1, 30], [1, 4, 4, 4, 4]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(CFG).init_weights(torch.Generator().manual_seed(0), std=0.3).eval()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(16, temperature=1.0),
+    SamplingParams(16, temperature=0.7, top_k=10),
+    SamplingParams(16, temperature=1.3, top_p=0.8),
+    SamplingParams(16, temperature=0.0),
+])
+def test_engine_equals_naive_sampling_loop_token_for_token(model, params):
+    engine = Engine(model, eos_id=-1, pad_id=PAD)  # no eos: every row runs the full length
+    got = engine.generate(PROMPTS, params, torch.Generator().manual_seed(7))
+    want = naive_sample(model, PROMPTS, params, torch.Generator().manual_seed(7), pad_id=PAD)
+    assert [r.completion_ids for r in got] == want.tolist()
+
+
+def test_records_stop_length_and_version(model):
+    engine = Engine(model, eos_id=EOS, pad_id=PAD, version=3)
+    rollouts = engine.generate(PROMPTS * 8, SamplingParams(12, temperature=1.5), torch.Generator().manual_seed(1))
+    reasons = {r.finish_reason for r in rollouts}
+    assert reasons == {"stop", "length"}, "pick a seed where both happen"
+    for r in rollouts:
+        n = len(r.completion_ids)
+        assert len(r.logprobs) == len(r.raw_logprobs) == n and r.policy_version == 3
+        if r.finish_reason == "stop":
+            assert r.completion_ids[-1] == EOS and EOS not in r.completion_ids[:-1]
+        else:
+            assert n == 12 and EOS not in r.completion_ids
+    engine.update_weights(model.state_dict(), version=4)
+    assert engine.generate(PROMPTS[:1], SamplingParams(2), torch.Generator())[0].policy_version == 4
+
+
+def teacher_forced_logits(model, prompt, completion):
+    with torch.no_grad():
+        return model(torch.tensor([prompt + completion]))[0, len(prompt) - 1:-1]  # [N, V]
+
+
+def teacher_forced_logprobs(model, prompt, completion):
+    lp = teacher_forced_logits(model, prompt, completion).log_softmax(-1)
+    return lp.gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_raw_logprobs_equal_trainer_recomputation_and_processed_differ(model):
+    """With an fp32 cache the sampler's raw log-probs are the trainer's q (the mismatch floor is float noise)."""
+    engine = Engine(model, eos_id=-1, pad_id=PAD)
+    for r in engine.generate(PROMPTS, SamplingParams(20, temperature=0.6, top_k=20), torch.Generator().manual_seed(2)):
+        logits = teacher_forced_logits(model, r.prompt_ids, r.completion_ids)
+        tok = torch.tensor(r.completion_ids)[:, None]
+        assert torch.allclose(torch.tensor(r.raw_logprobs), logits.log_softmax(-1).gather(1, tok)[:, 0], atol=1e-5)
+        # processed, computed independently: temperature, then renormalise over the 20 largest logits
+        scaled = logits / 0.6
+        top = scaled.topk(20, dim=-1)
+        in_top = (top.indices == tok).any(-1)
+        assert in_top.all(), "a sampled token must lie in the top-k support"
+        mu = scaled.gather(1, tok)[:, 0] - top.values.logsumexp(-1)
+        assert torch.allclose(torch.tensor(r.logprobs), mu, atol=1e-5)
+        assert not torch.allclose(torch.tensor(r.logprobs), torch.tensor(r.raw_logprobs), atol=1e-3)
+    r = engine.generate(PROMPTS[:1], SamplingParams(10, temperature=1.0), torch.Generator())[0]
+    assert torch.allclose(torch.tensor(r.logprobs), torch.tensor(r.raw_logprobs), atol=1e-6)
+
+
+def test_fp8_kv_engine_mismatch_is_small_but_real(model):
+    prompts = PROMPTS * 4
+    gaps = {}
+    for dtype in ("fp32", "fp8_e4m3", "fp8_e5m2"):
+        engine = Engine(model, eos_id=-1, pad_id=PAD, kv_plan=KVSpec(dtype))
+        deltas = []
+        for r in engine.generate(prompts, SamplingParams(24), torch.Generator().manual_seed(3)):
+            q = teacher_forced_logprobs(model, r.prompt_ids, r.completion_ids)
+            deltas.append((q - torch.tensor(r.raw_logprobs)).abs())
+        gaps[dtype] = torch.cat(deltas).mean().item()
+    assert gaps["fp32"] < 1e-5 < gaps["fp8_e4m3"] < gaps["fp8_e5m2"] < 0.5
+
+
+def test_process_logits_top_k_top_p_hand_computed():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    top2 = process_logits(logits, SamplingParams(temperature=1.0, top_k=2)).exp()
+    assert torch.allclose(top2, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    # the smallest set whose mass reaches top_p: {0.5, 0.3} for 0.7, {0.5, 0.3, 0.15} for 0.85
+    nucleus = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.7)).exp()
+    assert torch.allclose(nucleus, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    nucleus = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.85)).exp()
+    assert torch.allclose(nucleus, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+    hot = process_logits(logits, SamplingParams(temperature=2.0)).exp()
+    assert torch.allclose(hot, torch.tensor([[0.5, 0.3, 0.15, 0.05]]).sqrt() / torch.tensor([0.5, 0.3, 0.15, 0.05]).sqrt().sum())
+
+
+def test_sampler_frequencies_match_probabilities():
+    """20,000 draws from a fixed distribution: every frequency within 4 standard errors of its probability."""
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logprobs = p.log().expand(20000, 4)
+    draws = sample(logprobs, SamplingParams(), torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=4).float() / 20000
+    assert ((freq - p).abs() <= 4 * (p * (1 - p) / 20000).sqrt()).all(), freq
+
+
+def test_engine_rejects_bad_requests(model):
+    engine = Engine(model, eos_id=EOS, pad_id=PAD)
+    with pytest.raises(OpdError, match="exceeds the model's context"):
+        engine.generate([[1] * 500], SamplingParams(100), torch.Generator())
+    with pytest.raises(OpdError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(OpdError, match="KV plan has 3 layers"):
+        Engine(model, EOS, PAD, kv_plan=[KVSpec()] * 3)
