@@ -6,7 +6,9 @@ each has stopped (eos or a stop token, kept in the completion) or hit `max_new_t
 being decoded with their outputs discarded, so the randomness drawn per step does not depend on which rows
 finished: that is what lets the naive loop in generate.py reproduce the engine token for token.
 
-The KV plan is one `KVSpec` per layer. Calibrated scales (`scale_mode="calibrate"`) are measured on the first batch
+The precision plan (plan.py) gives each layer a KV cache spec, a weight scheme and a noise level; the engine runs a
+copy of the model with those weights (weight_quant.py) and rebuilds it whenever new weights are published, so the
+rollout copy is always "the learner's weights, as the cheap engine would run them". Calibrated scales (`scale_mode="calibrate"`) are measured on the first batch
 this engine ever prefills and kept for its lifetime, as vLLM does; `"dynamic"` layers are recalibrated on every
 batch. `update_weights` publishes new weights with their policy version; every record carries the version of the
 weights that sampled it.
@@ -17,9 +19,11 @@ import torch
 
 from opd.errors import require
 from opd.generate import left_pad, prefill_mask
-from opd.kv_cache import KVCache, KVSpec
+from opd.kv_cache import KVCache
 from opd.model import Transformer
+from opd.plan import Plan
 from opd.sampling import SamplingParams, process_logits, sample
+from opd.weight_quant import apply_weight_precision
 
 
 @dataclass
@@ -33,16 +37,26 @@ class Rollout:
 
 
 class Engine:
-    def __init__(self, model: Transformer, eos_id: int, pad_id: int, kv_plan: list[KVSpec] | KVSpec | None = None,
-                 version: int = 0):
+    def __init__(self, model: Transformer, eos_id: int, pad_id: int, plan: Plan | str | None = None,
+                 version: int = 0, noise_seed: int = 0):
         n = model.cfg.num_layers
-        plan = kv_plan if isinstance(kv_plan, list) else [kv_plan or KVSpec()] * n
-        require(len(plan) == n, f"KV plan has {len(plan)} layers, the model has {n}")
-        self.model, self.eos_id, self.pad_id, self.kv_plan, self.version = model.eval(), eos_id, pad_id, plan, version
+        plan = Plan.parse(plan, n) if isinstance(plan, str) else plan or Plan.full(n)
+        require(len(plan.layers) == n, f"precision plan has {len(plan.layers)} layers, the model has {n}")
+        self.base, self.plan, self.eos_id, self.pad_id, self.version = model.eval(), plan, eos_id, pad_id, version
+        self.kv_plan, self.noise_seed = plan.kv_specs, noise_seed
         self.scales: dict = {}  # layer -> [k_scale, v_scale], shared by every batch
+        self.model = self._rollout_copy()
+
+    def _rollout_copy(self) -> Transformer:
+        if not self.plan.changes_weights:
+            return self.base
+        layers = self.plan.layers
+        return apply_weight_precision(self.base, [p.weights for p in layers], [p.noise for p in layers],
+                                      self.noise_seed)
 
     def update_weights(self, state_dict: dict, version: int) -> None:
-        self.model.load_state_dict(state_dict)
+        self.base.load_state_dict(state_dict)
+        self.model = self._rollout_copy()
         self.version = version
 
     def _scales_for_batch(self) -> dict:

@@ -7,7 +7,7 @@ import torch
 from opd.engine import Engine
 from opd.errors import OpdError
 from opd.generate import naive_sample
-from opd.kv_cache import KVSpec
+from opd.plan import Plan
 from opd.model import ModelConfig, Transformer
 from opd.sampling import SamplingParams, process_logits, sample
 
@@ -84,7 +84,7 @@ def test_fp8_kv_engine_mismatch_is_small_but_real(model):
     prompts = PROMPTS * 4
     gaps = {}
     for dtype in ("fp32", "fp8_e4m3", "fp8_e5m2"):
-        engine = Engine(model, eos_id=-1, pad_id=PAD, kv_plan=KVSpec(dtype))
+        engine = Engine(model, eos_id=-1, pad_id=PAD, plan=f"kv={dtype}")
         deltas = []
         for r in engine.generate(prompts, SamplingParams(24), torch.Generator().manual_seed(3)):
             q = teacher_forced_logprobs(model, r.prompt_ids, r.completion_ids)
@@ -121,5 +121,5 @@ def test_engine_rejects_bad_requests(model):
         engine.generate([[1] * 500], SamplingParams(100), torch.Generator())
     with pytest.raises(OpdError, match="top_p"):
         SamplingParams(top_p=0.0)
-    with pytest.raises(OpdError, match="KV plan has 3 layers"):
-        Engine(model, EOS, PAD, kv_plan=[KVSpec()] * 3)
+    with pytest.raises(OpdError, match="precision plan has 3 layers"):
+        Engine(model, EOS, PAD, plan=Plan.full(3))

@@ -1,0 +1,120 @@
+"""Precision plans: what each layer of the rollout copy runs at, written as one compact string.
+
+Syntax: clauses separated by `;`. A clause is an optional layer selector ending in `:` (indices and ranges,
+`0,3` or `0-2,5`; no selector means every layer) followed by space-separated `key=value` settings. Later clauses
+override earlier ones on the layers they name.
+
+    kv=fp8_e4m3                               FP8 KV cache everywhere (scale 1.0, vLLM's default)
+    kv=fp8_e4m3 kv_scale=calibrate; 0,3: kv=bf16   ... except layers 0 and 3, kept in bf16
+    w=int4 kv=int8 kv_scale=dynamic           INT4 weights and a per-batch calibrated INT8 KV cache
+    1: noise=0.01                             relative weight noise on layer 1 only
+
+Keys: `kv` (fp32, bf16, fp8_e4m3, fp8_e5m2, int8, int4), `kv_scale` (fixed, calibrate, dynamic), `kv_per_head`
+(true/false), `kv_group` (int4 group size), `w` (none, fp8, fp8_block, int8, int4), `noise` (relative std).
+The empty string is the full-precision plan (fp32 KV, original weights).
+"""
+from dataclasses import dataclass, replace
+
+from opd.errors import OpdError, require
+from opd.kv_cache import KVSpec
+from opd.weight_quant import WEIGHT_SCHEMES
+
+KEYS = ("kv", "kv_scale", "kv_per_head", "kv_group", "w", "noise")
+
+
+@dataclass(frozen=True)
+class LayerPrecision:
+    kv: KVSpec = KVSpec()
+    weights: str = "none"
+    noise: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    layers: tuple[LayerPrecision, ...]
+
+    @classmethod
+    def full(cls, num_layers: int) -> "Plan":
+        return cls((LayerPrecision(),) * num_layers)
+
+    @classmethod
+    def parse(cls, text: str, num_layers: int) -> "Plan":
+        layers = [LayerPrecision()] * num_layers
+        for clause in filter(None, (c.strip() for c in text.split(";"))):
+            selector, _, settings = clause.rpartition(":")
+            for i in _layer_indices(selector, num_layers) if selector.strip() else range(num_layers):
+                layers[i] = _apply(layers[i], settings.split(), clause)
+        return cls(tuple(layers))
+
+    @property
+    def kv_specs(self) -> list[KVSpec]:
+        return [layer.kv for layer in self.layers]
+
+    @property
+    def changes_weights(self) -> bool:
+        return any(layer.weights != "none" or layer.noise > 0 for layer in self.layers)
+
+    def __str__(self) -> str:
+        """Canonical form: one clause per distinct layer setting, e.g. `0,3: kv=bf16; 1,2: kv=fp8_e4m3`."""
+        groups: dict[LayerPrecision, list[int]] = {}
+        for i, layer in enumerate(self.layers):
+            groups.setdefault(layer, []).append(i)
+        return "; ".join(f"{','.join(map(str, idx))}: {_describe(layer)}" for layer, idx in groups.items())
+
+
+def _describe(layer: LayerPrecision) -> str:
+    kv = layer.kv
+    parts = [f"kv={kv.dtype}", f"kv_scale={kv.scale_mode}", f"w={layer.weights}"]
+    parts += ["kv_per_head=true"] if kv.per_head else []
+    parts += [f"kv_group={kv.group}"] if kv.dtype == "int4" else []
+    parts += [f"noise={layer.noise:g}"] if layer.noise else []
+    return " ".join(parts)
+
+
+def _layer_indices(selector: str, num_layers: int) -> list[int]:
+    out = []
+    for part in selector.replace(" ", "").split(","):
+        lo, _, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise OpdError(f"plan: bad layer selector {selector!r}", "use indices and ranges like 0,3 or 0-2") from None
+        require(0 <= first <= last < num_layers, f"plan: layer {last if first >= 0 else first} is out of range",
+                f"the model has layers 0-{num_layers - 1}")
+        out.extend(range(first, last + 1))
+    return out
+
+
+def _apply(layer: LayerPrecision, settings: list[str], clause: str) -> LayerPrecision:
+    kv = {}
+    for setting in settings:
+        key, eq, value = setting.partition("=")
+        require(eq == "=" and key in KEYS, f"plan: bad setting {setting!r} in {clause!r}",
+                f"use key=value with keys {', '.join(KEYS)}")
+        if key == "w":
+            require(value in WEIGHT_SCHEMES, f"plan: unknown weight scheme {value!r}",
+                    f"use one of {', '.join(WEIGHT_SCHEMES)}")
+            layer = replace(layer, weights=value)
+        elif key == "noise":
+            layer = replace(layer, noise=_number(value, float, setting))
+        else:
+            kv[key] = value
+    if kv:
+        fields = {"dtype": kv.get("kv", layer.kv.dtype), "scale_mode": kv.get("kv_scale", layer.kv.scale_mode),
+                  "per_head": _bool(kv["kv_per_head"]) if "kv_per_head" in kv else layer.kv.per_head,
+                  "group": _number(kv["kv_group"], int, "kv_group") if "kv_group" in kv else layer.kv.group}
+        layer = replace(layer, kv=KVSpec(**fields))
+    require(layer.noise >= 0, f"plan: noise must be >= 0 in {clause!r}")
+    return layer
+
+
+def _number(value: str, kind, what: str):
+    try:
+        return kind(value)
+    except ValueError:
+        raise OpdError(f"plan: {what!r} is not a number", "write e.g. noise=0.01 or kv_group=32") from None
+
+
+def _bool(value: str) -> bool:
+    require(value in ("true", "false"), f"plan: kv_per_head must be true or false, got {value!r}")
+    return value == "true"
