@@ -6,13 +6,18 @@ import argparse
 import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
 from opd.checkpoint import load_checkpoint
-from opd.data import load_prompts
+from opd.data import encode_prompt, load_prompts
+from opd.engine import Engine
 from opd.errors import OpdError, require
 from opd.evaluate import greedy_accuracy
 from opd.pretrain import FAMILIES, ROLES, PretrainConfig, default_cache_dir, pretrain
+from opd.sampling import SamplingParams
 from opd.task import TASKS, get_task, held_out_examples
 
 
@@ -53,6 +58,28 @@ def cmd_eval(model: Path, task: str, prompts: Path | None, n: int, max_new_token
     print(json.dumps(result))
 
 
+def cmd_generate(model: Path, prompt: list[str] | None, prompts: Path | None, task: str, n: int, plan: str,
+                 temperature: float, top_k: int, top_p: float, max_new_tokens: int, seed: int,
+                 as_json: bool) -> None:
+    """Sample completions from a checkpoint under a precision plan; print them with their log-probs."""
+    net, tok = load_checkpoint(model)
+    texts = prompt or [ex.prompt for ex in (load_prompts(prompts) if prompts else held_out_examples(get_task(task), n))]
+    engine = Engine(net, tok.eos_id, tok.pad_id, plan)
+    params = SamplingParams(max_new_tokens or get_task(task).max_new_tokens, temperature, top_k, top_p)
+    rollouts = engine.generate([encode_prompt(tok, t) for t in texts], params, torch.Generator().manual_seed(seed))
+    kv_bytes = engine.new_cache(1, 1).bytes_per_token()
+    for text, r in zip(texts, rollouts):
+        if as_json:
+            print(json.dumps({"prompt": text, "completion": tok.decode(r.completion_ids), **asdict(r),
+                              "kv_bytes_per_token": kv_bytes}))
+            continue
+        print(f"--- {text!r} -> {tok.decode(r.completion_ids)!r} [{r.finish_reason}, {len(r.completion_ids)} tokens, "
+              f"mean logprob {sum(r.logprobs) / len(r.logprobs):.4f}]")
+        print("    " + " ".join(f"{tok.decode([t])!r}:{lp:.3f}" for t, lp in zip(r.completion_ids, r.logprobs)))
+    if not as_json:
+        print(f"plan: {engine.plan}  |  KV cache: {kv_bytes} bytes/token")
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -91,6 +118,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=positive_int, default=500, help="held-out examples")
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: the task's default")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("generate", help=cmd_generate.__doc__)
+    p.add_argument("--model", type=Path, required=True, help="HF checkpoint folder")
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: held-out task prompts")
+    p.add_argument("--prompts", type=Path, help="JSONL prompt file")
+    p.add_argument("--task", choices=list(TASKS), default="chain")
+    p.add_argument("--n", type=positive_int, default=4, help="held-out prompts when no prompt is given")
+    p.add_argument("--plan", default="", help='precision plan, e.g. "kv=fp8_e4m3; 0,3: kv=bf16" (see plan.py)')
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=0, help="0: the task's default")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="as_json", action="store_true", help="one JSON record per completion")
+    p.set_defaults(func=cmd_generate)
     return parser
 
 

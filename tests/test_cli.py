@@ -94,3 +94,19 @@ def test_pretrain_shortened_run_through_cli(tmp_path):
         assert 0.0 <= float(row[4]) <= 1.0
     again = opd(*args)
     assert again.returncode == 0 and again.stdout == first.stdout
+
+
+def test_generate_with_plan_prints_records(tiny_checkpoint):
+    result = opd("generate", "--model", tiny_checkpoint, "--prompt", "1+2=", "--prompt", "30+4=", "--plan",
+                 "kv=fp8_e4m3 kv_scale=calibrate; 0: w=int8", "--max-new-tokens", 6, "--json", "--seed", 3)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["prompt"] for r in records] == ["1+2=", "30+4="]
+    for r in records:
+        assert len(r["completion_ids"]) == len(r["logprobs"]) == len(r["raw_logprobs"]) <= 6
+        assert r["finish_reason"] in ("stop", "length") and r["policy_version"] == 0
+        assert r["kv_bytes_per_token"] == 2 * 1 * 16 * 1  # one layer, K and V, 1 kv head x 16 dims, 1 byte each
+
+
+def test_generate_bad_plan_is_one_line(tiny_checkpoint):
+    assert_one_line_error(opd("generate", "--model", tiny_checkpoint, "--plan", "3: kv=bf16"), "out of range")

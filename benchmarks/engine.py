@@ -1,0 +1,107 @@
+"""Rollout throughput: our engine vs transformers' `generate`, and our engine under each precision plan.
+
+Both sides run the same model (the built-in teacher/student shape, random weights unless --model is given), the
+same batch of chain-task prompts and the same number of new tokens (greedy, no early stop), interleaved in one
+run so machine noise hits both alike; each number is the median of --repeats timings. KV bytes per token are read
+from the cache tensors of each plan.
+
+    python benchmarks/engine.py            # what the README quotes
+    python benchmarks/engine.py --quick    # < 1 minute
+
+The last line is `RESULT key=value ...`.
+"""
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+import transformers
+
+from opd.checkpoint import load_checkpoint, save_checkpoint
+from opd.data import encode_prompt
+from opd.engine import Engine
+from opd.model import ModelConfig, Transformer
+from opd.pretrain import MODEL_SIZE
+from opd.sampling import SamplingParams
+from opd.task import get_task, held_out_examples
+from opd.tokenizer import TextTokenizer
+
+PLANS = {"fp32": "", "bf16_kv": "kv=bf16", "fp8_e4m3_kv": "kv=fp8_e4m3", "fp8_e5m2_kv": "kv=fp8_e5m2",
+         "int8_kv": "kv=int8 kv_scale=calibrate", "int4_kv": "kv=int4", "fp8_w8a8": "w=fp8",
+         "fp8_kv+w8a8": "kv=fp8_e4m3 w=fp8"}
+
+
+def timed(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model", help="HF checkpoint folder (default: random weights, teacher shape)")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    if args.quick:
+        args.batch, args.new_tokens, args.repeats = 16, 48, 1
+    torch.set_num_threads(args.threads)
+
+    folder = args.model or tempfile.mkdtemp()
+    if not args.model:
+        cfg = ModelConfig(arch="qwen3", vocab_size=100, qk_norm=True, **MODEL_SIZE)
+        save_checkpoint(folder, Transformer(cfg).init_weights(torch.Generator().manual_seed(0)),
+                        TextTokenizer.builtin())
+    ours, tok = load_checkpoint(folder)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = [encode_prompt(tok, ex.prompt) for ex in held_out_examples(get_task("chain"), args.batch)]
+    params = SamplingParams(args.new_tokens, temperature=0.0)
+    tokens = args.batch * args.new_tokens
+
+    def run_ours(plan=""):
+        engine = Engine(ours, eos_id=-1, pad_id=tok.pad_id, plan=plan)
+        return lambda: engine.generate(prompts, params, torch.Generator())
+
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p).flip(0) for p in prompts], batch_first=True,
+                                          padding_value=tok.pad_id).flip(1)  # left-padded
+    mask = (ids != tok.pad_id).long()
+
+    def run_hf():
+        with torch.no_grad():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens,
+                        min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=tok.pad_id)
+
+    run_ours()(), run_hf()  # warm-up
+    t_ours, t_hf = [], []
+    for _ in range(args.repeats):  # interleaved
+        t_ours.append(timed(run_ours(), 1))
+        t_hf.append(timed(run_hf, 1))
+    ours_tps, hf_tps = tokens / statistics.median(t_ours), tokens / statistics.median(t_hf)
+    print(f"batch {args.batch}, prompt ~{len(prompts[0])} tokens, {args.new_tokens} new tokens, "
+          f"{args.threads} threads, {ours.num_params()} params")
+    print(f"{'engine':24} {'tokens/s':>10}")
+    print(f"{'opd (fp32)':24} {ours_tps:>10.0f}")
+    print(f"{'transformers.generate':24} {hf_tps:>10.0f}")
+    print(f"\n{'plan':16} {'tokens/s':>10} {'vs fp32':>8} {'KV bytes/token':>15}")
+    base = None
+    results = {}
+    for name, plan in PLANS.items():
+        tps = tokens / timed(run_ours(plan), args.repeats)
+        base = base or tps
+        kv_bytes = Engine(ours, -1, tok.pad_id, plan).new_cache(1, 1).bytes_per_token()
+        results[name] = (tps, kv_bytes)
+        print(f"{name:16} {tps:>10.0f} {tps / base:>8.2f} {kv_bytes:>15}")
+    print(f"RESULT speedup_vs_hf={ours_tps / hf_tps:.2f} ours_tokens_per_s={ours_tps:.0f} hf_tokens_per_s={hf_tps:.0f} "
+          f"fp8_kv_bytes_ratio={results['fp8_e4m3_kv'][1] / results['fp32'][1]:.3f} "
+          f"fp8_kv_speed_ratio={results['fp8_e4m3_kv'][0] / results['fp32'][0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
