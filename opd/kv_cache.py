@@ -63,8 +63,11 @@ class LayerKV:
         self.spec = spec
         if spec.dtype == "int4":
             require(D % spec.group == 0, f"int4 KV: head_dim {D} is not a multiple of group {spec.group}")
-        self.deq = [torch.zeros(shape, dtype=compute_dtype, device=device) for _ in range(2)]
         self.store = [self._storage(shape, device) for _ in range(2)]
+        if self.store[0][0].dtype == compute_dtype:  # stored as computed: attention reads the storage itself
+            self.deq = [slot[0] for slot in self.store]
+        else:
+            self.deq = [torch.zeros(shape, dtype=compute_dtype, device=device) for _ in range(2)]
 
     def _storage(self, shape, device) -> list[torch.Tensor]:
         B, KV, S, D = shape
@@ -94,7 +97,8 @@ class LayerKV:
         else:
             store[0][:, :, start:end] = x
             deq = store[0][:, :, start:end]
-        self.deq[which][:, :, start:end] = deq
+        if self.deq[which] is not store[0]:
+            self.deq[which][:, :, start:end] = deq
 
     def bytes_per_token(self) -> int:
         return sum(t[0, :, 0].numel() * t.element_size() for slot in self.store for t in slot)
