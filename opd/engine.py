@@ -42,6 +42,10 @@ class Engine:
         n = model.cfg.num_layers
         plan = Plan.parse(plan, n) if isinstance(plan, str) else plan or Plan.full(n)
         require(len(plan.layers) == n, f"precision plan has {len(plan.layers)} layers, the model has {n}")
+        for i, spec in enumerate(plan.kv_specs):
+            require(spec.dtype != "int4" or model.cfg.head_dim % spec.group == 0,
+                    f"plan: layer {i} int4 KV group {spec.group} does not divide head_dim {model.cfg.head_dim}",
+                    "choose a kv_group that divides it")
         self.base, self.plan, self.eos_id, self.pad_id, self.version = model.eval(), plan, eos_id, pad_id, version
         self.kv_plan, self.noise_seed = plan.kv_specs, noise_seed
         self.scales: dict = {}  # layer -> [k_scale, v_scale], shared by every batch
@@ -102,7 +106,7 @@ class Engine:
     @staticmethod
     def _step(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
         """logits [B, V] -> sampled token [B], its processed and raw log-probs [B]."""
-        processed = process_logits(logits, params)
-        tok = sample(processed, params, generator)
         raw = logits.float().log_softmax(-1)
+        processed = process_logits(logits, params) if params.reshapes_distribution else raw
+        tok = sample(processed, params, generator)
         return tok, processed.gather(1, tok[:, None])[:, 0], raw.gather(1, tok[:, None])[:, 0]

@@ -29,6 +29,11 @@ class SamplingParams:
         require(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}", "0 turns it off")
         require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
 
+    @property
+    def reshapes_distribution(self) -> bool:
+        """False when processed log-probs equal the raw ones (temperature 0 or 1, no truncation)."""
+        return self.temperature not in (0.0, 1.0) or self.top_k > 0 or self.top_p < 1
+
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [B, V] -> processed log-probs [B, V] (-inf outside the top-k / top-p support)."""

@@ -121,5 +121,7 @@ def test_engine_rejects_bad_requests(model):
         engine.generate([[1] * 500], SamplingParams(100), torch.Generator())
     with pytest.raises(OpdError, match="top_p"):
         SamplingParams(top_p=0.0)
+    with pytest.raises(OpdError, match="int4 KV group 32 does not divide head_dim 16"):
+        Engine(model, EOS, PAD, plan="1: kv=int4")
     with pytest.raises(OpdError, match="precision plan has 3 layers"):
         Engine(model, EOS, PAD, plan=Plan.full(3))
