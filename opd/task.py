@@ -3,12 +3,12 @@
 Two variants share one format, `prompt -> completion` where the completion ends in `#<answer>`:
 - `add`   (short, for fast unit tests): `123+456=` -> `#579`, 5 generated tokens with <eos>.
 - `chain` (long-form, the default): a sum of 8 two-digit terms with every running total written out,
-          `37+85+12+64+29+53+71+40=` -> `037+085=122\\n122+012=134\\n...\\n#451`, 84-85 generated tokens.
+          `37+85+12+64+29+53+71+40=` -> `037+085=122\\n122+012=134\\n...\\n#451`, 88-89 generated tokens with <eos>.
   Rollouts are long, so decoding dominates the step time and KV-cache quantization error has a long context to
   accumulate over, as in real reasoning workloads; every line is checkable, and so is the final answer.
   Scratchpad numbers are zero-padded to the width of the largest possible total so that digits of equal place
-  value sit at fixed offsets: a 0.8M-parameter model then learns the task in about half the steps it needs with
-  natural widths (dev/LOG.md).
+  value sit at fixed offsets, which made 0.8M-parameter models learn the task markedly faster than with natural
+  widths (dev/LOG.md).
 
 The held-out split is fixed by a hash of the prompt text, so it is disjoint from training data by construction,
 identical on every machine, and independent of how many training examples are drawn.
