@@ -149,9 +149,9 @@ def save_checkpoint(folder, model: Transformer, tokenizer: TextTokenizer, extra_
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(to_hf_config(model.cfg), indent=2))
-        state = {"model." + k: v.detach().float().contiguous() for k, v in model.state_dict().items()
+        state = {(k if k.startswith("lm_head.") else "model." + k): v.detach().float().contiguous()
+                 for k, v in model.state_dict().items()
                  if not (model.cfg.tie_word_embeddings and k == "lm_head.weight")}
-        state = {("lm_head.weight" if k == "model.lm_head.weight" else k): v for k, v in state.items()}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save(tmp)
         for name, payload in (extra_json or {}).items():

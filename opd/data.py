@@ -14,6 +14,7 @@ from opd.task import Example
 from opd.tokenizer import TextTokenizer
 
 IGNORE = -100
+LINE_FORMAT = 'each line must be {"prompt": ..., "answer": ...}'
 
 
 def load_prompts(path) -> list[Example]:
@@ -27,9 +28,9 @@ def load_prompts(path) -> list[Example]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise OpdError(f"{path}:{lineno}: not valid JSON ({e.msg})", 'each line must be {"prompt": ..., "answer": ...}') from None
+            raise OpdError(f"{path}:{lineno}: not valid JSON ({e.msg})", LINE_FORMAT) from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
-            raise OpdError(f"{path}:{lineno}: needs a non-empty string field \"prompt\"", 'each line must be {"prompt": ..., "answer": ...}')
+            raise OpdError(f"{path}:{lineno}: needs a non-empty string field \"prompt\"", LINE_FORMAT)
         answer = row.get("answer")
         if answer is not None and not isinstance(answer, (str, int)):
             raise OpdError(f"{path}:{lineno}: \"answer\" must be a string or an integer", "fix or drop the field")

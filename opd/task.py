@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from opd.errors import OpdError
 
 HELD_OUT_SEED = 20261130
-_ANSWER = re.compile(r"-?\d+")
+_INTEGER = re.compile(r"-?\d+")
 
 
 @dataclass(frozen=True)
@@ -32,14 +32,18 @@ class Example:
 
 
 def extract_answer(completion: str) -> str | None:
-    """The integer after the last '#', or the whole completion if it has no '#'; None if that is not an integer."""
-    text = completion.rsplit("#", 1)[-1].strip()
-    return text if _ANSWER.fullmatch(text) else None
+    """The text after the last '#' (the whole completion if it has none), stripped; None if empty."""
+    return completion.rsplit("#", 1)[-1].strip() or None
 
 
 def is_correct(completion: str, answer: str) -> bool:
-    got = extract_answer(completion)
-    return got is not None and int(got) == int(answer)
+    """Exact match of the extracted answer: as integers when both are integers (`#0579` == `579`), else as text."""
+    got, want = extract_answer(completion), str(answer).strip()
+    if got is None:
+        return False
+    if _INTEGER.fullmatch(got) and _INTEGER.fullmatch(want):
+        return int(got) == int(want)
+    return got == want
 
 
 def is_held_out(prompt: str) -> bool:

@@ -9,8 +9,8 @@ def test_extract_answer():
     assert extract_answer("12+34=46\n46+5=51\n#51") == "51"
     assert extract_answer("#-7 ") == "-7"
     assert extract_answer("579") == "579"
-    assert extract_answer("12+34=46\n#4x6") is None
-    assert extract_answer("") is None
+    assert extract_answer("12+34=46\n#4x6") == "4x6"
+    assert extract_answer("") is None and extract_answer("# ") is None
     assert extract_answer("1#2#3") == "3"
 
 
@@ -18,6 +18,8 @@ def test_is_correct_compares_integers():
     assert is_correct("#0579", "579")
     assert not is_correct("#578", "579")
     assert not is_correct("no answer", "579")
+    assert not is_correct("#4x6", "46")
+    assert is_correct("The capital is #Paris ", "Paris") and not is_correct("#paris", "Paris")
 
 
 def test_chain_worked_solution_is_arithmetically_right():
