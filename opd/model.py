@@ -9,8 +9,8 @@ All use RMSNorm (computed in float32, as Hugging Face does), SwiGLU, rotate-half
 attention. Parameter names equal Hugging Face's minus the leading `model.`, so checkpoints map 1:1.
 
 The model is a pure function of (tokens, positions, mask, cache): it never stores a KV cache. A cache is any
-object with `update(layer_idx, k, v) -> (k_all, v_all)` and `advance(T)` (see kv_cache.py); keys arrive after RoPE (vLLM's convention), so a
-quantizing cache sees exactly what a real engine would store.
+object with `update(layer_idx, k, v) -> (k_all, v_all)` and `advance(T)` (see kv_cache.py); keys arrive after
+RoPE (vLLM's convention), so a quantizing cache sees exactly what a real engine would store.
 """
 import functools
 from dataclasses import asdict, dataclass
