@@ -17,6 +17,7 @@ from opd.engine import Engine
 from opd.errors import OpdError, require
 from opd.evaluate import greedy_accuracy
 from opd.pretrain import FAMILIES, ROLES, PretrainConfig, default_cache_dir, pretrain
+from opd.plan import Plan
 from opd.sampling import SamplingParams
 from opd.task import TASKS, get_task, held_out_examples
 
@@ -47,15 +48,16 @@ def _pretrain_job(args) -> tuple[Path, dict]:
     return pretrain(cfg, cache_dir, force=force, progress=progress)
 
 
-def cmd_eval(model: Path, task: str, prompts: Path | None, n: int, max_new_tokens: int) -> None:
-    """Greedy exact-match accuracy of a checkpoint on the task's held-out split or on a JSONL prompt file."""
+def cmd_eval(model: Path, task: str, prompts: Path | None, n: int, max_new_tokens: int, plan: str) -> None:
+    """Greedy exact-match accuracy of a checkpoint on the task's held-out split or a JSONL prompt file."""
     require(max_new_tokens >= 0, f"--max-new-tokens must be >= 0, got {max_new_tokens}", "0 means the task's default")
     net, tok = load_checkpoint(model)
+    parsed = Plan.parse(plan, net.cfg.num_layers)
     examples = load_prompts(prompts) if prompts else held_out_examples(get_task(task), n)
     if not any(ex.answer is not None for ex in examples):
         raise OpdError(f"no prompt in {prompts} has an answer to score", 'add "answer" fields to the JSONL lines')
-    result = greedy_accuracy(net, tok, examples, max_new_tokens or get_task(task).max_new_tokens)
-    print(json.dumps(result))
+    result = greedy_accuracy(net, tok, examples, max_new_tokens or get_task(task).max_new_tokens, plan=parsed)
+    print(json.dumps({**result, "eval/plan": str(parsed)}))
 
 
 def cmd_generate(model: Path, prompt: list[str] | None, prompts: Path | None, task: str, n: int, plan: str,
@@ -117,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=Path, help="JSONL prompt file instead of the task's held-out split")
     p.add_argument("--n", type=positive_int, default=500, help="held-out examples")
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: the task's default")
+    p.add_argument("--plan", default="", help="precision plan to decode under (default: full precision)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("generate", help=cmd_generate.__doc__)

@@ -110,3 +110,13 @@ def test_generate_with_plan_prints_records(tiny_checkpoint):
 
 def test_generate_bad_plan_is_one_line(tiny_checkpoint):
     assert_one_line_error(opd("generate", "--model", tiny_checkpoint, "--plan", "3: kv=bf16"), "out of range")
+
+
+def test_eval_under_a_plan_reports_it(tmp_path, tiny_checkpoint):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+2=", "answer": "3"}\n')
+    result = opd("eval", "--model", tiny_checkpoint, "--prompts", prompts, "--max-new-tokens", 4, "--plan",
+                 "kv=fp8_e5m2")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["eval/plan"] == "0: kv=fp8_e5m2 kv_scale=fixed w=none"
+    assert_one_line_error(opd("eval", "--model", tiny_checkpoint, "--plan", "kv=fp7"), "unknown KV cache dtype")
