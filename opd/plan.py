@@ -1,8 +1,9 @@
 """Precision plans: what each layer of the rollout copy runs at, written as one compact string.
 
 Syntax: clauses separated by `;`. A clause is an optional layer selector ending in `:` (indices and ranges,
-`0,3` or `0-2,5`; no selector means every layer) followed by space-separated `key=value` settings. Later clauses
-override earlier ones on the layers they name.
+`0,3` or `0-2,5`; `*` or no selector means every layer) followed by space-separated `key=value` settings. Later
+clauses override earlier ones on the layers they name. In a YAML config the same plan is a mapping from selector
+to settings, `{"*": "kv=fp8_e4m3", "0,3": "kv=bf16"}` (`Plan.from_mapping`).
 
     kv=fp8_e4m3                               FP8 KV cache everywhere (scale 1.0, vLLM's default)
     kv=fp8_e4m3 kv_scale=calibrate; 0,3: kv=bf16   ... except layers 0 and 3, kept in bf16
@@ -42,9 +43,16 @@ class Plan:
         layers = [LayerPrecision()] * num_layers
         for clause in filter(None, (c.strip() for c in text.split(";"))):
             selector, _, settings = clause.rpartition(":")
-            for i in _layer_indices(selector, num_layers) if selector.strip() else range(num_layers):
+            every = selector.strip() in ("", "*")
+            for i in range(num_layers) if every else _layer_indices(selector, num_layers):
                 layers[i] = _apply(layers[i], settings.split(), clause)
         return cls(tuple(layers))
+
+    @classmethod
+    def from_mapping(cls, mapping: dict, num_layers: int) -> "Plan":
+        """The YAML form: `{"*": "kv=fp8_e4m3", "0,3": "kv=bf16"}`, applied in order like clauses."""
+        require(isinstance(mapping, dict), f"plan: expected a mapping of layers to settings, got {mapping!r}")
+        return cls.parse("; ".join(f"{layers}: {settings}" for layers, settings in mapping.items()), num_layers)
 
     @property
     def kv_specs(self) -> list[KVSpec]:

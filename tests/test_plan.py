@@ -25,6 +25,9 @@ def test_parse_everywhere_except():
     assert [l.kv.dtype for l in plan.layers] == ["bf16", "fp8_e4m3", "fp8_e4m3", "bf16"]
     assert all(l.kv.scale_mode == "calibrate" for l in plan.layers)  # layers 0 and 3 keep the earlier setting
     assert Plan.parse("", 4) == Plan.full(4)
+    assert Plan.from_mapping({"*": "kv=fp8_e4m3 kv_scale=calibrate", "0,3": "kv=bf16"}, 4) == plan
+    with pytest.raises(OpdError, match="expected a mapping"):
+        Plan.from_mapping(["kv=bf16"], 4)
 
 
 def test_parse_ranges_weights_noise_and_round_trip():
