@@ -21,6 +21,7 @@ import transformers
 from opd.checkpoint import load_checkpoint, save_checkpoint
 from opd.data import encode_prompt
 from opd.engine import Engine
+from opd.generate import left_pad
 from opd.model import ModelConfig, Transformer
 from opd.pretrain import MODEL_SIZE
 from opd.sampling import SamplingParams
@@ -65,13 +66,12 @@ def main():
     params = SamplingParams(args.new_tokens, temperature=0.0)
     tokens = args.batch * args.new_tokens
 
-    def run_ours(plan=""):
-        engine = Engine(ours, eos_id=-1, pad_id=tok.pad_id, plan=plan)
+    def run_ours(engine=None):
+        engine = engine or Engine(ours, eos_id=-1, pad_id=tok.pad_id)
         return lambda: engine.generate(prompts, params, torch.Generator())
 
-    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p).flip(0) for p in prompts], batch_first=True,
-                                          padding_value=tok.pad_id).flip(1)  # left-padded
-    mask = (ids != tok.pad_id).long()
+    ids, valid = left_pad(prompts, tok.pad_id)
+    mask = valid.long()
 
     def run_hf():
         with torch.no_grad():
@@ -93,9 +93,10 @@ def main():
     base = None
     results = {}
     for name, plan in PLANS.items():
-        tps = tokens / timed(run_ours(plan), args.repeats)
+        engine = Engine(ours, eos_id=-1, pad_id=tok.pad_id, plan=plan)
+        tps = tokens / timed(run_ours(engine), args.repeats)
         base = base or tps
-        kv_bytes = Engine(ours, -1, tok.pad_id, plan).new_cache(1, 1).bytes_per_token()
+        kv_bytes = engine.new_cache(1, 1).bytes_per_token()
         results[name] = (tps, kv_bytes)
         print(f"{name:16} {tps:>10.0f} {tps / base:>8.2f} {kv_bytes:>15}")
     print(f"RESULT speedup_vs_hf={ours_tps / hf_tps:.2f} ours_tokens_per_s={ours_tps:.0f} hf_tokens_per_s={hf_tps:.0f} "

@@ -42,14 +42,11 @@ class Engine:
         n = model.cfg.num_layers
         plan = Plan.parse(plan, n) if isinstance(plan, str) else plan or Plan.full(n)
         require(len(plan.layers) == n, f"precision plan has {len(plan.layers)} layers, the model has {n}")
-        for i, spec in enumerate(plan.kv_specs):
-            require(spec.dtype != "int4" or model.cfg.head_dim % spec.group == 0,
-                    f"plan: layer {i} int4 KV group {spec.group} does not divide head_dim {model.cfg.head_dim}",
-                    "choose a kv_group that divides it")
         self.base, self.plan, self.eos_id, self.pad_id, self.version = model.eval(), plan, eos_id, pad_id, version
         self.kv_plan, self.noise_seed = plan.kv_specs, noise_seed
         self.scales: dict = {}  # layer -> [k_scale, v_scale], shared by every batch
         self.model = self._rollout_copy()
+        self.new_cache(1, 1)  # fail now, not mid-run, if the plan does not fit the model's shapes
 
     def _rollout_copy(self) -> Transformer:
         if not self.plan.changes_weights:

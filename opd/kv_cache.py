@@ -59,10 +59,7 @@ class LayerKV:
     """One layer's K and V: real storage plus the dequantized values attention reads."""
 
     def __init__(self, spec: KVSpec, shape: tuple, compute_dtype: torch.dtype, device):
-        B, KV, S, D = shape
         self.spec = spec
-        if spec.dtype == "int4":
-            require(D % spec.group == 0, f"int4 KV: head_dim {D} is not a multiple of group {spec.group}")
         self.store = [self._storage(shape, device) for _ in range(2)]
         if self.store[0][0].dtype == compute_dtype:  # stored as computed: attention reads the storage itself
             self.deq = [slot[0] for slot in self.store]
@@ -116,6 +113,10 @@ class KVCache:
                  specs: list[KVSpec] | None = None, scales: dict | None = None):
         specs = specs or [KVSpec("bf16" if dtype == torch.bfloat16 else "fp32")] * cfg.num_layers
         require(len(specs) == cfg.num_layers, f"KV plan has {len(specs)} layers, the model {cfg.num_layers}")
+        for i, spec in enumerate(specs):
+            require(spec.dtype != "int4" or cfg.head_dim % spec.group == 0,
+                    f"layer {i}: int4 KV group {spec.group} does not divide head_dim {cfg.head_dim}",
+                    "choose a kv_group that divides it")
         shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
         self.layers = [LayerKV(spec, shape, dtype, device) for spec in specs]
         self.scales = {} if scales is None else scales  # layer_idx -> (k_scale, v_scale)
