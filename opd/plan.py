@@ -9,9 +9,10 @@ to settings, `{"*": "kv=fp8_e4m3", "0,3": "kv=bf16"}` (`Plan.from_mapping`).
     kv=fp8_e4m3 kv_scale=calibrate; 0,3: kv=bf16   ... except layers 0 and 3, kept in bf16
     w=int4 kv=int8 kv_scale=dynamic           INT4 weights and a per-batch calibrated INT8 KV cache
     1: noise=0.01                             relative weight noise on layer 1 only
+    kv=bf16 w=bf16                            BF16 rollouts: what a bf16 engine computes, against a float32 trainer
 
 Keys: `kv` (fp32, bf16, fp8_e4m3, fp8_e5m2, int8, int4), `kv_scale` (fixed, calibrate, dynamic), `kv_per_head`
-(true/false), `kv_group` (int4 group size), `w` (none, fp8, fp8_block, int8, int4), `noise` (relative std).
+(true/false), `kv_group` (int4 group size), `w` (none, bf16, fp8, fp8_block, int8, int4), `noise` (relative std).
 The empty string is the full-precision plan (fp32 KV, original weights).
 """
 from dataclasses import dataclass, replace

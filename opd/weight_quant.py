@@ -3,6 +3,8 @@
 Quantization lives outside the model: `apply_weight_precision` swaps the `nn.Linear` modules of the chosen
 transformer layers (attention and MLP projections; embeddings and lm_head stay full precision) for modules that
 compute what a low-precision kernel would, in float32:
+- `bf16`      weights and GEMM inputs rounded to bfloat16, float32 accumulation: what a bf16 engine's matmuls
+              compute (with `kv=bf16`, the "BF16 rollouts" reference against a float32 trainer).
 - `fp8`       W8A8, per-tensor: weight scale amax/448 (static), activation scale amax/448 per call (dynamic).
 - `fp8_block` W8A8 in DeepSeek-V3 style: a scale per 128x128 weight block, and a dynamic scale per token and
               group of 128 input channels for the activations.
@@ -22,9 +24,13 @@ from opd.errors import require
 from opd.model import Transformer
 from opd.quant import dequantize_fp8, dequantize_int4, fp8_max, quantize_fp8, quantize_int4, safe_scale
 
-WEIGHT_SCHEMES = ("none", "fp8", "fp8_block", "int8", "int4")
+WEIGHT_SCHEMES = ("none", "bf16", "fp8", "fp8_block", "int8", "int4")
 E4M3 = torch.float8_e4m3fn
 BLOCK = 128
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).to(x.dtype)
 
 
 def fake_quant_fp8_per_tensor(x: torch.Tensor) -> torch.Tensor:
@@ -72,6 +78,8 @@ class QuantLinear(nn.Module):
 
 def quantize_linear(linear: nn.Linear, scheme: str) -> nn.Module:
     w = linear.weight.detach().float()
+    if scheme == "bf16":
+        return QuantLinear(linear, round_bf16(w), round_bf16)
     if scheme == "fp8":
         return QuantLinear(linear, fake_quant_fp8_per_tensor(w), fake_quant_fp8_per_tensor)
     if scheme == "fp8_block":

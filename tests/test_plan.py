@@ -9,7 +9,7 @@ from opd.model import ModelConfig, Transformer
 from opd.plan import LayerPrecision, Plan
 from opd.sampling import SamplingParams
 from opd.weight_quant import (apply_weight_precision, fake_quant_fp8_groups, fake_quant_fp8_per_tensor,
-                              fake_quant_int4_groups, fake_quant_int8_per_channel)
+                              fake_quant_int4_groups, fake_quant_int8_per_channel, quantize_linear)
 
 CFG = ModelConfig(arch="llama", vocab_size=50, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
                   num_kv_heads=2, head_dim=32)
@@ -116,3 +116,17 @@ def test_engine_rebuilds_quantized_copy_on_weight_update():
     engine.update_weights(new, version=1)
     assert not torch.equal(engine.model.layers[0].mlp.up_proj.weight, before)
     assert engine.generate([[1, 2, 3]], SamplingParams(4), torch.Generator())[0].policy_version == 1
+
+
+def test_bf16_weight_scheme_matches_a_real_bf16_matmul():
+    """w=bf16 computes x_bf16 @ W_bf16 with float32 accumulation; torch's bf16 CPU matmul also accumulates in
+    float32 but rounds its output to bf16, so the two agree within one bf16 rounding of the output (2^-8 relative)."""
+    g = torch.Generator().manual_seed(5)
+    linear = torch.nn.Linear(128, 64, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(64, 128, generator=g))
+    x = torch.randn(8, 128, generator=g)
+    ours = quantize_linear(linear, "bf16")(x)
+    real = torch.nn.functional.linear(x.bfloat16(), linear.weight.bfloat16()).float()
+    assert not torch.equal(ours, linear(x))
+    assert ((ours - real).abs() <= 2 ** -8 * ours.abs() + 1e-6).all()

@@ -1,0 +1,120 @@
+"""OPD losses: what the student minimises on its own rollouts, given the teacher's log-probs.
+
+Notation, per generated position t (mask m_t; every mean is over the masked tokens of the whole batch):
+`s_t(v)` the learner's log-probs (with gradient), `T_t(v)` the teacher's, `p = exp(s)`, `y_t` the sampled token,
+`mu_t` the sampler's log-prob of `y_t`, `q_t` the trainer's full-precision log-prob of `y_t` under the weights
+that sampled it, and `w_t = exp(q_t - mu_t)` the trainer-vs-rollout importance ratio. `sg` is stop-gradient.
+
+- `sampled_rkl`: the sampled-token reverse KL as a policy-gradient advantage (tinker-cookbook, AsyncOPD):
+      A_t = T_t(y_t) - b_t,   b_t = mu_t (student_term "sampler") or sg(s_t(y_t)) (student_term "learner")
+      L = -mean_t c_t A_t s_t(y_t)
+  with c_t = 1 (correction "none"), TIS c_t = min(w_t, C), or MIS c_t = 1[1/C <= w_t <= C], both detached.
+  With b = sg(s) and y ~ pi its gradient is a one-sample estimate of grad KL(pi || T), because
+  E_y[(log pi(y) - T(y)) grad log pi(y)] = grad KL(pi || T) (the term E_y[grad log pi(y)] is zero). The value of
+  L is a surrogate; the estimate of the reverse KL itself is reported as `loss/rkl_sampled` = mean(s(y) - T(y)).
+- `full_rkl`: KL(pi_t || T_t) = sum_v p(v) (s(v) - T(v)) at every position: exact, no sampling noise.
+- `topk_rkl`: the same on the k most likely tokens S_t of the student (sg) or of the teacher, both distributions
+  renormalised on S_t: sum_{v in S} p~(v) (s~(v) - T~(v)), s~ = s - logsumexp_S(s).
+- `fkl`: forward KL(T_t || pi_t) = sum_v p_T(v) (T(v) - s(v)).
+- `jsd`: generalised Jensen-Shannon (GKD) JSD_beta = beta KL(T || M) + (1 - beta) KL(pi || M),
+  M = beta p_T + (1 - beta) p, for 0 < beta < 1 (its limits are the forward and reverse KL, up to scale).
+The full-distribution losses need the learner's and teacher's whole distributions at each position, which a
+trainer has (it runs both models); only the sampled-token loss sees the sampler's `mu`.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from opd.errors import require
+
+LOSSES = ("sampled_rkl", "full_rkl", "topk_rkl", "fkl", "jsd")
+STUDENT_TERMS = ("sampler", "learner")
+CORRECTIONS = ("none", "tis", "mis")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    name: str = "sampled_rkl"
+    student_term: str = "learner"
+    correction: str = "none"
+    cap: float = 2.0  # C of TIS / MIS
+    topk: int = 16
+    topk_support: str = "student"
+    jsd_beta: float = 0.5
+
+    def __post_init__(self):
+        require(self.name in LOSSES, f"unknown loss {self.name!r}", f"use one of {', '.join(LOSSES)}")
+        require(self.student_term in STUDENT_TERMS, f"unknown student_term {self.student_term!r}",
+                f"use one of {', '.join(STUDENT_TERMS)}")
+        require(self.correction in CORRECTIONS, f"unknown correction {self.correction!r}",
+                f"use one of {', '.join(CORRECTIONS)}")
+        require(self.cap > 1, f"correction cap must be > 1, got {self.cap}")
+        require(self.topk > 0, f"topk must be positive, got {self.topk}")
+        require(self.topk_support in ("student", "teacher"), f"topk_support must be student or teacher, "
+                                                             f"got {self.topk_support!r}")
+        require(0 < self.jsd_beta < 1, f"jsd_beta must be in (0, 1), got {self.jsd_beta}",
+                "use loss fkl or full_rkl for the limits")
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def kl(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:
+    """KL(a || b) over the last dim from log-probs [..., V]; entries with p_a = 0 contribute 0 (-inf is allowed)."""
+    terms = logp_a.exp() * (logp_a - logp_b)
+    return torch.where(logp_a > float("-inf"), terms, torch.zeros_like(terms)).sum(-1)
+
+
+def importance_coef(mu: torch.Tensor, q: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """c_t of the sampled-token loss: 1, min(w, C) (TIS) or 1[1/C <= w <= C] (MIS), with w = exp(q - mu)."""
+    w = torch.exp(q - mu)
+    if cfg.correction == "tis":
+        return w.clamp(max=cfg.cap)
+    if cfg.correction == "mis":
+        return ((w >= 1 / cfg.cap) & (w <= cfg.cap)).to(w.dtype)
+    return torch.ones_like(w)
+
+
+def topk_rkl(student_logp: torch.Tensor, teacher_logp: torch.Tensor, k: int, support: str) -> torch.Tensor:
+    """Reverse KL on the renormalised top-k support of the student (sg) or teacher: [..., V] -> [...]."""
+    k = min(k, student_logp.shape[-1])
+    idx = (student_logp.detach() if support == "student" else teacher_logp).topk(k, dim=-1).indices
+    s, t = student_logp.gather(-1, idx), teacher_logp.gather(-1, idx)
+    return kl(s.log_softmax(-1), t.log_softmax(-1))
+
+
+def jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float) -> torch.Tensor:
+    """Generalised JSD_beta = beta KL(T || M) + (1 - beta) KL(pi || M), M = beta p_T + (1 - beta) p: [..., V] -> [...]."""
+    log_m = torch.logsumexp(torch.stack([teacher_logp + math.log(beta), student_logp + math.log(1 - beta)]), dim=0)
+    return beta * kl(teacher_logp, log_m) + (1 - beta) * kl(student_logp, log_m)
+
+
+def opd_loss(cfg: LossConfig, student_logp: torch.Tensor, teacher_logp: torch.Tensor, tokens: torch.Tensor,
+             mu: torch.Tensor, q: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """student_logp, teacher_logp [B, T, V]; tokens, mu, q, mask [B, T] -> (scalar loss, {"loss/...": float}).
+
+    mask is 1 on generated tokens. student_logp carries the gradient; everything else is treated as data."""
+    B, T, V = student_logp.shape
+    assert teacher_logp.shape == (B, T, V) and tokens.shape == mu.shape == q.shape == mask.shape == (B, T)
+    mask = mask.to(student_logp.dtype)
+    s_y = student_logp.gather(-1, tokens[..., None])[..., 0]  # [B, T]
+    t_y = teacher_logp.gather(-1, tokens[..., None])[..., 0]
+    metrics = {"loss/rkl_sampled": masked_mean(s_y - t_y, mask).item()}
+    if cfg.name == "sampled_rkl":
+        baseline = mu if cfg.student_term == "sampler" else s_y.detach()
+        advantage, coef = t_y - baseline, importance_coef(mu, q, cfg)
+        per_token = -coef * advantage * s_y
+        metrics |= {"loss/advantage_mean": masked_mean(advantage, mask).item(),
+                    "loss/coef_mean": masked_mean(coef, mask).item()}
+    elif cfg.name == "full_rkl":
+        per_token = kl(student_logp, teacher_logp)
+    elif cfg.name == "topk_rkl":
+        per_token = topk_rkl(student_logp, teacher_logp, cfg.topk, cfg.topk_support)
+    elif cfg.name == "fkl":
+        per_token = kl(teacher_logp, student_logp)
+    else:
+        per_token = jsd(student_logp, teacher_logp, cfg.jsd_beta)
+    loss = masked_mean(per_token, mask)
+    return loss, {"loss/value": loss.item(), **metrics}

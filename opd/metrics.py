@@ -1,0 +1,85 @@
+"""Per-step metrics: pure functions over masked [B, T] tensors returning flat `{"namespace/name": float}` dicts.
+
+Names and formulas are those of the project's definitions. Per generated token: `mu` = log-prob of the sampled
+token under the rollout engine, `q` = under the trainer's full-precision forward with the weights that sampled
+it, `pi` = under the current learner, `T` = under the teacher; `delta = q - mu`.
+- `mismatch/`: `kl_k1 = mean(mu - q)`, `kl_k3 = mean(exp(delta) - delta - 1)` (Schulman's k3: non-negative,
+  unbiased for KL(rollout || train) when tokens come from the rollout policy), `abs_dlogp_{mean,p99,max}` of
+  |delta|, `prob_err = exp(mean |delta|)`, `chi2_token = mean(exp(2 delta)) - 1`, and `kl_exact`, the mean over
+  positions of the exact KL(p_rollout || p_train) when both whole distributions are at hand.
+- `is/`: importance weights `w = exp(delta)`: mean, min, max, fraction outside [1/C, C], effective sample size
+  `ess = (sum w)^2 / sum w^2` (= N when all weights are equal) and `ess_frac = ess / N = 1 / mean((w / mean w)^2)`.
+- `opd/`: distortion of the sampled-token OPD signal, `A_mu = T - mu` vs `A_q = T - q`: `adv_sign_flip` (fraction of
+  tokens whose advantage changes sign) and `adv_snr = mean |A_q| / mean |delta|` (how far the learning signal stands
+  above the mismatch noise; infinite when there is no mismatch).
+- `stale/`: the policy-version gap of each rollout and the update-edge mismatch `upd_kl_k3` with `l = pi - q`.
+- `rollout/`: completion lengths and the truncation rate.
+"""
+import math
+
+import torch
+
+from opd.losses import kl, masked_mean
+
+
+def _values(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return x[mask.bool()].double()
+
+
+def kl_estimates(log_ratio: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """(k1, k3) estimates of KL(a || b) from l = log b(y) - log a(y) on tokens y ~ a."""
+    l = _values(log_ratio, mask)
+    if l.numel() == 0:
+        return 0.0, 0.0
+    return (-l).mean().item(), (torch.expm1(l) - l).mean().item()
+
+
+def mismatch_metrics(mu: torch.Tensor, q: torch.Tensor, mask: torch.Tensor) -> dict:
+    delta = _values(q - mu, mask)
+    if delta.numel() == 0:
+        return {}
+    k1, k3 = kl_estimates(q - mu, mask)
+    a = delta.abs()
+    return {"mismatch/kl_k1": k1, "mismatch/kl_k3": k3, "mismatch/abs_dlogp_mean": a.mean().item(),
+            "mismatch/abs_dlogp_p99": torch.quantile(a, 0.99).item(), "mismatch/abs_dlogp_max": a.max().item(),
+            "mismatch/prob_err": math.exp(a.mean().item()),
+            "mismatch/chi2_token": torch.exp(2 * delta).mean().item() - 1}
+
+
+def exact_kl_metric(rollout_logp: torch.Tensor, train_logp: torch.Tensor, mask: torch.Tensor) -> dict:
+    """rollout_logp, train_logp [B, T, V]: mean exact KL(p_rollout || p_train) per position."""
+    return {"mismatch/kl_exact": masked_mean(kl(rollout_logp.double(), train_logp.double()), mask).item()}
+
+
+def importance_metrics(mu: torch.Tensor, q: torch.Tensor, mask: torch.Tensor, cap: float = 2.0) -> dict:
+    w = torch.exp(_values(q - mu, mask))
+    if w.numel() == 0:
+        return {}
+    ess = (w.sum() ** 2 / (w ** 2).sum()).item()
+    return {"is/w_mean": w.mean().item(), "is/w_min": w.min().item(), "is/w_max": w.max().item(),
+            "is/frac_outside": ((w < 1 / cap) | (w > cap)).double().mean().item(),
+            "is/ess": ess, "is/ess_frac": ess / w.numel()}
+
+
+def distortion_metrics(teacher: torch.Tensor, mu: torch.Tensor, q: torch.Tensor, mask: torch.Tensor) -> dict:
+    """teacher, mu, q [B, T]: sampled-token log-probs."""
+    a_mu, a_q, delta = (_values(x, mask) for x in (teacher - mu, teacher - q, q - mu))
+    if delta.numel() == 0:
+        return {}
+    noise = delta.abs().mean().item()
+    return {"opd/adv_sign_flip": (torch.sign(a_mu) != torch.sign(a_q)).double().mean().item(),
+            "opd/adv_snr": a_q.abs().mean().item() / noise if noise > 0 else math.inf}
+
+
+def staleness_metrics(versions: list[int], current: int, q: torch.Tensor, pi: torch.Tensor,
+                      mask: torch.Tensor) -> dict:
+    """versions: the (token-weighted) policy version of each rollout; current: the learner's version."""
+    gaps = [current - v for v in versions]
+    _, k3 = kl_estimates(pi - q, mask)
+    return {"stale/version_gap_mean": sum(gaps) / len(gaps), "stale/version_gap_max": float(max(gaps)),
+            "stale/upd_kl_k3": k3}
+
+
+def rollout_metrics(lengths: list[int], truncated: list[bool]) -> dict:
+    return {"rollout/length_mean": sum(lengths) / len(lengths), "rollout/length_max": float(max(lengths)),
+            "rollout/truncated": sum(truncated) / len(truncated)}
