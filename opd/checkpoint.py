@@ -142,8 +142,9 @@ def load_checkpoint(folder, dtype: torch.dtype = torch.float32) -> tuple[Transfo
     return model, tok
 
 
-def save_checkpoint(folder, model: Transformer, tokenizer: TextTokenizer, extra_json: dict | None = None) -> Path:
-    """Write config.json, model.safetensors, tokenizer files and any extra JSON files, atomically."""
+def save_checkpoint(folder, model: Transformer, tokenizer: TextTokenizer, extra_json: dict | None = None,
+                    extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write config.json, model.safetensors, tokenizer files and any extra JSON or binary files, atomically."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
@@ -156,6 +157,8 @@ def save_checkpoint(folder, model: Transformer, tokenizer: TextTokenizer, extra_
         tokenizer.save(tmp)
         for name, payload in (extra_json or {}).items():
             (tmp / name).write_text(json.dumps(payload, indent=2))
+        for name, payload in (extra_files or {}).items():
+            (tmp / name).write_bytes(payload)
         _replace_dir(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

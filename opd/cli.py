@@ -5,6 +5,7 @@ User errors (`OpdError`, bad flags) print one line `opd: error: ...` and exit 2;
 import argparse
 import json
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -82,6 +83,26 @@ def cmd_generate(model: Path, prompt: list[str] | None, prompts: Path | None, ta
         print(f"plan: {engine.plan}  |  KV cache: {kv_bytes} bytes/token")
 
 
+def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, resume: bool, overwrite: bool,
+              quiet: bool) -> None:
+    """On-policy distillation of a student from a teacher (a YAML config plus --set overrides)."""
+    from opd.config import load_config
+    from opd.trainer import train
+    cfg = load_config(config, overrides or [])
+    if run_dir is None:
+        require(not resume, "--resume needs --run-dir", "name the run directory to continue")
+        run_dir = Path("runs") / f"{cfg.family if not cfg.student else 'opd'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    print(f"run directory: {run_dir}", file=sys.stderr)
+    summary = train(cfg, run_dir, resume=resume, overwrite=overwrite, progress=not quiet)
+    before, after = summary["before"] or {}, summary["after"]
+    print(f"{'':10} {'accuracy':>9} {'sampled':>9} {'rkl':>9}")
+    for name, row in (("before", before), ("after", after)):
+        if row:
+            print(f"{name:10} {row['eval/accuracy']:>9.3f} {row['eval/sampled_accuracy']:>9.3f} {row['eval/rkl']:>9.4f}")
+    print(f"{summary['steps']} steps in {summary['time/step']:.0f} s (+{summary['time/eval']:.0f} s eval), "
+          f"plan: {summary['plan']}; logs in {run_dir}")
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -136,6 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="as_json", action="store_true", help="one JSON record per completion")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("train", help=cmd_train.__doc__)
+    p.add_argument("--config", type=Path, help="YAML config file (default: built-in defaults, see opd/config.py)")
+    p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
+                   help="override a config key (repeatable), e.g. --set lr=3e-4 --set loss.name=fkl")
+    p.add_argument("--run-dir", type=Path, help="where logs and checkpoints go (default: runs/<family>-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="delete the run in --run-dir and start over")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
     return parser
 
 

@@ -34,6 +34,7 @@ class Rollout:
     raw_logprobs: list[float]  # log_softmax of the raw logits
     finish_reason: str  # "stop" | "length"
     policy_version: int
+    dists: torch.Tensor | None = None  # [n, V] processed log-probs of every step, when generate(return_dists=True)
 
 
 class Engine:
@@ -71,7 +72,9 @@ class Engine:
         return KVCache(self.model.cfg, batch_size, max_len, dtype, specs=self.kv_plan, scales=self._scales_for_batch())
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator) -> list[Rollout]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
+                 return_dists: bool = False) -> list[Rollout]:
+        """return_dists also keeps each step's whole processed distribution (for the exact rollout-vs-trainer KL)."""
         require(all(len(p) > 0 for p in prompts), "every prompt needs at least one token")
         ids, valid = left_pad(prompts, self.pad_id)  # [B, P]
         B, P = ids.shape
@@ -87,8 +90,11 @@ class Engine:
         tokens, mu, raw = (torch.zeros(B, N, dtype=torch.long), torch.zeros(B, N), torch.zeros(B, N))
         lengths = torch.full((B,), N)
         done = torch.zeros(B, dtype=torch.bool)
+        dists = []
         for t in range(N):
-            tok, mu[:, t], raw[:, t] = self._step(logits, params, generator)
+            tok, mu[:, t], raw[:, t], processed = self._step(logits, params, generator)
+            if return_dists:
+                dists.append(processed)
             tokens[:, t] = tok
             stopped = torch.isin(tok, stops) & ~done
             lengths[stopped] = t + 1
@@ -96,14 +102,16 @@ class Engine:
             if done.all() or t == N - 1:
                 break
             logits = self.model(tok[:, None], next_pos + t, key_valid[:, None, None, :P + t + 1], cache)[:, -1]
+        dists = torch.stack(dists, 1) if return_dists else None  # [B, steps, V]
         return [Rollout(prompts[b], tokens[b, :lengths[b]].tolist(), mu[b, :lengths[b]].tolist(),
-                        raw[b, :lengths[b]].tolist(), "stop" if done[b] else "length", self.version)
+                        raw[b, :lengths[b]].tolist(), "stop" if done[b] else "length", self.version,
+                        None if dists is None else dists[b, :lengths[b]].clone())
                 for b in range(B)]
 
     @staticmethod
     def _step(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
-        """logits [B, V] -> sampled token [B], its processed and raw log-probs [B]."""
+        """logits [B, V] -> sampled token [B], its processed and raw log-probs [B], processed log-probs [B, V]."""
         raw = logits.float().log_softmax(-1)
         processed = process_logits(logits, params) if params.reshapes_distribution else raw
         tok = sample(processed, params, generator)
-        return tok, processed.gather(1, tok[:, None])[:, 0], raw.gather(1, tok[:, None])[:, 0]
+        return tok, processed.gather(1, tok[:, None])[:, 0], raw.gather(1, tok[:, None])[:, 0], processed

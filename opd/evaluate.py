@@ -3,6 +3,8 @@ import torch
 
 from opd.data import encode_prompt
 from opd.engine import Engine
+from opd.learner import collate, completion_logprobs
+from opd.losses import kl, masked_mean
 from opd.model import Transformer
 from opd.plan import Plan
 from opd.sampling import SamplingParams
@@ -28,3 +30,19 @@ def greedy_accuracy(model: Transformer, tok: TextTokenizer, examples: list[Examp
     n = len(scored)
     return {"eval/accuracy": correct / n, "eval/n": n, "eval/completion_tokens": tokens / n,
             "eval/truncated": truncated / n}
+
+
+@torch.no_grad()
+def sampled_quality(student: Transformer, teacher: Transformer, tok: TextTokenizer, examples: list[Example],
+                    max_new_tokens: int, seed: int, temperature: float = 1.0) -> dict:
+    """Sampled-completion accuracy and the mean per-token reverse KL(student || teacher) on the student's own samples
+    (full precision, the training temperature): {"eval/sampled_accuracy", "eval/rkl"}."""
+    engine = Engine(student, tok.eos_id, tok.pad_id)
+    rollouts = engine.generate([encode_prompt(tok, ex.prompt) for ex in examples],
+                               SamplingParams(max_new_tokens, temperature=temperature),
+                               torch.Generator().manual_seed(seed))
+    batch = collate(rollouts, tok.pad_id)
+    rkl = kl(completion_logprobs(student, batch, temperature), completion_logprobs(teacher, batch))
+    scored = [(ex, r) for ex, r in zip(examples, rollouts) if ex.answer is not None]
+    accuracy = sum(is_correct(tok.decode(r.completion_ids), ex.answer) for ex, r in scored) / max(1, len(scored))
+    return {"eval/sampled_accuracy": accuracy, "eval/rkl": masked_mean(rkl, batch.mask).item()}

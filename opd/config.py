@@ -1,0 +1,176 @@
+"""The training config: one typed dataclass, read from YAML, overridden with `--set key=value`, saved resolved.
+
+A YAML file holds any subset of the fields below (the rest keep their defaults); the loss is a nested mapping:
+
+    family: qwen3            # the built-in pair to distill (ignored when student and teacher are given)
+    steps: 300
+    plan: "kv=fp8_e4m3"      # rollout precision plan (plan.py); a mapping {"*": ..., "0,3": ...} also works
+    loss: {name: sampled_rkl, student_term: learner, correction: tis, cap: 2.0}
+
+`--set` takes dotted keys (`loss.name=fkl`) and YAML values (`lr=3e-4`, `exact_kl=false`). Unknown keys, wrong
+types and bad values are errors that name the key.
+"""
+import difflib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from opd.errors import OpdError, require
+from opd.losses import LossConfig
+from opd.pretrain import FAMILIES
+from opd.task import get_task
+
+SCHEDULES = ("sync",)
+
+
+@dataclass
+class TrainConfig:
+    family: str = "llama"  # built-in pair (pretrained on first use) when student/teacher are empty
+    student: str = ""  # HF checkpoint folder of the student
+    teacher: str = ""  # HF checkpoint folder of the teacher
+    task: str = "chain"  # held-out evaluation (and training prompts unless `prompts` is given)
+    prompts: str = ""  # JSONL training prompts (data.py); default: the task's training stream
+    steps: int = 200
+    batch_size: int = 32  # prompts (= rollouts) per optimizer step
+    max_new_tokens: int = 0  # 0: the task's default
+    temperature: float = 1.0
+    plan: str | dict = ""  # rollout precision plan; "" = the learner's own full precision
+    noise_seed: int = 0
+    loss: LossConfig = field(default_factory=LossConfig)
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_every: int = 50  # 0: only before and after training
+    eval_examples: int = 200
+    save_every: int = 50  # 0: only at the end (and on Ctrl-C)
+    exact_kl: bool = True  # also log the exact per-position KL(p_rollout || p_train) (needs the engine's distributions)
+    max_bad_steps: int = 5  # stop after this many non-finite losses/gradients in a row
+    schedule: str = "sync"
+    seed: int = 0
+    threads: int = 2
+
+    def __post_init__(self):
+        if isinstance(self.loss, dict):
+            self.loss = LossConfig(**_checked_keys(self.loss, LossConfig, "loss."))
+        require(self.family in FAMILIES, f"unknown family {self.family!r}", f"use one of {', '.join(FAMILIES)}")
+        require(bool(self.student) == bool(self.teacher), "give both student and teacher, or neither",
+                "neither: the built-in pair of `family`")
+        get_task(self.task)
+        for name in ("steps", "batch_size", "eval_examples", "threads", "max_bad_steps"):
+            require(getattr(self, name) > 0, f"config: {name} must be positive, got {getattr(self, name)}")
+        for name in ("max_new_tokens", "warmup_steps", "eval_every", "save_every"):
+            require(getattr(self, name) >= 0, f"config: {name} must be >= 0, got {getattr(self, name)}")
+        require(self.temperature > 0, f"config: temperature must be > 0, got {self.temperature}",
+                "on-policy training samples; greedy rollouts are not on-policy")
+        require(self.lr > 0, f"config: lr must be positive, got {self.lr}")
+        require(self.grad_clip > 0, f"config: grad_clip must be positive, got {self.grad_clip}")
+        require(isinstance(self.plan, (str, dict)), f"config: plan must be a string or a mapping, got {self.plan!r}")
+        require(self.schedule in SCHEDULES, f"unknown schedule {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+
+    @property
+    def new_tokens(self) -> int:
+        return self.max_new_tokens or get_task(self.task).max_new_tokens
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _checked_keys(values: dict, cls, prefix: str = "") -> dict:
+    names = [f.name for f in fields(cls)]
+    for key in values:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            raise OpdError(f"unknown config key {prefix + str(key)!r}",
+                           f"did you mean {prefix}{close[0]}?" if close else f"valid keys: {', '.join(names)}")
+    return values
+
+
+def _typed(key: str, value, default):
+    """Check a YAML value against the type of the field's default (ints are accepted for floats)."""
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, float):
+        value = _yaml11_float(value)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, str) and key == "plan":
+        ok = isinstance(value, (str, dict))
+    elif isinstance(default, str):
+        ok = isinstance(value, str)
+    else:
+        ok = True
+    require(ok, f"config: {key} must be a {type(default).__name__}, got {value!r}")
+    return value
+
+
+def _yaml11_float(value):
+    """PyYAML reads `3e-4` (no dot) as a string, YAML 1.1's rule; accept it as the number it plainly is."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def build_config(values: dict) -> TrainConfig:
+    """A TrainConfig from a (possibly nested) mapping, with key and type checks."""
+    require(isinstance(values, dict), f"config: expected a mapping of keys to values, got {type(values).__name__}")
+    _checked_keys(values, TrainConfig)
+    defaults, loss_defaults = TrainConfig(), asdict(LossConfig())
+    out = {}
+    for key, value in values.items():
+        if key == "loss":
+            require(isinstance(value, dict), "config: loss must be a mapping", "e.g. loss: {name: full_rkl}")
+            _checked_keys(value, LossConfig, "loss.")
+            out["loss"] = LossConfig(**{k: _typed(f"loss.{k}", v, loss_defaults[k]) for k, v in value.items()})
+        else:
+            out[key] = _typed(key, value, getattr(defaults, key))
+    return TrainConfig(**out)
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    """["lr=3e-4", "loss.name=fkl"] -> {"lr": 0.0003, "loss": {"name": "fkl"}}."""
+    out: dict = {}
+    for pair in pairs:
+        key, eq, text = pair.partition("=")
+        require(eq == "=" and key.strip(), f"--set {pair!r}: expected key=value", "e.g. --set lr=3e-4")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        *parents, leaf = key.strip().split(".")
+        node = out
+        for parent in parents:
+            node = node.setdefault(parent, {})
+            require(isinstance(node, dict), f"--set {pair!r}: {parent} is not a section")
+        node[leaf] = value
+    return out
+
+
+def merge(base: dict, overrides: dict) -> dict:
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_config(path: Path | None, overrides: list[str] = ()) -> TrainConfig:
+    values = {}
+    if path is not None:
+        path = Path(path)
+        require(path.is_file(), f"config file not found: {path}", "check the path")
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise OpdError(f"{path}: not valid YAML ({str(e).splitlines()[0]})", "fix the file") from None
+        require(isinstance(values, dict), f"{path}: expected a mapping of config keys", "write key: value lines")
+    return build_config(merge(values, parse_overrides(list(overrides))))
+
+
+def dump_config(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,94 @@
+"""A run directory and its logs: the resolved config, one JSON line per step, TensorBoard events.
+
+    <run_dir>/config.yaml      the resolved config (what `--resume` checks against)
+    <run_dir>/metrics.jsonl    one line per optimizer step: {"step": s, "time": unix seconds, "<ns>/<name>": value}
+    <run_dir>/tb/              TensorBoard event files with the same scalars
+    <run_dir>/checkpoint/      the latest checkpoint: HF folder + trainer_state.pt (trainer.py)
+    <run_dir>/summary.json     before/after evaluation and timings, written when the run finishes
+
+A directory that already holds a run is never silently reused: `resume` continues it (the config must match,
+except `steps`), `overwrite` deletes it first, anything else is an error. Non-finite values are logged as null.
+"""
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+from tensorboardX import SummaryWriter
+
+from opd.config import TrainConfig, build_config, dump_config
+from opd.errors import OpdError, require
+
+RESUMABLE_CHANGES = ("steps",)
+
+
+def prepare_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
+    require(not (resume and overwrite), "--resume and --overwrite contradict each other", "choose one")
+    saved = run_dir / "config.yaml"
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if overwrite:
+            require(saved.is_file(), f"{run_dir} is not empty and holds no opd run",
+                    "refusing to delete it: choose an empty or new --run-dir")
+            shutil.rmtree(run_dir)
+        elif not saved.is_file():
+            raise OpdError(f"{run_dir} is not empty and holds no opd run", "choose an empty or new --run-dir")
+        elif not resume:
+            raise OpdError(f"{run_dir} already holds a run", "pass --resume to continue it or --overwrite to replace it")
+        else:
+            _check_same_run(run_dir, cfg)
+    elif resume:
+        raise OpdError(f"nothing to resume in {run_dir}", "drop --resume to start a new run")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(saved, dump_config(cfg))
+
+
+def _check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
+    import yaml
+    old = build_config(yaml.safe_load((run_dir / "config.yaml").read_text())).to_dict()
+    new = cfg.to_dict()
+    changed = [k for k in new if new[k] != old.get(k) and k not in RESUMABLE_CHANGES]
+    require(not changed, f"{run_dir} holds a run with a different config ({', '.join(changed)})",
+            "resume with the same config (only steps may change), or use --overwrite or another --run-dir")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _finite(value):
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+class RunLog:
+    """metrics.jsonl + TensorBoard. `start_step` drops lines of steps >= it (a resumed run rewrites them)."""
+
+    def __init__(self, run_dir: Path, start_step: int = 0):
+        self.path = run_dir / "metrics.jsonl"
+        kept = []
+        if self.path.is_file():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] < start_step]
+        write_atomic(self.path, "".join(line + "\n" for line in kept))
+        self.file = self.path.open("a")
+        self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step if start_step else None)
+
+    def write(self, step: int, metrics: dict) -> None:
+        row = {"step": step, "time": time.time(), **{k: _finite(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                self.tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.file.close()
+        self.tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

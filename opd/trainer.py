@@ -1,0 +1,263 @@
+"""The synchronous OPD trainer: the reference loop that every other schedule must reproduce.
+
+One step: draw prompts -> the engine (the student's published weights, run under the precision plan) samples
+rollouts -> the teacher scores every generated token in full precision -> the learner recomputes the student's
+log-probs in full precision -> loss (losses.py) -> optimizer step -> the engine receives the new weights and
+version. The learner needs `q` (the weights that sampled) and `pi` (the current weights); in this schedule they are
+the same weights, so one forward gives both, and `pi - q` (staleness) is zero by construction.
+
+Every step logs the mismatch between the rollout engine and the trainer (`mu` vs `q`, metrics.py), the
+distortion of the OPD signal, the loss, gradient norm, lengths and the time split; every `eval_every` steps,
+held-out accuracy (greedy and sampled) and reverse KL to the teacher. A step whose loss or gradient is not finite
+is skipped and counted; `max_bad_steps` in a row stop the run. A checkpoint (HF folder + optimizer, RNG, engine
+scales and step) is written every `save_every` steps, at the end and on Ctrl-C; `resume` continues from it exactly.
+"""
+import copy
+import io
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from opd.checkpoint import load_checkpoint, save_checkpoint
+from opd.config import TrainConfig
+from opd.data import encode_prompt, load_prompts
+from opd.engine import Engine
+from opd.errors import OpdError, require
+from opd.evaluate import greedy_accuracy, sampled_quality
+from opd.learner import collate, completion_logprobs, token_logprobs
+from opd.losses import opd_loss
+from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics, rollout_metrics,
+                         staleness_metrics)
+from opd.model import Transformer
+from opd.plan import Plan
+from opd.pretrain import PretrainConfig, pretrain
+from opd.runlog import RunLog, prepare_run_dir, read_metrics, write_atomic
+from opd.sampling import SamplingParams
+from opd.task import get_task, held_out_examples, train_examples
+from opd.tokenizer import TextTokenizer
+
+
+def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer]:
+    """(student, teacher, tokenizer): the given checkpoints, or the built-in pair of cfg.family (pretrained on first
+    use, then cached)."""
+    if cfg.student:
+        student_dir, teacher_dir = Path(cfg.student), Path(cfg.teacher)
+    else:
+        student_dir, _ = pretrain(PretrainConfig(family=cfg.family, role="student", task=cfg.task))
+        teacher_dir, _ = pretrain(PretrainConfig(family=cfg.family, role="teacher", task=cfg.task))
+    student, tok = load_checkpoint(student_dir)
+    teacher, teacher_tok = load_checkpoint(teacher_dir)
+    check_same_tokenizer(student, tok, teacher, teacher_tok)
+    return student, teacher.eval().requires_grad_(False), tok
+
+
+def check_same_tokenizer(student: Transformer, tok: TextTokenizer, teacher: Transformer,
+                         teacher_tok: TextTokenizer) -> None:
+    fix = "OPD compares log-probs token by token: distill between models that share one tokenizer"
+    require(student.cfg.vocab_size == teacher.cfg.vocab_size,
+            f"student and teacher vocabularies differ ({student.cfg.vocab_size} vs {teacher.cfg.vocab_size} tokens)", fix)
+    require(tok.tok.get_vocab(with_added_tokens=True) == teacher_tok.tok.get_vocab(with_added_tokens=True),
+            "student and teacher tokenizers differ (same size, different tokens)", fix)
+    require((tok.bos_id, tok.eos_id, tok.pad_id) == (teacher_tok.bos_id, teacher_tok.eos_id, teacher_tok.pad_id),
+            "student and teacher tokenizers use different bos/eos/pad ids", fix)
+
+
+class PromptSource:
+    """Training prompts by step: a pure function of (seed, step), so a resumed run draws what it would have drawn."""
+
+    def __init__(self, cfg: TrainConfig, tok: TextTokenizer, context: int):
+        self.cfg, self.tok = cfg, tok
+        self.file = [encode_prompt(tok, ex.prompt) for ex in load_prompts(cfg.prompts)] if cfg.prompts else None
+        for i, ids in enumerate(self.file or []):
+            require(len(ids) + cfg.new_tokens <= context,
+                    f"prompt {i + 1} of {cfg.prompts} has {len(ids)} tokens; with max_new_tokens {cfg.new_tokens} "
+                    f"it exceeds the model's context ({context})", "shorten it or lower max_new_tokens")
+
+    def batch(self, step: int) -> list[list[int]]:
+        B = self.cfg.batch_size
+        if self.file is None:
+            stream = train_examples(get_task(self.cfg.task), seed=self.cfg.seed * 1_000_003 + step)
+            return [encode_prompt(self.tok, next(stream).prompt) for _ in range(B)]
+        n = len(self.file)
+        out = []
+        for i in range(step * B, (step + 1) * B):  # epochs of seeded permutations
+            epoch, k = divmod(i, n)
+            order = list(range(n))
+            random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
+            out.append(self.file[order[k]])
+        return out
+
+
+@dataclass
+class State:
+    step: int = 0  # optimizer steps attempted so far (the next step's index)
+    version: int = 0  # policy version of the engine's weights: optimizer steps actually taken
+    bad_steps: int = 0  # non-finite steps in a row
+    skipped: int = 0  # non-finite steps in total
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then constant."""
+    return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+
+
+def evaluate(student: Transformer, teacher: Transformer, tok: TextTokenizer, cfg: TrainConfig) -> dict:
+    start = time.perf_counter()
+    examples = held_out_examples(get_task(cfg.task), cfg.eval_examples)
+    greedy = greedy_accuracy(student, tok, examples, cfg.new_tokens)
+    sampled = sampled_quality(student, teacher, tok, examples, cfg.new_tokens, cfg.seed + 1, cfg.temperature)
+    return {"eval/accuracy": greedy["eval/accuracy"], **sampled, "eval/truncated": greedy["eval/truncated"],
+            "time/eval": time.perf_counter() - start}
+
+
+def save_state(run_dir: Path, student: Transformer, tok: TextTokenizer, opt: torch.optim.Optimizer, state: State,
+               generator: torch.Generator, engine: Engine) -> None:
+    buffer = io.BytesIO()
+    torch.save({"optimizer": opt.state_dict(), "sampler_rng": generator.get_state(), "engine_scales": engine.scales},
+               buffer)
+    save_checkpoint(run_dir / "checkpoint", student, tok, extra_json={"trainer_state.json": vars(state)},
+                    extra_files={"trainer_state.pt": buffer.getvalue()})
+
+
+def load_state(run_dir: Path, student: Transformer, opt: torch.optim.Optimizer, generator: torch.Generator,
+               engine: Engine) -> State:
+    folder = run_dir / "checkpoint"
+    if not (folder / "trainer_state.pt").is_file():
+        return State()  # interrupted before the first checkpoint: start over
+    saved, _ = load_checkpoint(folder)
+    student.load_state_dict(saved.state_dict())
+    blob = torch.load(folder / "trainer_state.pt", weights_only=False)
+    opt.load_state_dict(blob["optimizer"])
+    generator.set_state(blob["sampler_rng"])
+    state = State(**json.loads((folder / "trainer_state.json").read_text()))
+    engine.update_weights(student.state_dict(), state.version)
+    engine.scales.update(blob["engine_scales"])
+    return state
+
+
+def step_metrics(batch, student_logp: torch.Tensor, teacher_logp: torch.Tensor, cfg: TrainConfig,
+                 version: int) -> dict:
+    """Mismatch, importance-weight, distortion, staleness and length metrics of one batch (no gradients)."""
+    q = token_logprobs(student_logp, batch.tokens)  # sync: the sampling weights are the current weights
+    t_y = token_logprobs(teacher_logp, batch.tokens)
+    mu, mask = batch.mu, batch.mask
+    out = {**mismatch_metrics(mu, q, mask), **importance_metrics(mu, q, mask, cfg.loss.cap),
+           **distortion_metrics(t_y, mu, q, mask), **staleness_metrics(batch.versions, version, q, q, mask)}
+    if batch.rollout_logp is not None:
+        out |= exact_kl_metric(batch.rollout_logp, student_logp, mask)
+    lengths = batch.mask.sum(1).tolist()
+    return out | rollout_metrics(lengths, [n >= cfg.new_tokens for n in lengths])
+
+
+def train_step(student: Transformer, teacher: Transformer, opt: torch.optim.Optimizer, batch, cfg: TrainConfig,
+               lr: float, version: int) -> tuple[dict, bool]:
+    """One learner update on a batch of rollouts -> (metrics, whether the update was applied)."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        teacher_logp = completion_logprobs(teacher, batch)
+    teacher_s = time.perf_counter() - start
+    student_logp = completion_logprobs(student, batch, cfg.temperature)
+    q = token_logprobs(student_logp.detach(), batch.tokens)
+    loss, metrics = opd_loss(cfg.loss, student_logp, teacher_logp, batch.tokens, batch.mu, q, batch.mask)
+    opt.zero_grad(set_to_none=True)
+    ok = math.isfinite(loss.item())
+    if ok:
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.grad_clip).item()
+        ok = math.isfinite(grad_norm)
+        metrics["train/grad_norm"] = grad_norm
+    if ok:
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+    with torch.no_grad():
+        metrics |= step_metrics(batch, student_logp.detach(), teacher_logp, cfg, version)
+    metrics |= {"train/lr": lr, "time/teacher": teacher_s, "time/train": time.perf_counter() - start - teacher_s}
+    return metrics, ok
+
+
+def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool = False,
+          progress: bool = True) -> dict:
+    """Run (or continue) one OPD run in run_dir; returns the summary (also written to summary.json)."""
+    run_dir = Path(run_dir)
+    torch.set_num_threads(cfg.threads)
+    student, teacher, tok = load_pair(cfg)
+    context = min(student.cfg.max_position_embeddings, teacher.cfg.max_position_embeddings)
+    plan = Plan.from_mapping(cfg.plan, student.cfg.num_layers) if isinstance(cfg.plan, dict) \
+        else Plan.parse(cfg.plan, student.cfg.num_layers)
+    prompts = PromptSource(cfg, tok, context)
+    prepare_run_dir(run_dir, cfg, resume, overwrite)
+    # The engine holds its own copy: it runs the published weights of a version, never the learner's live tensors.
+    engine = Engine(copy.deepcopy(student), tok.eos_id, tok.pad_id, plan, noise_seed=cfg.noise_seed)
+    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    state = load_state(run_dir, student, opt, generator, engine) if resume else State()
+    params = SamplingParams(cfg.new_tokens, temperature=cfg.temperature)
+    log = RunLog(run_dir, state.step)
+    before = evaluate(student, teacher, tok, cfg) if state.step == 0 else _first_eval(run_dir)
+    last_eval = before
+    bar = tqdm(range(state.step, cfg.steps), desc=f"opd {cfg.family if not cfg.student else 'train'}",
+               disable=not progress, initial=state.step, total=cfg.steps)
+    try:
+        for step in bar:
+            metrics = {}
+            if step > 0 and cfg.eval_every and step % cfg.eval_every == 0:
+                metrics |= (last_eval := evaluate(student, teacher, tok, cfg))
+            elif step == 0:
+                metrics |= before
+            start = time.perf_counter()
+            rollouts = engine.generate(prompts.batch(step), params, generator, return_dists=cfg.exact_kl)
+            batch = collate(rollouts, tok.pad_id)
+            generate_s = time.perf_counter() - start
+            train_metrics, ok = train_step(student, teacher, opt, batch, cfg, lr_at(state.version, cfg),
+                                           state.version)
+            state.step = step + 1
+            if ok:
+                state.version += 1
+                state.bad_steps = 0
+                sync = time.perf_counter()
+                engine.update_weights(student.state_dict(), state.version)
+                train_metrics["time/sync"] = time.perf_counter() - sync
+            else:
+                state.bad_steps += 1
+                state.skipped += 1
+            elapsed = time.perf_counter() - start
+            metrics |= train_metrics | {"train/skipped_steps": state.skipped, "train/version": state.version,
+                                        "time/generate": generate_s, "time/step": elapsed,
+                                        "throughput/tokens_per_s": batch.num_tokens / elapsed}
+            log.write(step, metrics)
+            bar.set_postfix(rkl=f"{metrics['loss/rkl_sampled']:.4f}", kl_k3=f"{metrics.get('mismatch/kl_k3', 0):.1e}",
+                            acc=f"{last_eval['eval/accuracy']:.3f}" if last_eval else "-")
+            if state.bad_steps >= cfg.max_bad_steps:
+                raise OpdError(f"the loss or gradient was not finite for {state.bad_steps} steps in a row "
+                               f"(last at step {step})", "lower lr, check the checkpoints for NaN/Inf weights, "
+                               "or raise max_bad_steps")
+            if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps:
+                save_state(run_dir, student, tok, opt, state, generator, engine)
+    except KeyboardInterrupt:
+        save_state(run_dir, student, tok, opt, state, generator, engine)
+        log.close()
+        raise
+    after = evaluate(student, teacher, tok, cfg)
+    log.write(cfg.steps, after)
+    log.close()
+    save_state(run_dir, student, tok, opt, state, generator, engine)
+    summary = {"before": before, "after": after, "steps": state.step, "skipped_steps": state.skipped,
+               "plan": str(plan), **_seconds(read_metrics(run_dir))}
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
+    return summary
+
+
+def _first_eval(run_dir: Path) -> dict | None:
+    rows = read_metrics(run_dir)
+    return {k: v for k, v in rows[0].items() if k.startswith("eval/")} if rows else None
+
+
+def _seconds(rows: list[dict]) -> dict:
+    return {key: sum(row.get(key) or 0 for row in rows) for key in ("time/step", "time/eval")}

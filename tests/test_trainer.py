@@ -1,0 +1,198 @@
+"""The synchronous OPD trainer on tiny random models: it learns, resumes exactly, logs, and refuses bad input."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from opd.checkpoint import save_checkpoint
+from opd.config import TrainConfig, build_config, load_config, parse_overrides
+from opd.errors import OpdError
+from opd.learner import collate, completion_logprobs, token_logprobs
+from opd.engine import Engine
+from opd.model import ModelConfig, Transformer
+from opd.runlog import read_metrics
+from opd.sampling import SamplingParams
+from opd.tokenizer import TextTokenizer
+from opd.trainer import train
+
+from test_cli import assert_one_line_error, opd
+
+TINY = dict(arch="llama", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+            head_dim=16, tie_word_embeddings=True, max_position_embeddings=64)
+
+
+def make_checkpoint(folder: Path, seed: int, vocab_size: int = 100, **overrides) -> Path:
+    cfg = ModelConfig(vocab_size=vocab_size, **(TINY | overrides))
+    save_checkpoint(folder, Transformer(cfg).init_weights(torch.Generator().manual_seed(seed), std=0.2),
+                    TextTokenizer.builtin())
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    return make_checkpoint(root / "student", 0), make_checkpoint(root / "teacher", 1)
+
+
+def config(pair, **overrides) -> TrainConfig:
+    student, teacher = pair
+    values = dict(student=str(student), teacher=str(teacher), task="add", steps=6, batch_size=4, eval_every=0,
+                  eval_examples=8, save_every=3, threads=1)
+    return build_config(values | overrides)
+
+
+def comparable(rows):
+    """Metric lines without wall-clock values."""
+    return [{k: v for k, v in row.items() if not k.startswith(("time", "throughput"))} for row in rows]
+
+
+def test_opd_lowers_the_reverse_kl_to_the_teacher(pair, tmp_path):
+    cfg = config(pair, steps=40, batch_size=8, lr=1e-2, warmup_steps=0, loss={"name": "full_rkl"})
+    summary = train(cfg, tmp_path / "run", progress=False)
+    assert summary["after"]["eval/rkl"] < 0.5 * summary["before"]["eval/rkl"], summary
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(41))  # 40 steps + the final evaluation
+    assert rows[0]["mismatch/kl_k3"] < 1e-9  # full-precision engine: no numerics mismatch
+    assert rows[0]["stale/version_gap_max"] == 0 and rows[-2]["train/version"] == 40
+
+
+def test_trainer_q_equals_engine_mu_at_full_precision(pair):
+    """The learner's recomputation (right-padded, one forward) matches the engine's sampled log-probs."""
+    student, _ = pair
+    from opd.checkpoint import load_checkpoint
+    model, tok = load_checkpoint(student)
+    rollouts = Engine(model, tok.eos_id, tok.pad_id).generate([[1, 20, 21], [1, 22, 23, 24, 25]], SamplingParams(12),
+                                                              torch.Generator().manual_seed(0))
+    batch = collate(rollouts, tok.pad_id)
+    with torch.no_grad():
+        q = token_logprobs(completion_logprobs(model, batch), batch.tokens)
+    assert torch.allclose(q[batch.mask], batch.mu[batch.mask], atol=2e-5)
+
+
+def test_resume_reproduces_the_uninterrupted_run(pair, tmp_path):
+    cfg = config(pair, plan="kv=fp8_e4m3 kv_scale=calibrate", loss={"name": "sampled_rkl", "correction": "tis"})
+    train(cfg, tmp_path / "straight", progress=False)
+    train(config(pair, steps=3, plan=cfg.plan, loss=vars(cfg.loss)), tmp_path / "split", progress=False)
+    train(cfg, tmp_path / "split", resume=True, progress=False)
+    straight, split = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split")
+    assert [r["step"] for r in split] == [r["step"] for r in straight]
+    assert comparable(split) == comparable(straight)
+    assert straight[3]["mismatch/kl_k3"] > 0  # the fp8 engine's mismatch is there, and was resumed with its scales
+
+
+def test_nan_loss_is_skipped_counted_and_stops_the_run(pair, tmp_path):
+    student, teacher = pair
+    bad = tmp_path / "nan_teacher"
+    from opd.checkpoint import load_checkpoint
+    model, tok = load_checkpoint(teacher)
+    with torch.no_grad():
+        model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    save_checkpoint(bad, model, tok)
+    with pytest.raises(OpdError, match="not finite for 3 steps in a row"):
+        train(config((student, bad), max_bad_steps=3), tmp_path / "run", progress=False)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["train/skipped_steps"] for r in rows] == [1, 2, 3] and rows[-1]["train/version"] == 0
+
+
+def test_cli_train_with_yaml_config_logs_and_tensorboard(pair, tmp_path):
+    student, teacher = pair
+    cfg_file = tmp_path / "opd.yaml"
+    cfg_file.write_text(yaml.safe_dump({"student": str(student), "teacher": str(teacher), "task": "add", "steps": 4,
+                                        "batch_size": 4, "eval_examples": 8, "threads": 1,
+                                        "loss": {"name": "fkl"}}))
+    result = opd("train", "--config", cfg_file, "--set", "lr=3e-3", "--run-dir", tmp_path / "run", "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert "before" in result.stdout and "after" in result.stdout
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["lr"] == 3e-3 and saved["loss"]["name"] == "fkl" and saved["steps"] == 4
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 4 and 0 <= summary["after"]["eval/accuracy"] <= 1
+    rows = read_metrics(tmp_path / "run")
+    assert all(math.isfinite(r["loss/value"]) for r in rows[:4])
+    assert (tmp_path / "run" / "checkpoint" / "model.safetensors").is_file()
+    from tensorboardX.proto import event_pb2
+    events = list((tmp_path / "run" / "tb").glob("events.*"))
+    tags = {value.tag for event in _read_events(events[0], event_pb2) for value in event.summary.value}
+    assert {"loss/value", "mismatch/kl_k3", "eval/accuracy"} <= tags
+
+
+def _read_events(path, event_pb2):
+    """TFRecord framing: u64 length, u32 crc, payload, u32 crc."""
+    data, out, i = path.read_bytes(), [], 0
+    while i < len(data):
+        n = int.from_bytes(data[i:i + 8], "little")
+        event = event_pb2.Event()
+        event.ParseFromString(data[i + 12:i + 12 + n])
+        out.append(event)
+        i += 12 + n + 4
+    return out
+
+
+def test_run_directory_guards(pair, tmp_path):
+    run = tmp_path / "run"
+    train(config(pair, steps=2), run, progress=False)
+    with pytest.raises(OpdError, match="already holds a run"):
+        train(config(pair, steps=2), run, progress=False)
+    with pytest.raises(OpdError, match=r"different config \(lr\)"):
+        train(config(pair, steps=2, lr=0.5), run, resume=True, progress=False)
+    train(config(pair, steps=2, lr=0.5), run, overwrite=True, progress=False)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(OpdError, match="holds no opd run"):
+        train(config(pair), tmp_path / "other", overwrite=True, progress=False)
+    with pytest.raises(OpdError, match="nothing to resume"):
+        train(config(pair), tmp_path / "new", resume=True, progress=False)
+
+
+def test_mismatched_vocabularies_and_tokenizers(pair, tmp_path):
+    student, _ = pair
+    big = make_checkpoint(tmp_path / "big_vocab", 2, vocab_size=120)
+    with pytest.raises(OpdError, match="vocabularies differ"):
+        train(config((student, big)), tmp_path / "run", progress=False)
+    swapped = make_checkpoint(tmp_path / "swapped", 2)
+    tok = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(OpdError, match="tokenizers differ"):
+        train(config((student, swapped)), tmp_path / "run2", progress=False)
+
+
+def test_prompt_longer_than_the_context(pair, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "9" * 60}) + "\n")
+    with pytest.raises(OpdError, match="prompt 2 of .* exceeds the model's context"):
+        train(config(pair, prompts=str(prompts)), tmp_path / "run", progress=False)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("lrr: 0.1\n", "unknown config key 'lrr'.*did you mean lr"),
+    ("loss: {nme: fkl}\n", "unknown config key 'loss.nme'"),
+    ("steps: ten\n", "steps must be a int"),
+    ("loss: {name: rkl}\n", "unknown loss 'rkl'"),
+    ("- 1\n", "expected a mapping"),
+    ("steps: [\n", "not valid YAML"),
+])
+def test_bad_config_files(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(OpdError, match=message):
+        load_config(path)
+
+
+def test_overrides_parse_as_yaml_values():
+    assert parse_overrides(["lr=0.0003", "loss.name=fkl", "exact_kl=false", "plan=kv=fp8_e4m3"]) == \
+        {"lr": 3e-4, "loss": {"name": "fkl"}, "exact_kl": False, "plan": "kv=fp8_e4m3"}
+    with pytest.raises(OpdError, match="expected key=value"):
+        parse_overrides(["lr"])
+
+
+def test_cli_train_bad_input_is_one_line(pair, tmp_path):
+    assert_one_line_error(opd("train", "--set", "lrr=1", "--run-dir", tmp_path / "r"), "unknown config key 'lrr'")
+    assert_one_line_error(opd("train", "--config", tmp_path / "missing.yaml"), "config file not found")
+    student, _ = pair
+    assert_one_line_error(opd("train", "--set", f"student={student}", "--run-dir", tmp_path / "r"),
+                          "give both student and teacher")
