@@ -15,6 +15,8 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/opd pretrain
+	$(VENV)/bin/opd train --set family=llama --run-dir runs/demo-llama --overwrite
+	$(VENV)/bin/opd train --set family=qwen3 --run-dir runs/demo-qwen3 --overwrite
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -22,6 +22,7 @@ from opd.pretrain import FAMILIES
 from opd.task import get_task
 
 SCHEDULES = ("sync",)
+LR_SCHEDULES = ("cosine", "constant")
 
 
 @dataclass
@@ -40,6 +41,7 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     lr: float = 1e-3
     warmup_steps: int = 10
+    lr_schedule: str = "cosine"  # after warm-up: "cosine" (to lr/10 at `steps`) or "constant"
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     eval_every: int = 50  # 0: only before and after training
@@ -67,6 +69,8 @@ class TrainConfig:
         require(self.lr > 0, f"config: lr must be positive, got {self.lr}")
         require(self.grad_clip > 0, f"config: grad_clip must be positive, got {self.grad_clip}")
         require(isinstance(self.plan, (str, dict)), f"config: plan must be a string or a mapping, got {self.plan!r}")
+        require(self.lr_schedule in LR_SCHEDULES, f"unknown lr_schedule {self.lr_schedule!r}",
+                f"use one of {', '.join(LR_SCHEDULES)}")
         require(self.schedule in SCHEDULES, f"unknown schedule {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
 
     @property

@@ -102,13 +102,34 @@ class State:
     skipped: int = 0  # non-finite steps in total
 
 
+@dataclass
+class Run:
+    """Everything one step needs; `save_state`/`load_state` persist what changes between steps."""
+    cfg: TrainConfig
+    student: Transformer
+    teacher: Transformer
+    tok: TextTokenizer
+    engine: Engine
+    opt: torch.optim.Optimizer
+    generator: torch.Generator  # the sampler's randomness
+    prompts: PromptSource
+    params: SamplingParams
+    state: State
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then constant."""
-    return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+    """Linear warm-up, then constant or cosine decay to a tenth of the peak at `steps`."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
 
 
-def evaluate(student: Transformer, teacher: Transformer, tok: TextTokenizer, cfg: TrainConfig) -> dict:
-    start = time.perf_counter()
+def evaluate(run: Run, cfg: TrainConfig) -> dict:
+    """Held-out quality of the learner at full precision (the rollout plan is not used here)."""
+    student, teacher, tok, start = run.student, run.teacher, run.tok, time.perf_counter()
     examples = held_out_examples(get_task(cfg.task), cfg.eval_examples)
     greedy = greedy_accuracy(student, tok, examples, cfg.new_tokens)
     sampled = sampled_quality(student, teacher, tok, examples, cfg.new_tokens, cfg.seed + 1, cfg.temperature)
@@ -116,28 +137,26 @@ def evaluate(student: Transformer, teacher: Transformer, tok: TextTokenizer, cfg
             "time/eval": time.perf_counter() - start}
 
 
-def save_state(run_dir: Path, student: Transformer, tok: TextTokenizer, opt: torch.optim.Optimizer, state: State,
-               generator: torch.Generator, engine: Engine) -> None:
+def save_state(run_dir: Path, run: Run) -> None:
     buffer = io.BytesIO()
-    torch.save({"optimizer": opt.state_dict(), "sampler_rng": generator.get_state(), "engine_scales": engine.scales},
-               buffer)
-    save_checkpoint(run_dir / "checkpoint", student, tok, extra_json={"trainer_state.json": vars(state)},
+    torch.save({"optimizer": run.opt.state_dict(), "sampler_rng": run.generator.get_state(),
+                "engine_scales": run.engine.scales}, buffer)
+    save_checkpoint(run_dir / "checkpoint", run.student, run.tok, extra_json={"trainer_state.json": vars(run.state)},
                     extra_files={"trainer_state.pt": buffer.getvalue()})
 
 
-def load_state(run_dir: Path, student: Transformer, opt: torch.optim.Optimizer, generator: torch.Generator,
-               engine: Engine) -> State:
+def load_state(run_dir: Path, run: Run) -> State:
     folder = run_dir / "checkpoint"
     if not (folder / "trainer_state.pt").is_file():
         return State()  # interrupted before the first checkpoint: start over
     saved, _ = load_checkpoint(folder)
-    student.load_state_dict(saved.state_dict())
+    run.student.load_state_dict(saved.state_dict())
     blob = torch.load(folder / "trainer_state.pt", weights_only=False)
-    opt.load_state_dict(blob["optimizer"])
-    generator.set_state(blob["sampler_rng"])
+    run.opt.load_state_dict(blob["optimizer"])
+    run.generator.set_state(blob["sampler_rng"])
     state = State(**json.loads((folder / "trainer_state.json").read_text()))
-    engine.update_weights(student.state_dict(), state.version)
-    engine.scales.update(blob["engine_scales"])
+    run.engine.update_weights(run.student.state_dict(), state.version)
+    run.engine.scales.update(blob["engine_scales"])
     return state
 
 
@@ -182,74 +201,81 @@ def train_step(student: Transformer, teacher: Transformer, opt: torch.optim.Opti
     return metrics, ok
 
 
-def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool = False,
-          progress: bool = True) -> dict:
-    """Run (or continue) one OPD run in run_dir; returns the summary (also written to summary.json)."""
-    run_dir = Path(run_dir)
+def setup(cfg: TrainConfig) -> Run:
     torch.set_num_threads(cfg.threads)
     student, teacher, tok = load_pair(cfg)
     context = min(student.cfg.max_position_embeddings, teacher.cfg.max_position_embeddings)
     plan = Plan.from_mapping(cfg.plan, student.cfg.num_layers) if isinstance(cfg.plan, dict) \
         else Plan.parse(cfg.plan, student.cfg.num_layers)
-    prompts = PromptSource(cfg, tok, context)
-    prepare_run_dir(run_dir, cfg, resume, overwrite)
     # The engine holds its own copy: it runs the published weights of a version, never the learner's live tensors.
     engine = Engine(copy.deepcopy(student), tok.eos_id, tok.pad_id, plan, noise_seed=cfg.noise_seed)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    state = load_state(run_dir, student, opt, generator, engine) if resume else State()
-    params = SamplingParams(cfg.new_tokens, temperature=cfg.temperature)
-    log = RunLog(run_dir, state.step)
-    before = evaluate(student, teacher, tok, cfg) if state.step == 0 else _first_eval(run_dir)
+    return Run(cfg, student, teacher, tok, engine, opt, torch.Generator().manual_seed(cfg.seed),
+               PromptSource(cfg, tok, context), SamplingParams(cfg.new_tokens, temperature=cfg.temperature), State())
+
+
+def run_step(run: Run) -> dict:
+    """Step `run.state.step`: sample, score, update, publish. Returns the step's metrics."""
+    cfg, state = run.cfg, run.state
+    start = time.perf_counter()
+    rollouts = run.engine.generate(run.prompts.batch(state.step), run.params, run.generator, return_dists=cfg.exact_kl)
+    batch = collate(rollouts, run.tok.pad_id)
+    generate_s = time.perf_counter() - start
+    metrics, ok = train_step(run.student, run.teacher, run.opt, batch, cfg, lr_at(state.version, cfg), state.version)
+    state.step += 1
+    if ok:
+        state.version += 1
+        state.bad_steps = 0
+        sync = time.perf_counter()
+        run.engine.update_weights(run.student.state_dict(), state.version)
+        metrics["time/sync"] = time.perf_counter() - sync
+    else:
+        state.bad_steps += 1
+        state.skipped += 1
+    elapsed = time.perf_counter() - start
+    return metrics | {"train/skipped_steps": state.skipped, "train/version": state.version,
+                      "time/generate": generate_s, "time/step": elapsed,
+                      "throughput/tokens_per_s": batch.num_tokens / elapsed}
+
+
+def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool = False,
+          progress: bool = True) -> dict:
+    """Run (or continue) one OPD run in run_dir; returns the summary (also written to summary.json)."""
+    run_dir = Path(run_dir)
+    run = setup(cfg)
+    prepare_run_dir(run_dir, cfg, resume, overwrite)
+    if resume:
+        run.state = load_state(run_dir, run)
+    log = RunLog(run_dir, run.state.step)
+    before = evaluate(run, cfg) if run.state.step == 0 else _first_eval(run_dir)
     last_eval = before
-    bar = tqdm(range(state.step, cfg.steps), desc=f"opd {cfg.family if not cfg.student else 'train'}",
-               disable=not progress, initial=state.step, total=cfg.steps)
+    bar = tqdm(range(run.state.step, cfg.steps), desc=f"opd {cfg.family if not cfg.student else 'train'}",
+               disable=not progress, initial=run.state.step, total=cfg.steps)
     try:
         for step in bar:
-            metrics = {}
+            metrics = dict(before) if step == 0 else {}
             if step > 0 and cfg.eval_every and step % cfg.eval_every == 0:
-                metrics |= (last_eval := evaluate(student, teacher, tok, cfg))
-            elif step == 0:
-                metrics |= before
-            start = time.perf_counter()
-            rollouts = engine.generate(prompts.batch(step), params, generator, return_dists=cfg.exact_kl)
-            batch = collate(rollouts, tok.pad_id)
-            generate_s = time.perf_counter() - start
-            train_metrics, ok = train_step(student, teacher, opt, batch, cfg, lr_at(state.version, cfg),
-                                           state.version)
-            state.step = step + 1
-            if ok:
-                state.version += 1
-                state.bad_steps = 0
-                sync = time.perf_counter()
-                engine.update_weights(student.state_dict(), state.version)
-                train_metrics["time/sync"] = time.perf_counter() - sync
-            else:
-                state.bad_steps += 1
-                state.skipped += 1
-            elapsed = time.perf_counter() - start
-            metrics |= train_metrics | {"train/skipped_steps": state.skipped, "train/version": state.version,
-                                        "time/generate": generate_s, "time/step": elapsed,
-                                        "throughput/tokens_per_s": batch.num_tokens / elapsed}
+                metrics |= (last_eval := evaluate(run, cfg))
+            metrics |= run_step(run)
             log.write(step, metrics)
             bar.set_postfix(rkl=f"{metrics['loss/rkl_sampled']:.4f}", kl_k3=f"{metrics.get('mismatch/kl_k3', 0):.1e}",
                             acc=f"{last_eval['eval/accuracy']:.3f}" if last_eval else "-")
-            if state.bad_steps >= cfg.max_bad_steps:
-                raise OpdError(f"the loss or gradient was not finite for {state.bad_steps} steps in a row "
+            if run.state.bad_steps >= cfg.max_bad_steps:
+                raise OpdError(f"the loss or gradient was not finite for {run.state.bad_steps} steps in a row "
                                f"(last at step {step})", "lower lr, check the checkpoints for NaN/Inf weights, "
                                "or raise max_bad_steps")
-            if cfg.save_every and state.step % cfg.save_every == 0 and state.step < cfg.steps:
-                save_state(run_dir, student, tok, opt, state, generator, engine)
+            if cfg.save_every and run.state.step % cfg.save_every == 0 and run.state.step < cfg.steps:
+                save_state(run_dir, run)
     except KeyboardInterrupt:
-        save_state(run_dir, student, tok, opt, state, generator, engine)
+        save_state(run_dir, run)
         log.close()
         raise
-    after = evaluate(student, teacher, tok, cfg)
+    after = evaluate(run, cfg)
     log.write(cfg.steps, after)
     log.close()
-    save_state(run_dir, student, tok, opt, state, generator, engine)
-    summary = {"before": before, "after": after, "steps": state.step, "skipped_steps": state.skipped,
-               "plan": str(plan), **_seconds(read_metrics(run_dir))}
+    save_state(run_dir, run)
+    summary = {"before": before, "after": after, "steps": run.state.step, "skipped_steps": run.state.skipped,
+               "plan": str(run.engine.plan), **_seconds(read_metrics(run_dir))}
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 

@@ -16,7 +16,8 @@ from opd.model import ModelConfig, Transformer
 from opd.runlog import read_metrics
 from opd.sampling import SamplingParams
 from opd.tokenizer import TextTokenizer
-from opd.trainer import train
+from opd import trainer
+from opd.trainer import run_step, train
 
 from test_cli import assert_one_line_error, opd
 
@@ -72,10 +73,23 @@ def test_trainer_q_equals_engine_mu_at_full_precision(pair):
     assert torch.allclose(q[batch.mask], batch.mu[batch.mask], atol=2e-5)
 
 
-def test_resume_reproduces_the_uninterrupted_run(pair, tmp_path):
+@pytest.mark.parametrize("crash", [KeyboardInterrupt, RuntimeError])
+def test_resume_reproduces_the_uninterrupted_run(pair, tmp_path, monkeypatch, crash):
+    """Ctrl-C at step 4 saves a checkpoint there; a crash resumes from the periodic one at step 3 and redoes step 3.
+    Either way the resumed run logs exactly the metrics of the uninterrupted one."""
     cfg = config(pair, plan="kv=fp8_e4m3 kv_scale=calibrate", loss={"name": "sampled_rkl", "correction": "tis"})
     train(cfg, tmp_path / "straight", progress=False)
-    train(config(pair, steps=3, plan=cfg.plan, loss=vars(cfg.loss)), tmp_path / "split", progress=False)
+
+    def crashing_step(run):
+        if run.state.step == 4:
+            raise crash()
+        return run_step(run)
+    monkeypatch.setattr(trainer, "run_step", crashing_step)
+    with pytest.raises(crash):
+        train(cfg, tmp_path / "split", progress=False)
+    saved = json.loads((tmp_path / "split" / "checkpoint" / "trainer_state.json").read_text())
+    assert saved["step"] == (4 if crash is KeyboardInterrupt else 3)
+    monkeypatch.setattr(trainer, "run_step", run_step)
     train(cfg, tmp_path / "split", resume=True, progress=False)
     straight, split = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split")
     assert [r["step"] for r in split] == [r["step"] for r in straight]

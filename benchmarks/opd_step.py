@@ -1,0 +1,128 @@
+"""Seconds per on-policy distillation step: `opd`'s synchronous trainer vs TRL's `DistillationTrainer`.
+
+Both sides distill the same built-in student from the same teacher (pretrained and cached on first use) on the
+same chain-task prompts, batch size and max new tokens (the task's 105), float32 on the CPU with the same thread
+count, and take one optimizer step on a full-vocabulary reverse KL per batch of fresh student samples
+(TRL: `beta=1`; opd: `loss.name=full_rkl`). A step is everything: sampling, teacher scoring, the student's forward
+and backward, the optimizer; opd also computes its per-step mismatch metrics. Completions end at EOS on both sides
+(the mean lengths are printed, so a difference in work is visible). To share the machine's noise, opd is timed in
+two blocks, before and after TRL; each number is the median of the timed steps after warm-up.
+
+    pip install -e '.[bench]'                  # TRL, for this benchmark only
+    python benchmarks/opd_step.py              # what the README quotes
+    python benchmarks/opd_step.py --quick      # < 1 minute after the pair is cached
+
+The last line is `RESULT key=value ...`.
+"""
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from opd.config import build_config
+from opd.pretrain import PretrainConfig, pretrain
+from opd.task import get_task, train_examples
+from opd.trainer import setup, run_step
+
+
+def opd_block(cfg, run, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+    times, lengths = [], []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        metrics = run_step(run)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+            lengths.append(metrics["rollout/length_mean"])
+    return times, lengths
+
+
+class _StepTimer:
+    """A transformers TrainerCallback (built lazily so that TRL is only imported when it is there)."""
+
+    def __new__(cls, trainer_ref: dict):
+        from transformers import TrainerCallback
+
+        class Timer(TrainerCallback):
+            times, lengths = [], []
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                self.start = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                self.times.append(time.perf_counter() - self.start)
+                seen = trainer_ref["trainer"]._metrics["train"]["completions/mean_length"]
+                self.lengths.append(seen[-1] if seen else float("nan"))
+        return Timer()
+
+
+def trl_block(student_dir, teacher_dir, prompts: list[str], batch: int, new_tokens: int, steps: int,
+              warmup: int) -> tuple[list[float], list[float]]:
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import DistillationConfig, DistillationTrainer
+    tok = AutoTokenizer.from_pretrained(str(student_dir), padding_side="left")
+    texts = [tok.bos_token + p for p in prompts]  # opd prepends <bos> too (data.encode_prompt)
+    ref = {}
+    timer = _StepTimer(ref)
+    with tempfile.TemporaryDirectory() as out:
+        args = DistillationConfig(
+            output_dir=out, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+            model_init_kwargs={"dtype": "float32"}, teacher_model_init_kwargs={"dtype": "float32"},
+            per_device_train_batch_size=batch, gradient_accumulation_steps=1, max_steps=warmup + steps,
+            learning_rate=3e-4, lr_scheduler_type="constant", max_grad_norm=1.0, beta=1.0, temperature=1.0,
+            top_k=0, top_p=1.0, max_completion_length=new_tokens, shuffle_dataset=False, report_to="none",
+            logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True, seed=0)
+        trainer = DistillationTrainer(model=str(student_dir), teacher_model=str(teacher_dir), args=args,
+                                      train_dataset=Dataset.from_dict({"prompt": texts}), processing_class=tok,
+                                      callbacks=[timer])
+        ref["trainer"] = trainer
+        trainer.train()
+    return timer.times[warmup:], timer.lengths[warmup:]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--family", default="llama")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per opd block and for TRL")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    if args.quick:
+        args.batch, args.steps, args.warmup = 8, 2, 1
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(args.threads)
+    try:
+        import trl
+    except ImportError:
+        raise SystemExit("benchmarks/opd_step.py needs TRL: pip install -e '.[bench]'") from None
+
+    student_dir, _ = pretrain(PretrainConfig(family=args.family, role="student"))
+    teacher_dir, _ = pretrain(PretrainConfig(family=args.family, role="teacher"))
+    cfg = build_config({"student": str(student_dir), "teacher": str(teacher_dir), "batch_size": args.batch,
+                        "threads": args.threads, "loss": {"name": "full_rkl"}, "lr": 3e-4})
+    run = setup(cfg)
+    n_prompts = (args.warmup + args.steps) * args.batch
+    stream = train_examples(get_task("chain"), seed=12345)
+    prompts = [next(stream).prompt for _ in range(n_prompts)]
+
+    opd_a, len_a = opd_block(cfg, run, args.steps, args.warmup)
+    trl_times, trl_lengths = trl_block(student_dir, teacher_dir, prompts, args.batch, cfg.new_tokens, args.steps,
+                                       args.warmup)
+    torch.set_num_threads(args.threads)
+    opd_b, len_b = opd_block(cfg, run, args.steps, 0)
+    ours, theirs = statistics.median(opd_a + opd_b), statistics.median(trl_times)
+    print(f"batch {args.batch}, max {cfg.new_tokens} new tokens, {args.threads} threads, trl {trl.__version__}")
+    print(f"{'':6} {'s/step':>8} {'mean completion tokens':>24}")
+    print(f"{'opd':6} {ours:>8.3f} {statistics.mean(len_a + len_b):>24.1f}")
+    print(f"{'trl':6} {theirs:>8.3f} {statistics.mean(trl_lengths):>24.1f}")
+    print(f"RESULT speedup_vs_trl={theirs / ours:.2f} opd_s_per_step={ours:.3f} trl_s_per_step={theirs:.3f} "
+          f"batch={args.batch} threads={args.threads}")
+
+
+if __name__ == "__main__":
+    main()
