@@ -1,8 +1,8 @@
 """Seconds per on-policy distillation step: `opd`'s synchronous trainer vs TRL's `DistillationTrainer`.
 
 Both sides distill the same built-in student from the same teacher (pretrained and cached on first use) on the
-same chain-task prompts, batch size and max new tokens (the task's 105), float32 on the CPU with the same thread
-count, and take one optimizer step on a full-vocabulary reverse KL per batch of fresh student samples
+chain-task training prompts, batch size and max new tokens (the task's 105), float32 on the CPU (rollouts too:
+opd's plan is "", as TRL's generate runs the float32 student) with the same thread count, and take one optimizer step on a full-vocabulary reverse KL per batch of fresh student samples
 (TRL: `beta=1`; opd: `loss.name=full_rkl`). A step is everything: sampling, teacher scoring, the student's forward
 and backward, the optimizer; opd also computes its per-step mismatch metrics. Completions end at EOS on both sides
 (the mean lengths are printed, so a difference in work is visible). To share the machine's noise, opd is timed in
@@ -104,7 +104,7 @@ def main():
     student_dir, _ = pretrain(PretrainConfig(family=args.family, role="student"))
     teacher_dir, _ = pretrain(PretrainConfig(family=args.family, role="teacher"))
     cfg = build_config({"student": str(student_dir), "teacher": str(teacher_dir), "batch_size": args.batch,
-                        "threads": args.threads, "loss": {"name": "full_rkl"}, "lr": 3e-4})
+                        "threads": args.threads, "loss": {"name": "full_rkl"}, "lr": 3e-4, "plan": ""})
     run = setup(cfg)
     n_prompts = (args.warmup + args.steps) * args.batch
     stream = train_examples(get_task("chain"), seed=12345)

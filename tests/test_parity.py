@@ -129,3 +129,15 @@ def test_parity_sharded_bf16_checkpoint(tmp_path):
     with torch.no_grad():
         diff = (ours(ids) - reloaded(ids).logits).abs().max().item()
     assert diff <= 1e-4
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (4, 1)])
+def test_decode_attention_matches_sdpa(heads, kv_heads):
+    import torch.nn.functional as F
+    from opd.model import decode_attention
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    q, k, v = (torch.randn(3, h, t, 16, generator=g) for h, t in ((heads, 1), (kv_heads, 9), (kv_heads, 9)))
+    mask = torch.rand(3, 1, 1, 9, generator=g) > 0.3
+    mask[..., -1] = True  # the token itself is always visible
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads)
+    assert torch.allclose(decode_attention(q, k, v, mask), want, atol=1e-6)

@@ -41,7 +41,7 @@ def pair(tmp_path_factory):
 def config(pair, **overrides) -> TrainConfig:
     student, teacher = pair
     values = dict(student=str(student), teacher=str(teacher), task="add", steps=6, batch_size=4, eval_every=0,
-                  eval_examples=8, save_every=3, threads=1)
+                  eval_examples=8, save_every=3, threads=1, plan="")
     return build_config(values | overrides)
 
 
@@ -58,6 +58,13 @@ def test_opd_lowers_the_reverse_kl_to_the_teacher(pair, tmp_path):
     assert [r["step"] for r in rows] == list(range(41))  # 40 steps + the final evaluation
     assert rows[0]["mismatch/kl_k3"] < 1e-9  # full-precision engine: no numerics mismatch
     assert rows[0]["stale/version_gap_max"] == 0 and rows[-2]["train/version"] == 40
+
+
+def test_bf16_rollouts_have_a_small_measured_mismatch(pair, tmp_path):
+    train(config(pair, steps=2, plan="kv=bf16 w=bf16"), tmp_path / "run", progress=False)
+    rows = read_metrics(tmp_path / "run")
+    assert 1e-7 < rows[0]["mismatch/kl_k3"] < 1e-3
+    assert 1e-7 < rows[0]["mismatch/kl_exact"] < 1e-3  # both estimates see the same small mismatch
 
 
 def test_trainer_q_equals_engine_mu_at_full_precision(pair):
