@@ -17,6 +17,7 @@ import io
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,8 @@ from opd.runlog import RunLog, prepare_run_dir, read_metrics, write_atomic
 from opd.sampling import SamplingParams
 from opd.task import get_task, held_out_examples, train_examples
 from opd.tokenizer import TextTokenizer
+
+EXACT_KL_MAX_FLOATS = 2 ** 26  # 256 MiB of float32 distributions per batch
 
 
 def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer]:
@@ -115,6 +118,7 @@ class Run:
     prompts: PromptSource
     params: SamplingParams
     state: State
+    exact_kl: bool  # keep the engine's whole distributions for mismatch/kl_exact (cfg.exact_kl, if they fit)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -210,15 +214,21 @@ def setup(cfg: TrainConfig) -> Run:
     # The engine holds its own copy: it runs the published weights of a version, never the learner's live tensors.
     engine = Engine(copy.deepcopy(student), tok.eos_id, tok.pad_id, plan, noise_seed=cfg.noise_seed)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    floats = cfg.batch_size * cfg.new_tokens * student.cfg.vocab_size
+    exact_kl = cfg.exact_kl and floats <= EXACT_KL_MAX_FLOATS
+    if cfg.exact_kl and not exact_kl:
+        print(f"opd: exact_kl off: the rollouts' full distributions would take {floats * 4 / 2**30:.1f} GiB "
+              f"(batch x tokens x vocab); mismatch/kl_k3 still estimates the same KL", file=sys.stderr)
     return Run(cfg, student, teacher, tok, engine, opt, torch.Generator().manual_seed(cfg.seed),
-               PromptSource(cfg, tok, context), SamplingParams(cfg.new_tokens, temperature=cfg.temperature), State())
+               PromptSource(cfg, tok, context), SamplingParams(cfg.new_tokens, temperature=cfg.temperature), State(),
+               exact_kl)
 
 
 def run_step(run: Run) -> dict:
     """Step `run.state.step`: sample, score, update, publish. Returns the step's metrics."""
     cfg, state = run.cfg, run.state
     start = time.perf_counter()
-    rollouts = run.engine.generate(run.prompts.batch(state.step), run.params, run.generator, return_dists=cfg.exact_kl)
+    rollouts = run.engine.generate(run.prompts.batch(state.step), run.params, run.generator, return_dists=run.exact_kl)
     batch = collate(rollouts, run.tok.pad_id)
     generate_s = time.perf_counter() - start
     metrics, ok = train_step(run.student, run.teacher, run.opt, batch, cfg, lr_at(state.version, cfg), state.version)

@@ -217,3 +217,11 @@ def test_cli_train_bad_input_is_one_line(pair, tmp_path):
     student, _ = pair
     assert_one_line_error(opd("train", "--set", f"student={student}", "--run-dir", tmp_path / "r"),
                           "give both student and teacher")
+
+
+def test_exact_kl_is_skipped_when_the_distributions_would_not_fit(pair, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(trainer, "EXACT_KL_MAX_FLOATS", 100)
+    train(config(pair, steps=1, plan="kv=bf16"), tmp_path / "run", progress=False)
+    row = read_metrics(tmp_path / "run")[0]
+    assert "mismatch/kl_exact" not in row and row["mismatch/kl_k3"] > 0
+    assert "exact_kl off" in capsys.readouterr().err
