@@ -32,19 +32,19 @@ class TrainConfig:
     teacher: str = ""  # HF checkpoint folder of the teacher
     task: str = "chain"  # held-out evaluation (and training prompts unless `prompts` is given)
     prompts: str = ""  # JSONL training prompts (data.py); default: the task's training stream
-    steps: int = 250
-    batch_size: int = 32  # prompts (= rollouts) per optimizer step
+    steps: int = 150
+    batch_size: int = 64  # prompts (= rollouts) per optimizer step
     max_new_tokens: int = 0  # 0: the task's default
     temperature: float = 1.0
     plan: str | dict = "kv=bf16 w=bf16"  # rollout precision plan (plan.py): BF16 rollouts; "" = float32
     noise_seed: int = 0
     loss: LossConfig = field(default_factory=LossConfig)
-    lr: float = 5e-4
-    warmup_steps: int = 10
+    lr: float = 1e-3
+    warmup_steps: int = 20
     lr_schedule: str = "cosine"  # after warm-up: "cosine" (to lr/10 at `steps`) or "constant"
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    eval_every: int = 125  # 0: only before and after training
+    eval_every: int = 75  # 0: only before and after training
     eval_examples: int = 500
     save_every: int = 50  # 0: only at the end (and on Ctrl-C)
     exact_kl: bool = True  # also log the exact per-position KL(p_rollout || p_train) (needs the engine's distributions)
