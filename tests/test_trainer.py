@@ -225,3 +225,12 @@ def test_exact_kl_is_skipped_when_the_distributions_would_not_fit(pair, tmp_path
     row = read_metrics(tmp_path / "run")[0]
     assert "mismatch/kl_exact" not in row and row["mismatch/kl_k3"] > 0
     assert "exact_kl off" in capsys.readouterr().err
+
+
+def test_the_readme_yaml_example_is_a_valid_config(tmp_path):
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "example.yaml"
+    path.write_text(block)
+    cfg = load_config(path)
+    assert cfg.family == "qwen3" and cfg.loss.correction == "tis" and cfg.plan == "kv=fp8_e4m3"
