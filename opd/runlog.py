@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
+import yaml
 from tensorboardX import SummaryWriter
 
 from opd.config import TrainConfig, build_config, dump_config
@@ -45,7 +46,6 @@ def prepare_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool, overwrite: bo
 
 
 def _check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
-    import yaml
     old = build_config(yaml.safe_load((run_dir / "config.yaml").read_text())).to_dict()
     new = cfg.to_dict()
     changed = [k for k in new if new[k] != old.get(k) and k not in RESUMABLE_CHANGES]
