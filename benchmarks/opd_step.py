@@ -28,7 +28,7 @@ from opd.task import get_task, train_examples
 from opd.trainer import setup, run_step
 
 
-def opd_block(cfg, run, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+def opd_block(run, steps: int, warmup: int) -> tuple[list[float], list[float]]:
     times, lengths = [], []
     for i in range(warmup + steps):
         start = time.perf_counter()
@@ -110,11 +110,11 @@ def main():
     stream = train_examples(get_task("chain"), seed=12345)
     prompts = [next(stream).prompt for _ in range(n_prompts)]
 
-    opd_a, len_a = opd_block(cfg, run, args.steps, args.warmup)
+    opd_a, len_a = opd_block(run, args.steps, args.warmup)
     trl_times, trl_lengths = trl_block(student_dir, teacher_dir, prompts, args.batch, cfg.new_tokens, args.steps,
                                        args.warmup)
     torch.set_num_threads(args.threads)
-    opd_b, len_b = opd_block(cfg, run, args.steps, 0)
+    opd_b, len_b = opd_block(run, args.steps, 0)
     ours, theirs = statistics.median(opd_a + opd_b), statistics.median(trl_times)
     print(f"batch {args.batch}, max {cfg.new_tokens} new tokens, {args.threads} threads, trl {trl.__version__}")
     print(f"{'':6} {'s/step':>8} {'mean completion tokens':>24}")

@@ -54,8 +54,6 @@ class TrainConfig:
     threads: int = 2
 
     def __post_init__(self):
-        if isinstance(self.loss, dict):
-            self.loss = LossConfig(**_checked_keys(self.loss, LossConfig, "loss."))
         require(self.family in FAMILIES, f"unknown family {self.family!r}", f"use one of {', '.join(FAMILIES)}")
         require(bool(self.student) == bool(self.teacher), "give both student and teacher, or neither",
                 "neither: the built-in pair of `family`")

@@ -105,7 +105,7 @@ class Engine:
         dists = torch.stack(dists, 1) if return_dists else None  # [B, steps, V]
         return [Rollout(prompts[b], tokens[b, :lengths[b]].tolist(), mu[b, :lengths[b]].tolist(),
                         raw[b, :lengths[b]].tolist(), "stop" if done[b] else "length", self.version,
-                        None if dists is None else dists[b, :lengths[b]].clone())
+                        None if dists is None else dists[b, :lengths[b]])
                 for b in range(B)]
 
     @staticmethod

@@ -164,10 +164,10 @@ def load_state(run_dir: Path, run: Run) -> State:
     return state
 
 
-def step_metrics(batch, student_logp: torch.Tensor, teacher_logp: torch.Tensor, cfg: TrainConfig,
+def step_metrics(batch, q: torch.Tensor, student_logp: torch.Tensor, teacher_logp: torch.Tensor, cfg: TrainConfig,
                  version: int) -> dict:
-    """Mismatch, importance-weight, distortion, staleness and length metrics of one batch (no gradients)."""
-    q = token_logprobs(student_logp, batch.tokens)  # sync: the sampling weights are the current weights
+    """Mismatch, importance-weight, distortion, staleness and length metrics of one batch (no gradients).
+    q [B, N]: the trainer's log-probs of the sampled tokens (sync: the sampling weights are the current weights)."""
     t_y = token_logprobs(teacher_logp, batch.tokens)
     mu, mask = batch.mu, batch.mask
     out = {**mismatch_metrics(mu, q, mask), **importance_metrics(mu, q, mask, cfg.loss.cap),
@@ -200,7 +200,7 @@ def train_step(student: Transformer, teacher: Transformer, opt: torch.optim.Opti
             group["lr"] = lr
         opt.step()
     with torch.no_grad():
-        metrics |= step_metrics(batch, student_logp.detach(), teacher_logp, cfg, version)
+        metrics |= step_metrics(batch, q, student_logp.detach(), teacher_logp, cfg, version)
     metrics |= {"train/lr": lr, "time/teacher": teacher_s, "time/train": time.perf_counter() - start - teacher_s}
     return metrics, ok
 
