@@ -21,7 +21,8 @@ from opd.losses import LossConfig
 from opd.pretrain import FAMILIES
 from opd.task import get_task
 
-SCHEDULES = ("sync",)
+SCHEDULES = ("sync", "async")
+STALE_POLICIES = ("requeue", "drop")
 LR_SCHEDULES = ("cosine", "constant")
 
 
@@ -49,9 +50,15 @@ class TrainConfig:
     save_every: int = 50  # 0: only at the end (and on Ctrl-C)
     exact_kl: bool = True  # also log the exact per-position KL(p_rollout || p_train) (needs the engine's distributions)
     max_bad_steps: int = 5  # stop after this many non-finite losses/gradients in a row
-    schedule: str = "sync"
+    schedule: str = "sync"  # "async": a rollout worker process samples while the trainer trains (async_rollouts.py)
+    max_staleness: int = 1  # async: most optimizer steps a rollout's weights may lag the learner's
+    prefetch: int = -1  # async: batches the worker may sample ahead of the one being trained; -1: max_staleness
+    stale_policy: str = "requeue"  # async: a rollout older than max_staleness is re-sampled ("requeue") or "drop"ped
+    worker_threads: int = 1  # async: the rollout worker's threads (the trainer gets threads - worker_threads)
+    worker_timeout: float = 120.0  # async: seconds without a message from a busy worker before it counts as hung
+    max_worker_restarts: int = 2  # async: a dead or hung worker is restarted this many times, then the run stops
     seed: int = 0
-    threads: int = 2
+    threads: int = 2  # CPU threads for the whole run (async: split between the worker and the trainer)
 
     def __post_init__(self):
         require(self.family in FAMILIES, f"unknown family {self.family!r}", f"use one of {', '.join(FAMILIES)}")
@@ -70,6 +77,21 @@ class TrainConfig:
         require(self.lr_schedule in LR_SCHEDULES, f"unknown lr_schedule {self.lr_schedule!r}",
                 f"use one of {', '.join(LR_SCHEDULES)}")
         require(self.schedule in SCHEDULES, f"unknown schedule {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+        require(self.stale_policy in STALE_POLICIES, f"unknown stale_policy {self.stale_policy!r}",
+                f"use one of {', '.join(STALE_POLICIES)}")
+        for name in ("max_staleness", "max_worker_restarts"):
+            require(getattr(self, name) >= 0, f"config: {name} must be >= 0, got {getattr(self, name)}")
+        require(self.prefetch >= -1, f"config: prefetch must be >= 0 (or -1: max_staleness), got {self.prefetch}")
+        require(self.worker_threads > 0, f"config: worker_threads must be positive, got {self.worker_threads}")
+        require(self.worker_timeout > 0, f"config: worker_timeout must be positive, got {self.worker_timeout}")
+        require(self.schedule != "async" or self.threads > self.worker_threads,
+                f"config: async needs more threads ({self.threads}) than the rollout worker's ({self.worker_threads})",
+                "the trainer gets threads - worker_threads; on 2 cores use threads=2 worker_threads=1")
+
+    @property
+    def lookahead(self) -> int:
+        """Batches the async worker may sample beyond the one being trained."""
+        return self.max_staleness if self.prefetch < 0 else self.prefetch
 
     @property
     def new_tokens(self) -> int:

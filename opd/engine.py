@@ -35,6 +35,8 @@ class Rollout:
     finish_reason: str  # "stop" | "length"
     policy_version: int
     dists: torch.Tensor | None = None  # [n, V] processed log-probs of every step, when generate(return_dists=True)
+    q: list[float] | None = None  # full-precision log-probs under the sampling weights (async worker's recompute)
+    kl_exact: list[float] | None = None  # per-token KL(p_rollout || p_q), from the same recompute
 
 
 class Engine:

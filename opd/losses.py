@@ -2,8 +2,10 @@
 
 Notation, per generated position t (mask m_t; every mean is over the masked tokens of the whole batch):
 `s_t(v)` the learner's log-probs (with gradient), `T_t(v)` the teacher's, `p = exp(s)`, `y_t` the sampled token,
-`mu_t` the sampler's log-prob of `y_t`, `q_t` the trainer's full-precision log-prob of `y_t` under the weights
-that sampled it, and `w_t = exp(q_t - mu_t)` the trainer-vs-rollout importance ratio. `sg` is stop-gradient.
+`mu_t` the sampler's log-prob of `y_t`, and `w_t = exp(sg(s_t(y_t)) - mu_t)` the learner-vs-rollout importance
+ratio. `sg` is stop-gradient. In the synchronous schedule the learner's weights are the ones that sampled, so `w_t`
+is the numerics ratio `exp(q_t - mu_t)`; under staleness it also carries the policy change since sampling, which is
+the ratio that makes the estimate below unbiased for the current policy when `y ~ mu`.
 
 - `sampled_rkl`: the sampled-token reverse KL as a policy-gradient advantage (tinker-cookbook, AsyncOPD):
       A_t = T_t(y_t) - b_t,   b_t = mu_t (student_term "sampler") or sg(s_t(y_t)) (student_term "learner")
@@ -67,9 +69,9 @@ def kl(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:
     return torch.where(logp_a > float("-inf"), terms, torch.zeros_like(terms)).sum(-1)
 
 
-def importance_coef(mu: torch.Tensor, q: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
-    """c_t of the sampled-token loss: 1, min(w, C) (TIS) or 1[1/C <= w <= C] (MIS), with w = exp(q - mu)."""
-    w = torch.exp(q - mu)
+def importance_coef(mu: torch.Tensor, learner: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """c_t of the sampled-token loss: 1, min(w, C) (TIS) or 1[1/C <= w <= C] (MIS), with w = exp(learner - mu)."""
+    w = torch.exp(learner - mu)
     if cfg.correction == "tis":
         return w.clamp(max=cfg.cap)
     if cfg.correction == "mis":
@@ -92,19 +94,19 @@ def jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float) -> 
 
 
 def opd_loss(cfg: LossConfig, student_logp: torch.Tensor, teacher_logp: torch.Tensor, tokens: torch.Tensor,
-             mu: torch.Tensor, q: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """student_logp, teacher_logp [B, T, V]; tokens, mu, q, mask [B, T] -> (scalar loss, {"loss/...": float}).
+             mu: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """student_logp, teacher_logp [B, T, V]; tokens, mu, mask [B, T] -> (scalar loss, {"loss/...": float}).
 
     mask is 1 on generated tokens. student_logp carries the gradient; everything else is treated as data."""
     B, T, V = student_logp.shape
-    assert teacher_logp.shape == (B, T, V) and tokens.shape == mu.shape == q.shape == mask.shape == (B, T)
+    assert teacher_logp.shape == (B, T, V) and tokens.shape == mu.shape == mask.shape == (B, T)
     mask = mask.to(student_logp.dtype)
     s_y = student_logp.gather(-1, tokens[..., None])[..., 0]  # [B, T]
     t_y = teacher_logp.gather(-1, tokens[..., None])[..., 0]
     metrics = {"loss/rkl_sampled": masked_mean(s_y - t_y, mask).item()}
     if cfg.name == "sampled_rkl":
         baseline = mu if cfg.student_term == "sampler" else s_y.detach()
-        advantage, coef = t_y - baseline, importance_coef(mu, q, cfg)
+        advantage, coef = t_y - baseline, importance_coef(mu, s_y.detach(), cfg)
         per_token = -coef * advantage * s_y
         metrics |= {"loss/advantage_mean": masked_mean(advantage, mask).item(),
                     "loss/coef_mean": masked_mean(coef, mask).item()}

@@ -7,7 +7,8 @@
     <run_dir>/summary.json     before/after evaluation and timings, written when the run finishes
 
 A directory that already holds a run is never silently reused: `resume` continues it (the config must match,
-except `steps`), `overwrite` deletes it first, anything else is an error. Non-finite values are logged as null.
+except `steps` and the async worker's fault limits), `overwrite` deletes it first, anything else is an error.
+Non-finite values are logged as null.
 """
 import json
 import math
@@ -22,7 +23,7 @@ from tensorboardX import SummaryWriter
 from opd.config import TrainConfig, build_config, dump_config
 from opd.errors import OpdError, require
 
-RESUMABLE_CHANGES = ("steps",)
+RESUMABLE_CHANGES = ("steps", "worker_timeout", "max_worker_restarts")  # change no result
 
 
 def prepare_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
@@ -50,7 +51,8 @@ def _check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
     new = cfg.to_dict()
     changed = [k for k in new if new[k] != old.get(k) and k not in RESUMABLE_CHANGES]
     require(not changed, f"{run_dir} holds a run with a different config ({', '.join(changed)})",
-            "resume with the same config (only steps may change), or use --overwrite or another --run-dir")
+            "resume with the same config (only steps and the worker's fault limits may change), or use --overwrite or another "
+            "--run-dir")
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -6,11 +6,17 @@ log-probs in full precision -> loss (losses.py) -> optimizer step -> the engine 
 version. The learner needs `q` (the weights that sampled) and `pi` (the current weights); in this schedule they are
 the same weights, so one forward gives both, and `pi - q` (staleness) is zero by construction.
 
+`schedule: async` replaces the in-process engine with a rollout worker process (async_rollouts.py) that samples the
+next batches while this process scores and trains; everything else in the step is the same code. The worker sends
+`q` with each batch (it has the sampling weights), so numerics mismatch and staleness are measured apart. Batch i is
+sampled with seed `sampler_seed(seed, i)` in both schedules, so `max_staleness` 0 reproduces the synchronous run.
+
 Every step logs the mismatch between the rollout engine and the trainer (`mu` vs `q`, metrics.py), the
 distortion of the OPD signal, the loss, gradient norm, lengths and the time split; every `eval_every` steps,
 held-out accuracy (greedy and sampled) and reverse KL to the teacher. A step whose loss or gradient is not finite
 is skipped and counted; `max_bad_steps` in a row stop the run. A checkpoint (HF folder + optimizer, RNG, engine
-scales and step) is written every `save_every` steps, at the end and on Ctrl-C; `resume` continues from it exactly.
+scales and step) is written every `save_every` steps, at the end, on Ctrl-C and when the run stops with an error
+(non-finite steps, a lost rollout worker); `resume` continues from it (exactly, from a periodic checkpoint).
 """
 import copy
 import io
@@ -25,6 +31,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from opd.async_rollouts import AsyncRollouts, sampler_seed, worker_spec
 from opd.checkpoint import load_checkpoint, save_checkpoint
 from opd.config import TrainConfig
 from opd.data import encode_prompt, load_prompts
@@ -32,7 +39,7 @@ from opd.engine import Engine
 from opd.errors import OpdError, require
 from opd.evaluate import greedy_accuracy, sampled_quality
 from opd.learner import collate, completion_logprobs, token_logprobs
-from opd.losses import opd_loss
+from opd.losses import masked_mean, opd_loss
 from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics, rollout_metrics,
                          staleness_metrics)
 from opd.model import Transformer
@@ -112,9 +119,10 @@ class Run:
     student: Transformer
     teacher: Transformer
     tok: TextTokenizer
-    engine: Engine
+    engine: Engine | None  # sync: the in-process rollout engine
+    rollouts: AsyncRollouts | None  # async: the rollout worker
+    plan: Plan
     opt: torch.optim.Optimizer
-    generator: torch.Generator  # the sampler's randomness
     prompts: PromptSource
     params: SamplingParams
     state: State
@@ -141,38 +149,49 @@ def evaluate(run: Run, cfg: TrainConfig) -> dict:
             "time/eval": time.perf_counter() - start}
 
 
-def save_state(run_dir: Path, run: Run) -> None:
+def save_state(run_dir: Path, run: Run, wait: bool = True) -> None:
+    """wait (async): collect the batches in flight first, so that a resume continues exactly."""
+    blob = {"optimizer": run.opt.state_dict()}
+    if run.engine is not None:
+        blob["engine_scales"] = run.engine.scales
+    else:
+        blob["async"] = run.rollouts.state_dict(wait)
+        blob["engine_scales"] = run.rollouts.scales
     buffer = io.BytesIO()
-    torch.save({"optimizer": run.opt.state_dict(), "sampler_rng": run.generator.get_state(),
-                "engine_scales": run.engine.scales}, buffer)
+    torch.save(blob, buffer)
     save_checkpoint(run_dir / "checkpoint", run.student, run.tok, extra_json={"trainer_state.json": vars(run.state)},
                     extra_files={"trainer_state.pt": buffer.getvalue()})
 
 
-def load_state(run_dir: Path, run: Run) -> State:
+def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
+    """-> (trainer state, the saved blob: engine scales and, for async runs, the rollout worker's batches)."""
     folder = run_dir / "checkpoint"
     if not (folder / "trainer_state.pt").is_file():
-        return State()  # interrupted before the first checkpoint: start over
+        return State(), {}  # interrupted before the first checkpoint: start over
     saved, _ = load_checkpoint(folder)
     run.student.load_state_dict(saved.state_dict())
     blob = torch.load(folder / "trainer_state.pt", weights_only=False)
     run.opt.load_state_dict(blob["optimizer"])
-    run.generator.set_state(blob["sampler_rng"])
     state = State(**json.loads((folder / "trainer_state.json").read_text()))
-    run.engine.update_weights(run.student.state_dict(), state.version)
-    run.engine.scales.update(blob["engine_scales"])
-    return state
+    if run.engine is not None:
+        run.engine.update_weights(run.student.state_dict(), state.version)
+        run.engine.scales.update(blob["engine_scales"])
+    return state, blob
 
 
-def step_metrics(batch, q: torch.Tensor, student_logp: torch.Tensor, teacher_logp: torch.Tensor, cfg: TrainConfig,
+def step_metrics(batch, pi: torch.Tensor, student_logp: torch.Tensor, teacher_logp: torch.Tensor, cfg: TrainConfig,
                  version: int) -> dict:
     """Mismatch, importance-weight, distortion, staleness and length metrics of one batch (no gradients).
-    q [B, N]: the trainer's log-probs of the sampled tokens (sync: the sampling weights are the current weights)."""
+    pi [B, N]: the current learner's log-probs of the sampled tokens. q, under the weights that sampled, comes with
+    the batch when those were older (async); otherwise the sampling weights are the current ones and q = pi."""
     t_y = token_logprobs(teacher_logp, batch.tokens)
     mu, mask = batch.mu, batch.mask
+    q = pi if batch.q is None else batch.q
     out = {**mismatch_metrics(mu, q, mask), **importance_metrics(mu, q, mask, cfg.loss.cap),
-           **distortion_metrics(t_y, mu, q, mask), **staleness_metrics(batch.versions, version, q, q, mask)}
-    if batch.rollout_logp is not None:
+           **distortion_metrics(t_y, mu, q, mask), **staleness_metrics(batch.versions, version, q, pi, mask)}
+    if batch.kl_exact is not None:
+        out["mismatch/kl_exact"] = masked_mean(batch.kl_exact.double(), mask).item()
+    elif batch.rollout_logp is not None:
         out |= exact_kl_metric(batch.rollout_logp, student_logp, mask)
     lengths = batch.mask.sum(1).tolist()
     return out | rollout_metrics(lengths, [n >= cfg.new_tokens for n in lengths])
@@ -186,8 +205,7 @@ def train_step(student: Transformer, teacher: Transformer, opt: torch.optim.Opti
         teacher_logp = completion_logprobs(teacher, batch)
     teacher_s = time.perf_counter() - start
     student_logp = completion_logprobs(student, batch, cfg.temperature)
-    q = token_logprobs(student_logp.detach(), batch.tokens)
-    loss, metrics = opd_loss(cfg.loss, student_logp, teacher_logp, batch.tokens, batch.mu, q, batch.mask)
+    loss, metrics = opd_loss(cfg.loss, student_logp, teacher_logp, batch.tokens, batch.mu, batch.mask)
     opt.zero_grad(set_to_none=True)
     ok = math.isfinite(loss.item())
     if ok:
@@ -200,62 +218,89 @@ def train_step(student: Transformer, teacher: Transformer, opt: torch.optim.Opti
             group["lr"] = lr
         opt.step()
     with torch.no_grad():
-        metrics |= step_metrics(batch, q, student_logp.detach(), teacher_logp, cfg, version)
+        pi = token_logprobs(student_logp.detach(), batch.tokens)
+        metrics |= step_metrics(batch, pi, student_logp.detach(), teacher_logp, cfg, version)
     metrics |= {"train/lr": lr, "time/teacher": teacher_s, "time/train": time.perf_counter() - start - teacher_s}
     return metrics, ok
 
 
 def setup(cfg: TrainConfig) -> Run:
-    torch.set_num_threads(cfg.threads)
+    """Load the pair and build the optimizer and the rollout side (an engine, or for async the worker's spec;
+    the worker itself starts in `train`, once the weights to start from are known)."""
+    asynchronous = cfg.schedule == "async"
+    torch.set_num_threads(cfg.threads - cfg.worker_threads if asynchronous else cfg.threads)
     student, teacher, tok = load_pair(cfg)
     context = min(student.cfg.max_position_embeddings, teacher.cfg.max_position_embeddings)
     plan = Plan.from_mapping(cfg.plan, student.cfg.num_layers) if isinstance(cfg.plan, dict) \
         else Plan.parse(cfg.plan, student.cfg.num_layers)
     # The engine holds its own copy: it runs the published weights of a version, never the learner's live tensors.
-    engine = Engine(copy.deepcopy(student), tok.eos_id, tok.pad_id, plan, noise_seed=cfg.noise_seed)
+    engine = None if asynchronous else Engine(copy.deepcopy(student), tok.eos_id, tok.pad_id, plan,
+                                              noise_seed=cfg.noise_seed)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     floats = cfg.batch_size * cfg.new_tokens * student.cfg.vocab_size
     exact_kl = cfg.exact_kl and floats <= EXACT_KL_MAX_FLOATS
     if cfg.exact_kl and not exact_kl:
         print(f"opd: exact_kl off: the rollouts' full distributions would take {floats * 4 / 2**30:.1f} GiB "
               f"(batch x tokens x vocab); mismatch/kl_k3 still estimates the same KL", file=sys.stderr)
-    return Run(cfg, student, teacher, tok, engine, opt, torch.Generator().manual_seed(cfg.seed),
-               PromptSource(cfg, tok, context), SamplingParams(cfg.new_tokens, temperature=cfg.temperature), State(),
-               exact_kl)
+    prompts, params = PromptSource(cfg, tok, context), SamplingParams(cfg.new_tokens, temperature=cfg.temperature)
+    rollouts = AsyncRollouts(cfg, worker_spec(cfg, student, tok, plan, params, exact_kl), prompts) \
+        if asynchronous else None
+    return Run(cfg, student, teacher, tok, engine, rollouts, plan, opt, prompts, params, State(), exact_kl)
 
 
 def run_step(run: Run) -> dict:
     """Step `run.state.step`: sample, score, update, publish. Returns the step's metrics."""
     cfg, state = run.cfg, run.state
     start = time.perf_counter()
-    rollouts = run.engine.generate(run.prompts.batch(state.step), run.params, run.generator, return_dists=run.exact_kl)
+    if run.engine is not None:
+        rollouts = run.engine.generate(run.prompts.batch(state.step), run.params,
+                                       torch.Generator().manual_seed(sampler_seed(cfg.seed, state.step)),
+                                       return_dists=run.exact_kl)
+        sample_metrics = {"time/generate": time.perf_counter() - start}
+    else:
+        rollouts, sample_metrics = run.rollouts.next_batch(state.version)
     batch = collate(rollouts, run.tok.pad_id)
-    generate_s = time.perf_counter() - start
     metrics, ok = train_step(run.student, run.teacher, run.opt, batch, cfg, lr_at(state.version, cfg), state.version)
     state.step += 1
     if ok:
         state.version += 1
         state.bad_steps = 0
         sync = time.perf_counter()
-        run.engine.update_weights(run.student.state_dict(), state.version)
+        if run.engine is not None:
+            run.engine.update_weights(run.student.state_dict(), state.version)
+        else:
+            run.rollouts.publish(run.student.state_dict(), state.version)
         metrics["time/sync"] = time.perf_counter() - sync
     else:
         state.bad_steps += 1
         state.skipped += 1
     elapsed = time.perf_counter() - start
-    return metrics | {"train/skipped_steps": state.skipped, "train/version": state.version,
-                      "time/generate": generate_s, "time/step": elapsed,
+    return metrics | sample_metrics | {"train/skipped_steps": state.skipped, "train/version": state.version,
+                                        "time/step": elapsed,
                       "throughput/tokens_per_s": batch.num_tokens / elapsed}
 
 
 def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool = False,
-          progress: bool = True) -> dict:
-    """Run (or continue) one OPD run in run_dir; returns the summary (also written to summary.json)."""
+          progress: bool = True, on_step=None) -> dict:
+    """Run (or continue) one OPD run in run_dir; returns the summary (also written to summary.json).
+    on_step(step, run), if given, is called after each logged step (tests use it to inject faults)."""
     run_dir = Path(run_dir)
     run = setup(cfg)
     prepare_run_dir(run_dir, cfg, resume, overwrite)
+    saved = {}
     if resume:
-        run.state = load_state(run_dir, run)
+        run.state, saved = load_state(run_dir, run)
+    try:
+        if run.rollouts is not None:
+            run.rollouts.start(run.student.state_dict(), run.state.version, saved.get("engine_scales", {}),
+                               saved.get("async"))
+        return _train(run, cfg, run_dir, progress, on_step)
+    finally:
+        if run.rollouts is not None:
+            run.rollouts.close()
+
+
+def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step) -> dict:
     log = RunLog(run_dir, run.state.step)
     before = evaluate(run, cfg) if run.state.step == 0 else _first_eval(run_dir)
     last_eval = before
@@ -276,16 +321,20 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
                                "or raise max_bad_steps")
             if cfg.save_every and run.state.step % cfg.save_every == 0 and run.state.step < cfg.steps:
                 save_state(run_dir, run)
-    except KeyboardInterrupt:
-        save_state(run_dir, run)
+            if on_step is not None:
+                on_step(step, run)
+    except (KeyboardInterrupt, OpdError):  # the state is consistent between steps: keep it for --resume
+        save_state(run_dir, run, wait=False)
         log.close()
         raise
     after = evaluate(run, cfg)
     log.write(cfg.steps, after)
     log.close()
-    save_state(run_dir, run)
+    save_state(run_dir, run, wait=False)
     summary = {"before": before, "after": after, "steps": run.state.step, "skipped_steps": run.state.skipped,
-               "plan": str(run.engine.plan), **_seconds(read_metrics(run_dir))}
+               "plan": str(run.plan), "schedule": cfg.schedule, **_seconds(read_metrics(run_dir))}
+    if run.rollouts is not None:
+        summary |= {f"async/{k}": v for k, v in run.rollouts.counts.items()}
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 

@@ -1,0 +1,194 @@
+"""The asynchronous schedule: it reproduces sync at staleness 0, bounds and measures staleness, survives its worker.
+
+Each async run spawns a worker process (about 2-3 s to import torch), so these runs are short.
+"""
+import json
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from opd.async_rollouts import recompute
+from opd.checkpoint import load_checkpoint
+from opd.engine import Engine
+from opd.errors import OpdError
+from opd.learner import collate, completion_logprobs
+from opd.metrics import exact_kl_metric
+from opd.runlog import read_metrics
+from opd.sampling import SamplingParams
+from opd.trainer import train
+
+from test_cli import assert_one_line_error, opd
+from test_trainer import config, make_checkpoint
+from test_trainer import comparable as without_times
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    return make_checkpoint(root / "student", 0), make_checkpoint(root / "teacher", 1)
+
+
+def async_config(pair, **overrides):
+    # threads=2: one for the worker, one for the trainer, so the trainer's arithmetic matches a threads=1 sync run
+    return config(pair, **({"schedule": "async", "threads": 2, "plan": "kv=fp8_e4m3"} | overrides))
+
+
+def comparable(rows):
+    """Without wall-clock values and the queue depth (how many batches were ready depends on timing)."""
+    return [{k: v for k, v in row.items() if k != "async/queue_depth"} for row in without_times(rows)]
+
+
+def no_worker_left():
+    return multiprocessing.active_children() == []
+
+
+def test_staleness_zero_reproduces_the_sync_run(pair, tmp_path):
+    train(config(pair, plan="kv=fp8_e4m3"), tmp_path / "sync", progress=False)
+    train(async_config(pair, max_staleness=0), tmp_path / "async", progress=False)
+    sync, asyn = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "async")
+    assert len(sync) == len(asyn) == 7
+    assert comparable(sync) == [{k: v for k, v in row.items() if k in s} for row, s in zip(comparable(asyn), sync)]
+    assert all(row.get("async/requeued", 0) == 0 for row in asyn)
+    assert no_worker_left()
+
+
+def test_staleness_one_is_exact_and_measured_apart_from_numerics(pair, tmp_path):
+    """k=1: batch s is sampled by version s-1 (0 while the pipeline fills). With a float32 engine the numerics
+    mismatch (mu vs q) stays zero although the policy moved (pi vs q): the two are measured apart."""
+    train(async_config(pair, max_staleness=1, plan="", lr=1e-2), tmp_path / "run", progress=False)
+    rows = read_metrics(tmp_path / "run")[:-1]
+    assert [r["stale/version_gap_max"] for r in rows] == [0, 1, 1, 1, 1, 1]
+    assert [r["train/version"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["mismatch/kl_k3"] < 1e-9 and abs(r["mismatch/kl_exact"]) < 1e-7 for r in rows)
+    assert rows[0]["stale/upd_kl_k3"] == 0 and all(r["stale/upd_kl_k3"] > 1e-6 for r in rows[1:])
+
+
+def test_worker_recompute_matches_the_trainers_forward(pair):
+    """The worker's q and exact KL come from the sampling weights at full precision: at full precision q equals the
+    sampler's mu and the KL is 0; under an fp8 KV cache the per-token KL averages to the trainer's exact metric."""
+    model, tok = load_checkpoint(pair[0])
+    prompts = [[1, 20, 21], [1, 22, 23, 24, 25]]
+    for plan in ("", "kv=fp8_e5m2"):
+        engine = Engine(model, tok.eos_id, tok.pad_id, plan)
+        rollouts = engine.generate(prompts, SamplingParams(12), torch.Generator().manual_seed(0), return_dists=True)
+        batch = collate(rollouts, tok.pad_id)
+        with torch.no_grad():
+            want = exact_kl_metric(batch.rollout_logp, completion_logprobs(model, batch), batch.mask)
+        recompute(engine, rollouts, tok.pad_id, 1.0)
+        got = collate(rollouts, tok.pad_id)
+        if plan == "":
+            assert torch.allclose(got.q[got.mask], got.mu[got.mask], atol=2e-5)
+            assert got.kl_exact[got.mask].abs().max() < 1e-6
+        else:
+            assert want["mismatch/kl_exact"] > 1e-5
+            assert got.kl_exact[got.mask].double().mean().item() == pytest.approx(want["mismatch/kl_exact"], rel=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["requeue", "drop"])
+def test_too_stale_batches_are_requeued_or_dropped_and_counted(pair, tmp_path, policy):
+    """prefetch 1 lets the worker sample one batch ahead, so with max_staleness 0 every batch but the first
+    arrives one version too old: each is re-sampled or discarded, and no stale batch is trained on."""
+    summary = train(async_config(pair, max_staleness=0, prefetch=1, stale_policy=policy), tmp_path / "run",
+                    progress=False)
+    rows = read_metrics(tmp_path / "run")[:-1]
+    assert all(r["stale/version_gap_max"] == 0 for r in rows)
+    counted = summary[f"async/{'requeued' if policy == 'requeue' else 'dropped'}"]
+    assert counted >= 5 and rows[-1][f"async/{'requeued' if policy == 'requeue' else 'dropped'}"] == counted
+    other = summary[f"async/{'dropped' if policy == 'requeue' else 'requeued'}"]
+    assert other == 0
+
+
+def test_resume_after_a_crash_continues_exactly(pair, tmp_path):
+    cfg = async_config(pair, max_staleness=1, save_every=3)
+    train(cfg, tmp_path / "whole", progress=False)
+
+    def crash(step, run):
+        if step == 4:
+            raise RuntimeError("simulated crash")
+
+    with pytest.raises(RuntimeError):
+        train(cfg, tmp_path / "cut", progress=False, on_step=crash)
+    assert no_worker_left()
+    train(cfg, tmp_path / "cut", resume=True, progress=False)
+    assert comparable(read_metrics(tmp_path / "cut")) == comparable(read_metrics(tmp_path / "whole"))
+
+
+def test_ctrl_c_leaves_a_resumable_run(pair, tmp_path):
+    cfg = async_config(pair, max_staleness=2, save_every=0)
+
+    def interrupt(step, run):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "run", progress=False, on_step=interrupt)
+    assert no_worker_left()
+    state = json.loads((tmp_path / "run" / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 3
+    summary = train(cfg, tmp_path / "run", resume=True, progress=False)
+    rows = read_metrics(tmp_path / "run")
+    assert summary["steps"] == 6 and [r["step"] for r in rows] == list(range(7))
+
+
+def kill_worker_at(step_to_kill, sig):
+    def hook(step, run):
+        if step == step_to_kill:
+            os.kill(run.rollouts.worker.pid, sig)
+    return hook
+
+
+def test_a_killed_worker_is_restarted(pair, tmp_path):
+    start = time.monotonic()
+    summary = train(async_config(pair, max_staleness=1), tmp_path / "run", progress=False,
+                    on_step=kill_worker_at(2, signal.SIGKILL))
+    assert summary["async/worker_restarts"] == 1 and summary["steps"] == 6
+    assert time.monotonic() - start < 60
+    assert no_worker_left()
+
+
+def test_a_hung_worker_is_detected_and_restarted(pair, tmp_path):
+    summary = train(async_config(pair, max_staleness=1, worker_timeout=3.0), tmp_path / "run", progress=False,
+                    on_step=kill_worker_at(2, signal.SIGSTOP))
+    assert summary["async/worker_restarts"] == 1 and summary["steps"] == 6
+    assert no_worker_left()
+
+
+def test_a_worker_that_keeps_dying_stops_the_run_with_a_clear_error(pair, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(OpdError, match="rollout worker rollout-0 exited with code -9; it was restarted 0 times"):
+        train(async_config(pair, max_staleness=1, max_worker_restarts=0), tmp_path / "run", progress=False,
+              on_step=kill_worker_at(1, signal.SIGKILL))
+    assert time.monotonic() - start < 30
+    assert no_worker_left()
+    state = json.loads((tmp_path / "run" / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 2  # saved where it stopped; a higher restart limit may be set on resume
+    summary = train(async_config(pair, max_staleness=1, max_worker_restarts=1), tmp_path / "run", resume=True,
+                    progress=False)
+    assert summary["steps"] == 6
+
+
+def test_async_through_the_cli(pair, tmp_path):
+    student, teacher = pair
+    settings = [f"student={student}", f"teacher={teacher}", "task=add", "steps=3", "batch_size=4", "eval_examples=8",
+                "schedule=async", "max_staleness=1"]
+    result = opd("train", *[a for s in settings for a in ("--set", s)], "--run-dir", str(tmp_path / "run"), "--quiet")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["schedule"] == "async" and summary["steps"] == 3
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("stale_policy=keep", "unknown stale_policy 'keep'"), ("max_staleness=-1", "max_staleness must be >= 0"),
+    ("prefetch=-2", "prefetch must be >= 0"), ("worker_timeout=0", "worker_timeout must be positive"),
+    ("threads=1", "async needs more threads (1) than the rollout worker's (1)")])
+def test_bad_async_settings(pair, tmp_path, setting, message):
+    student, teacher = pair
+    settings = [f"student={student}", f"teacher={teacher}", "schedule=async", setting]
+    result = opd("train", *[a for s in settings for a in ("--set", s)], "--run-dir", str(tmp_path / "run"))
+    assert_one_line_error(result, message)
