@@ -167,7 +167,8 @@ def test_a_worker_that_keeps_dying_stops_the_run_with_a_clear_error(pair, tmp_pa
     assert time.monotonic() - start < 30
     assert no_worker_left()
     state = json.loads((tmp_path / "run" / "checkpoint" / "trainer_state.json").read_text())
-    assert state["step"] == 2  # saved where it stopped; a higher restart limit may be set on resume
+    # saved where it stopped: at step 2, or 3 if batch 2 had reached the trainer before the kill
+    assert state["step"] in (2, 3)
     summary = train(async_config(pair, max_staleness=1, max_worker_restarts=1), tmp_path / "run", resume=True,
                     progress=False)
     assert summary["steps"] == 6
