@@ -8,7 +8,7 @@ worker could be hosted as an actor on a cluster engine by swapping `RolloutWorke
                         ("generate", key, prompts, seed)             sample one batch, key = (index, attempt)
                         ("stop",)
     worker -> trainer   ("ready", address, pid)
-                        ("rollouts", key, result bytes, seconds, finished_at)
+                        ("rollouts", key, result bytes, (generate_s, recompute_s), finished_at)
                         ("error", address, message)
 
 **Staleness is bounded at dispatch.** The trainer keeps at most `lookahead + 1` batches outstanding (dispatched and
@@ -23,7 +23,9 @@ Weights change only between batches, so every token of a rollout has the rollout
 **The worker also recomputes `q`** when staleness is possible (lookahead > 0): the full-precision log-prob of each
 sampled token under the weights that sampled it (the rollout copy's unquantized weights), and the exact per-token
 KL(p_rollout || p_q). The trainer no longer has those weights; with them the numerics mismatch (mu vs q) and the
-staleness (q vs pi) are measured apart, as MISSION defines them.
+staleness (q vs pi) are measured apart, as MISSION defines them. It is one more student forward per batch (the
+"old log-prob" pass of async RL trainers); `recompute_fraction` < 1 does it on the batch's first rollouts only
+(the prompts are i.i.d., so those metrics become estimates from a subsample), 0 not at all.
 
 **Faults.** Every wait has a timeout. A worker that exits is noticed within `POLL` seconds; one that sends nothing
 for `worker_timeout` seconds while it has work is killed as hung. Either is restarted (with the newest weights and
@@ -32,6 +34,7 @@ inside the worker is reported as one line and stops the run (it would recur). Th
 trainer can shut it down cleanly and save; it exits by itself if the trainer process disappears.
 """
 import io
+import math
 import multiprocessing
 import os
 import queue
@@ -81,11 +84,14 @@ class WorkerSpec:
     params: SamplingParams
     threads: int
     return_dists: bool  # the engine's full distributions (for the exact KL)
-    recompute_q: bool  # also compute q and the exact KL per token under the sampling weights
+    recompute: bool  # staleness is possible: compute q (and the exact KL) under the sampling weights
+    recompute_fraction: float  # of each batch, the share (first rollouts) to recompute
 
 
 def recompute(engine: Engine, rollouts: list[Rollout], pad_id: int, temperature: float) -> None:
     """Attach q and the exact per-token KL(p_rollout || p_q) to each rollout, from the engine's unquantized weights."""
+    if not rollouts:
+        return
     batch = collate(rollouts, pad_id)
     with torch.no_grad():
         logp = completion_logprobs(engine.base, batch, temperature)
@@ -127,10 +133,15 @@ def worker_main(address: str, inbox, outbox, init: bytes) -> None:
                 start = time.perf_counter()
                 rollouts = engine.generate(prompts, spec.params, torch.Generator().manual_seed(seed),
                                            return_dists=spec.return_dists)
-                if spec.recompute_q:
-                    recompute(engine, rollouts, spec.pad_id, spec.params.temperature)
+                generated = time.perf_counter()
+                if spec.recompute:
+                    n = math.ceil(spec.recompute_fraction * len(rollouts))
+                    recompute(engine, rollouts[:n], spec.pad_id, spec.params.temperature)
+                    for r in rollouts[n:]:
+                        r.dists = None  # stale: the trainer could not use them
                 result = pack({"rollouts": rollouts, "scales": engine.scales})
-                outbox.put(("rollouts", key, result, time.perf_counter() - start, time.time()))
+                seconds = (generated - start, time.perf_counter() - generated)
+                outbox.put(("rollouts", key, result, seconds, time.time()))
     except Exception as e:  # report one readable line; the trainer decides what to do
         where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
         text = str(e) if isinstance(e, OpdError) else \
@@ -203,7 +214,7 @@ class RolloutWorker:
 @dataclass
 class Result:
     rollouts: list[Rollout]
-    seconds: float  # the worker's time on this batch
+    seconds: tuple[float, float]  # the worker's time on this batch: sampling, then recomputing q and packing
     finished_at: float  # wall clock when the worker finished it
 
 
@@ -226,7 +237,7 @@ class AsyncRollouts:
         if saved:
             self.next_index, self.counts = saved["next_index"], saved["counts"]
             self.order = deque(tuple(k) for k in saved["order"])
-            self.ready = {tuple(k): Result(unpack(blob), 0.0, time.time()) for k, blob in saved["ready"]}
+            self.ready = {tuple(k): Result(unpack(blob), (0.0, 0.0), time.time()) for k, blob in saved["ready"]}
         try:
             self.worker.start(self.weights, self.version, self.scales)
         except WorkerLost as e:
@@ -282,7 +293,8 @@ class AsyncRollouts:
                 self.counts["dropped"] += 1
         metrics = {"async/queue_depth": depth, "time/rollout_wait": time.perf_counter() - start,
                    "time/rollout_in_queue": max(0.0, time.time() - result.finished_at),
-                   "time/generate": result.seconds, **{f"async/{k}": v for k, v in self.counts.items()}}
+                   "time/generate": result.seconds[0], "time/recompute": result.seconds[1],
+                   **{f"async/{k}": v for k, v in self.counts.items()}}
         return result.rollouts, metrics
 
     # -- internals -------------------------------------------------------------------------------------------------
@@ -344,4 +356,4 @@ class AsyncRollouts:
 
 def worker_spec(cfg, model: Transformer, tok, plan: Plan, params: SamplingParams, return_dists: bool) -> WorkerSpec:
     return WorkerSpec(asdict(model.cfg), tok.eos_id, tok.pad_id, plan, cfg.noise_seed, params, cfg.worker_threads,
-                      return_dists, recompute_q=cfg.lookahead > 0)
+                      return_dists, recompute=cfg.lookahead > 0, recompute_fraction=cfg.recompute_fraction)

@@ -54,6 +54,7 @@ class TrainConfig:
     max_staleness: int = 1  # async: most optimizer steps a rollout's weights may lag the learner's
     prefetch: int = -1  # async: batches the worker may sample ahead of the one being trained; -1: max_staleness
     stale_policy: str = "requeue"  # async: a rollout older than max_staleness is re-sampled ("requeue") or "drop"ped
+    recompute_fraction: float = 1.0  # async: share of each batch (its first rollouts) whose q the worker recomputes
     worker_threads: int = 1  # async: the rollout worker's threads (the trainer gets threads - worker_threads)
     worker_timeout: float = 120.0  # async: seconds without a message from a busy worker before it counts as hung
     max_worker_restarts: int = 2  # async: a dead or hung worker is restarted this many times, then the run stops
@@ -82,6 +83,8 @@ class TrainConfig:
         for name in ("max_staleness", "max_worker_restarts"):
             require(getattr(self, name) >= 0, f"config: {name} must be >= 0, got {getattr(self, name)}")
         require(self.prefetch >= -1, f"config: prefetch must be >= 0 (or -1: max_staleness), got {self.prefetch}")
+        require(0 <= self.recompute_fraction <= 1,
+                f"config: recompute_fraction must be in [0, 1], got {self.recompute_fraction}")
         require(self.worker_threads > 0, f"config: worker_threads must be positive, got {self.worker_threads}")
         require(self.worker_timeout > 0, f"config: worker_timeout must be positive, got {self.worker_timeout}")
         require(self.schedule != "async" or self.threads > self.worker_threads,

@@ -22,8 +22,9 @@ class Batch:
     mu: torch.Tensor  # [B, N] sampler log-probs
     versions: list[int]  # policy version of each rollout
     rollout_logp: torch.Tensor | None = None  # [B, N, V] the engine's full distributions, when it returned them
-    q: torch.Tensor | None = None  # [B, N] log-probs under the sampling weights, when the rollouts carry them (async)
+    q: torch.Tensor | None = None  # [B, N] log-probs under the sampling weights, when rollouts carry them (async)
     kl_exact: torch.Tensor | None = None  # [B, N] exact KL(p_rollout || p_q) per token, likewise
+    has_q: torch.Tensor | None = None  # [B] bool: the rows that carry them (async may recompute only some)
 
     @property
     def num_tokens(self) -> int:
@@ -52,16 +53,19 @@ def collate(rollouts: list[Rollout], pad_id: int) -> Batch:
         dists = torch.zeros(B, N, V)
         for b, r in enumerate(rollouts):
             dists[b, :len(r.completion_ids)] = r.dists
+    has_q = torch.tensor([r.q is not None for r in rollouts])
     return Batch(input_ids, positions, tokens, mask, mu, [r.policy_version for r in rollouts], dists,
-                 _per_token(rollouts, "q", N), _per_token(rollouts, "kl_exact", N))
+                 _per_token(rollouts, "q", N), _per_token(rollouts, "kl_exact", N), has_q if has_q.any() else None)
 
 
 def _per_token(rollouts: list[Rollout], name: str, N: int) -> torch.Tensor | None:
-    if any(getattr(r, name) is None for r in rollouts):
+    """[B, N] of a per-token list field (zeros on rows without it), or None if no row has it."""
+    if all(getattr(r, name) is None for r in rollouts):
         return None
     out = torch.zeros(len(rollouts), N)
     for b, r in enumerate(rollouts):
-        out[b, :len(r.completion_ids)] = torch.tensor(getattr(r, name))
+        if getattr(r, name) is not None:
+            out[b, :len(r.completion_ids)] = torch.tensor(getattr(r, name))
     return out
 
 

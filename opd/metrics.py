@@ -75,9 +75,10 @@ def staleness_metrics(versions: list[int], current: int, q: torch.Tensor, pi: to
                       mask: torch.Tensor) -> dict:
     """versions: the (token-weighted) policy version of each rollout; current: the learner's version."""
     gaps = [current - v for v in versions]
-    _, k3 = kl_estimates(pi - q, mask)
-    return {"stale/version_gap_mean": sum(gaps) / len(gaps), "stale/version_gap_max": float(max(gaps)),
-            "stale/upd_kl_k3": k3}
+    out = {"stale/version_gap_mean": sum(gaps) / len(gaps), "stale/version_gap_max": float(max(gaps))}
+    if mask.any():  # no tokens with a known q: the update's KL is unknown, not zero
+        out["stale/upd_kl_k3"] = kl_estimates(pi - q, mask)[1]
+    return out
 
 
 def rollout_metrics(lengths: list[int], truncated: list[bool]) -> dict:

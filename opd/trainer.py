@@ -183,16 +183,20 @@ def step_metrics(batch, pi: torch.Tensor, student_logp: torch.Tensor, teacher_lo
                  version: int) -> dict:
     """Mismatch, importance-weight, distortion, staleness and length metrics of one batch (no gradients).
     pi [B, N]: the current learner's log-probs of the sampled tokens. q, under the weights that sampled, comes with
-    the batch when those were older (async); otherwise the sampling weights are the current ones and q = pi."""
+    the rows that carry it (async); a row sampled by the current weights has q = pi; the q-based metrics cover the
+    rows where q is known (all of them, unless async recomputes only a fraction)."""
     t_y = token_logprobs(teacher_logp, batch.tokens)
     mu, mask = batch.mu, batch.mask
-    q = pi if batch.q is None else batch.q
-    out = {**mismatch_metrics(mu, q, mask), **importance_metrics(mu, q, mask, cfg.loss.cap),
-           **distortion_metrics(t_y, mu, q, mask), **staleness_metrics(batch.versions, version, q, pi, mask)}
+    current = torch.tensor([v == version for v in batch.versions])
+    carried = batch.has_q if batch.has_q is not None else torch.zeros_like(current)
+    q = torch.where(carried[:, None], batch.q, pi) if batch.q is not None else pi
+    known = mask & (carried | current)[:, None]
+    out = {**mismatch_metrics(mu, q, known), **importance_metrics(mu, q, known, cfg.loss.cap),
+           **distortion_metrics(t_y, mu, q, known), **staleness_metrics(batch.versions, version, q, pi, known)}
     if batch.kl_exact is not None:
-        out["mismatch/kl_exact"] = masked_mean(batch.kl_exact.double(), mask).item()
-    elif batch.rollout_logp is not None:
-        out |= exact_kl_metric(batch.rollout_logp, student_logp, mask)
+        out["mismatch/kl_exact"] = masked_mean(batch.kl_exact.double(), mask & carried[:, None]).item()
+    elif batch.rollout_logp is not None and (known & ~carried[:, None]).any():
+        out |= exact_kl_metric(batch.rollout_logp, student_logp, known)
     lengths = batch.mask.sum(1).tolist()
     return out | rollout_metrics(lengths, [n >= cfg.new_tokens for n in lengths])
 

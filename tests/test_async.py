@@ -69,6 +69,20 @@ def test_staleness_one_is_exact_and_measured_apart_from_numerics(pair, tmp_path)
     assert rows[0]["stale/upd_kl_k3"] == 0 and all(r["stale/upd_kl_k3"] > 1e-6 for r in rows[1:])
 
 
+@pytest.mark.parametrize("fraction", [0.5, 0.0])
+def test_recomputing_part_of_the_batch_or_none(pair, tmp_path, fraction):
+    """Half: the q-based metrics come from the recomputed rows (still zero numerics mismatch at float32).
+    None: for stale batches they are left out rather than guessed; the version gaps are still logged."""
+    train(async_config(pair, max_staleness=1, plan="", recompute_fraction=fraction), tmp_path / "run", progress=False)
+    rows = read_metrics(tmp_path / "run")[:-1]
+    assert [r["stale/version_gap_max"] for r in rows] == [0, 1, 1, 1, 1, 1]
+    if fraction:
+        assert all(r["mismatch/kl_k3"] < 1e-9 and "stale/upd_kl_k3" in r for r in rows)
+    else:
+        assert "mismatch/kl_k3" in rows[0]  # batch 0 was sampled by the current weights: q = pi
+        assert not any("mismatch/kl_k3" in r or "stale/upd_kl_k3" in r or "mismatch/kl_exact" in r for r in rows[1:])
+
+
 def test_worker_recompute_matches_the_trainers_forward(pair):
     """The worker's q and exact KL come from the sampling weights at full precision: at full precision q equals the
     sampler's mu and the KL is 0; under an fp8 KV cache the per-token KL averages to the trainer's exact metric."""
