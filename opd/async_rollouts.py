@@ -193,15 +193,16 @@ class RolloutWorker:
                 if time.monotonic() > deadline:
                     raise WorkerLost(f"sent nothing for {self.timeout:.0f} s (hung)") from None
 
-    def stop(self) -> None:
+    def stop(self, grace: float = STOP_GRACE) -> None:
+        """Ask the worker to exit; kill it if it has not within `grace` seconds (0: a hung worker, kill now)."""
         if self.process is None:
             return
-        if self.process.is_alive():
+        if self.process.is_alive() and grace > 0:
             try:
                 self.inbox.put_nowait(("stop",))
             except (ValueError, OSError, queue.Full):
                 pass
-            self.process.join(STOP_GRACE)
+            self.process.join(grace)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(STOP_GRACE)
@@ -338,7 +339,7 @@ class AsyncRollouts:
             return None
 
     def _restart(self, reason: str) -> None:
-        self.worker.stop()
+        self.worker.stop(grace=0)
         if self.counts["worker_restarts"] >= self.cfg.max_worker_restarts:
             raise OpdError(f"rollout worker {self.worker.address} {reason}; it was restarted "
                            f"{self.counts['worker_restarts']} times already",
