@@ -89,6 +89,9 @@ def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, r
     from opd.config import load_config
     from opd.trainer import train
     cfg = load_config(config, overrides or [])
+    if cfg.engine == "vllm":
+        from opd.vllm_engine import import_vllm
+        import_vllm()  # before anything else: an uninstalled engine is a one-line error, not a late one
     if run_dir is None:
         require(not resume, "--resume needs --run-dir", "name the run directory to continue")
         run_dir = Path("runs") / f"{cfg.family if not cfg.student else 'opd'}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -22,6 +22,7 @@ from opd.pretrain import FAMILIES
 from opd.task import get_task
 
 SCHEDULES = ("sync", "async")
+ENGINES = ("builtin", "vllm")
 STALE_POLICIES = ("requeue", "drop")
 LR_SCHEDULES = ("cosine", "constant")
 
@@ -50,6 +51,7 @@ class TrainConfig:
     save_every: int = 50  # 0: only at the end (and on Ctrl-C)
     exact_kl: bool = True  # also log the exact per-position KL(p_rollout || p_train) (needs the engine's distributions)
     max_bad_steps: int = 5  # stop after this many non-finite losses/gradients in a row
+    engine: str = "builtin"  # the rollout engine: "builtin" (emulated precisions) or "vllm" (vllm_engine.py)
     schedule: str = "sync"  # "async": a rollout worker process samples while the trainer trains (async_rollouts.py)
     max_staleness: int = 1  # async: most optimizer steps a rollout's weights may lag the learner's
     prefetch: int = -1  # async: batches the worker may sample ahead of the one being trained; -1: max_staleness
@@ -78,6 +80,9 @@ class TrainConfig:
         require(self.lr_schedule in LR_SCHEDULES, f"unknown lr_schedule {self.lr_schedule!r}",
                 f"use one of {', '.join(LR_SCHEDULES)}")
         require(self.schedule in SCHEDULES, f"unknown schedule {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+        require(self.engine in ENGINES, f"unknown engine {self.engine!r}", f"use one of {', '.join(ENGINES)}")
+        require(not (self.engine == "vllm" and self.schedule == "async"),
+                "engine vllm runs with schedule sync only so far", "use schedule sync, or engine builtin")
         require(self.stale_policy in STALE_POLICIES, f"unknown stale_policy {self.stale_policy!r}",
                 f"use one of {', '.join(STALE_POLICIES)}")
         for name in ("max_staleness", "max_worker_restarts"):

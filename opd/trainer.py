@@ -49,13 +49,14 @@ from opd.runlog import RunLog, prepare_run_dir, read_metrics, write_atomic
 from opd.sampling import SamplingParams
 from opd.task import get_task, held_out_examples, train_examples
 from opd.tokenizer import TextTokenizer
+from opd.vllm_engine import VllmEngine
 
 EXACT_KL_MAX_FLOATS = 2 ** 26  # 256 MiB of float32 distributions per batch
 
 
-def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer]:
-    """(student, teacher, tokenizer): the given checkpoints, or the built-in pair of cfg.family (pretrained on first
-    use, then cached)."""
+def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer, Path]:
+    """(student, teacher, tokenizer, the student's folder): the given checkpoints, or the built-in pair of
+    cfg.family (pretrained on first use, then cached)."""
     if cfg.student:
         student_dir, teacher_dir = Path(cfg.student), Path(cfg.teacher)
     else:
@@ -64,7 +65,7 @@ def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer
     student, tok = load_checkpoint(student_dir)
     teacher, teacher_tok = load_checkpoint(teacher_dir)
     check_same_tokenizer(student, tok, teacher, teacher_tok)
-    return student, teacher.eval().requires_grad_(False), tok
+    return student, teacher.eval().requires_grad_(False), tok, student_dir
 
 
 def check_same_tokenizer(student: Transformer, tok: TextTokenizer, teacher: Transformer,
@@ -233,17 +234,25 @@ def setup(cfg: TrainConfig) -> Run:
     the worker itself starts in `train`, once the weights to start from are known)."""
     asynchronous = cfg.schedule == "async"
     torch.set_num_threads(cfg.threads - cfg.worker_threads if asynchronous else cfg.threads)
-    student, teacher, tok = load_pair(cfg)
+    student, teacher, tok, student_dir = load_pair(cfg)
     context = min(student.cfg.max_position_embeddings, teacher.cfg.max_position_embeddings)
     plan = Plan.from_mapping(cfg.plan, student.cfg.num_layers) if isinstance(cfg.plan, dict) \
         else Plan.parse(cfg.plan, student.cfg.num_layers)
     # The engine holds its own copy: it runs the published weights of a version, never the learner's live tensors.
-    engine = None if asynchronous else Engine(copy.deepcopy(student), tok.eos_id, tok.pad_id, plan,
-                                              noise_seed=cfg.noise_seed)
+    if asynchronous:
+        engine = None
+    elif cfg.engine == "vllm":
+        engine = VllmEngine(student_dir, tok.eos_id, tok.pad_id, plan, seed=cfg.seed, max_model_len=context,
+                            tied=student.cfg.tie_word_embeddings)
+    else:
+        engine = Engine(copy.deepcopy(student), tok.eos_id, tok.pad_id, plan, noise_seed=cfg.noise_seed)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     floats = cfg.batch_size * cfg.new_tokens * student.cfg.vocab_size
-    exact_kl = cfg.exact_kl and floats <= EXACT_KL_MAX_FLOATS
-    if cfg.exact_kl and not exact_kl:
+    exact_kl = cfg.exact_kl and floats <= EXACT_KL_MAX_FLOATS and cfg.engine == "builtin"
+    if cfg.exact_kl and cfg.engine == "vllm":
+        print("opd: exact_kl off: vllm returns the sampled tokens' log-probs only; mismatch/kl_k3 estimates the "
+              "same KL", file=sys.stderr)
+    elif cfg.exact_kl and not exact_kl:
         print(f"opd: exact_kl off: the rollouts' full distributions would take {floats * 4 / 2**30:.1f} GiB "
               f"(batch x tokens x vocab); mismatch/kl_k3 still estimates the same KL", file=sys.stderr)
     prompts, params = PromptSource(cfg, tok, context), SamplingParams(cfg.new_tokens, temperature=cfg.temperature)
@@ -302,6 +311,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
     finally:
         if run.rollouts is not None:
             run.rollouts.close()
+        if hasattr(run.engine, "close"):
+            run.engine.close()
 
 
 def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step) -> dict:

