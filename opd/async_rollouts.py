@@ -253,7 +253,8 @@ class AsyncRollouts:
 
     def state_dict(self, wait: bool) -> dict:
         """What a checkpoint needs to continue exactly: counters and finished batches. wait: first collect every
-        outstanding batch (a periodic save; exact resume), else keep what has arrived (Ctrl-C; the rest is re-sampled)."""
+        outstanding batch (a periodic save; exact resume), else keep what has arrived (Ctrl-C; the rest is
+        re-sampled)."""
         if wait:
             while any(key not in self.ready for key in self.order):
                 self._collect(block=True)

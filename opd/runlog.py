@@ -51,8 +51,8 @@ def _check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
     new = cfg.to_dict()
     changed = [k for k in new if new[k] != old.get(k) and k not in RESUMABLE_CHANGES]
     require(not changed, f"{run_dir} holds a run with a different config ({', '.join(changed)})",
-            "resume with the same config (only steps and the worker's fault limits may change), or use --overwrite or another "
-            "--run-dir")
+            "resume with the same config (only steps and the worker's fault limits may change), or use --overwrite "
+            "or another --run-dir")
 
 
 def write_atomic(path: Path, text: str) -> None:

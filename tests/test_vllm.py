@@ -114,7 +114,8 @@ def test_fp8_kv_cache_raises_the_mismatch_above_the_bf16_floor(pair):
 
 
 @pytest.mark.parametrize("plan,message", [
-    ("kv=fp8_e4m3; 0: kv=bf16", "one precision for the whole model"), ("kv=fp32 w=bf16", "model's dtype (bfloat16), not fp32"),
+    ("kv=fp8_e4m3; 0: kv=bf16", "one precision for the whole model"),
+    ("kv=fp32 w=bf16", "model's dtype (bfloat16), not fp32"),
     ("w=int4", "no switch for weights=int4"), ("noise=0.01", "no switch"),
     ("kv=fp8_e4m3 kv_scale=calibrate", "fixed KV scales"), ("kv=bf16", "model's dtype (float32)")])
 def test_plans_vllm_cannot_run_are_refused(plan, message):
