@@ -16,7 +16,9 @@ not yet trained on; `lookahead` = `prefetch`, by default `max_staleness`). The w
 the batch trained at step s was sampled with the weights published after step s - 1 - lookahead: its version gap is
 exactly `lookahead` in steady state (less while the pipeline fills), whatever the timing. Runs are therefore
 reproducible, and with `max_staleness` 0 the schedule is the synchronous one, computed in another process.
-A batch whose gap still exceeds `max_staleness` (`prefetch` set above it, or versions skipped) is re-sampled with
+The window is also the back-pressure: the inbox never holds more than `lookahead + 1` requests (and one weights
+message per step trained meanwhile), the outbox never more finished batches than that.
+A batch whose gap still exceeds `max_staleness` (`prefetch` set above it) is re-sampled with
 the same prompts and the newest weights (`stale_policy: requeue`) or discarded (`drop`); both are counted.
 Weights change only between batches, so every token of a rollout has the rollout's version (no token weighting).
 

@@ -299,11 +299,11 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
     on_step(step, run), if given, is called after each logged step (tests use it to inject faults)."""
     run_dir = Path(run_dir)
     run = setup(cfg)
-    prepare_run_dir(run_dir, cfg, resume, overwrite)
-    saved = {}
-    if resume:
-        run.state, saved = load_state(run_dir, run)
     try:
+        prepare_run_dir(run_dir, cfg, resume, overwrite)
+        saved = {}
+        if resume:
+            run.state, saved = load_state(run_dir, run)
         if run.rollouts is not None:
             run.rollouts.start(run.student.state_dict(), run.state.version, saved.get("engine_scales", {}),
                                saved.get("async"))
