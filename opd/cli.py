@@ -4,6 +4,7 @@ User errors (`OpdError`, bad flags) print one line `opd: error: ...` and exit 2;
 """
 import argparse
 import json
+import math
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -21,6 +22,7 @@ from opd.pretrain import FAMILIES, ROLES, PretrainConfig, default_cache_dir, pre
 from opd.plan import Plan
 from opd.sampling import SamplingParams
 from opd.task import TASKS, get_task, held_out_examples
+from opd.vllm_engine import VllmEngine, import_vllm
 
 
 def cmd_pretrain(family: str, role: str, task: str, steps: int, seed: int, cache_dir: Path, force: bool,
@@ -63,24 +65,38 @@ def cmd_eval(model: Path, task: str, prompts: Path | None, n: int, max_new_token
 
 def cmd_generate(model: Path, prompt: list[str] | None, prompts: Path | None, task: str, n: int, plan: str,
                  temperature: float, top_k: int, top_p: float, max_new_tokens: int, seed: int,
-                 as_json: bool) -> None:
+                 as_json: bool, engine_name: str) -> None:
     """Sample completions from a checkpoint under a precision plan; print them with their log-probs."""
+    if engine_name == "vllm":
+        import_vllm()
     net, tok = load_checkpoint(model)
     texts = prompt or [ex.prompt for ex in (load_prompts(prompts) if prompts else held_out_examples(get_task(task), n))]
-    engine = Engine(net, tok.eos_id, tok.pad_id, plan)
+    if engine_name == "vllm":
+        engine = VllmEngine(model, tok.eos_id, tok.pad_id, Plan.parse(plan, net.cfg.num_layers), seed=seed,
+                            max_model_len=net.cfg.max_position_embeddings, tied=net.cfg.tie_word_embeddings)
+        kv_bytes = None  # vLLM's own cache: not read here
+    else:
+        engine = Engine(net, tok.eos_id, tok.pad_id, plan)
+        kv_bytes = engine.new_cache(1, 1).bytes_per_token()
     params = SamplingParams(max_new_tokens or get_task(task).max_new_tokens, temperature, top_k, top_p)
-    rollouts = engine.generate([encode_prompt(tok, t) for t in texts], params, torch.Generator().manual_seed(seed))
-    kv_bytes = engine.new_cache(1, 1).bytes_per_token()
+    try:
+        rollouts = engine.generate([encode_prompt(tok, t) for t in texts], params,
+                                   torch.Generator().manual_seed(seed))
+    finally:
+        if engine_name == "vllm":
+            engine.close()
     for text, r in zip(texts, rollouts):
         if as_json:
-            print(json.dumps({"prompt": text, "completion": tok.decode(r.completion_ids), **asdict(r),
+            record = asdict(r) | {"raw_logprobs": [None if math.isnan(x) else x for x in r.raw_logprobs]}
+            print(json.dumps({"prompt": text, "completion": tok.decode(r.completion_ids), **record,
                               "kv_bytes_per_token": kv_bytes}))
             continue
         print(f"--- {text!r} -> {tok.decode(r.completion_ids)!r} [{r.finish_reason}, {len(r.completion_ids)} tokens, "
               f"mean logprob {sum(r.logprobs) / len(r.logprobs):.4f}]")
         print("    " + " ".join(f"{tok.decode([t])!r}:{lp:.3f}" for t, lp in zip(r.completion_ids, r.logprobs)))
     if not as_json:
-        print(f"plan: {engine.plan}  |  KV cache: {kv_bytes} bytes/token")
+        print(f"engine: {engine_name}  |  plan: {engine.plan}  |  KV cache: "
+              + (f"{kv_bytes} bytes/token" if kv_bytes else "vLLM's"))
 
 
 def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, resume: bool, overwrite: bool,
@@ -90,7 +106,6 @@ def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, r
     from opd.trainer import train
     cfg = load_config(config, overrides or [])
     if cfg.engine == "vllm":
-        from opd.vllm_engine import import_vllm
         import_vllm()  # before anything else: an uninstalled engine is a one-line error, not a late one
     if run_dir is None:
         require(not resume, "--resume needs --run-dir", "name the run directory to continue")
@@ -159,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: the task's default")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="as_json", action="store_true", help="one JSON record per completion")
+    p.add_argument("--engine", dest="engine_name", choices=["builtin", "vllm"], default="builtin",
+                   help="vllm: real vLLM (pip install -e '.[vllm]'); whole-model plans only")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("train", help=cmd_train.__doc__)

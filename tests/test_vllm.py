@@ -2,6 +2,7 @@
 
 Tests marked `vllm` need `pip install -e '.[vllm]'` (make test installs it); each engine start takes ~30-50 s here.
 """
+import json
 import os
 import subprocess
 import sys
@@ -131,6 +132,20 @@ def test_plans_map_onto_vllm_settings():
     assert vllm_settings(Plan.parse("kv=fp8_e5m2 w=bf16", 2)) == ("bfloat16", "fp8_e5m2")
 
 
+@vllm_test
+def test_opd_generate_on_vllm(pair):
+    """`opd generate --engine vllm --json`: records with finite processed log-probs; raw ones null at T != 1."""
+    result = subprocess.run([sys.executable, "-m", "opd.cli", "generate", "--model", str(pair[0]), "--engine", "vllm",
+                             "--prompt", "12+7=", "--prompt", "3+4=", "--max-new-tokens", "8", "--temperature", "0.7",
+                             "--json"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [r["prompt"] for r in records] == ["12+7=", "3+4="]
+    for r in records:
+        assert 0 < len(r["completion_ids"]) <= 8 and len(r["logprobs"]) == len(r["completion_ids"])
+        assert all(lp <= 0 for lp in r["logprobs"]) and all(x is None for x in r["raw_logprobs"])
+
+
 def test_vllm_requested_but_not_installed(pair, tmp_path):
     """A stand-in `vllm` package that fails to import, first on the path: one line saying how to install it."""
     fake = tmp_path / "shadow" / "vllm"
@@ -142,6 +157,9 @@ def test_vllm_requested_but_not_installed(pair, tmp_path):
                              f"teacher={teacher}", "--set", "engine=vllm", "--run-dir", str(tmp_path / "run")],
                             capture_output=True, text=True, env=os.environ | env)
     assert_one_line_error(result, "engine vllm was requested but vllm is not installed", "pip install -e '.[vllm]'")
+    result = subprocess.run([sys.executable, "-m", "opd.cli", "generate", "--model", str(student), "--engine", "vllm"],
+                            capture_output=True, text=True, env=os.environ | env)
+    assert_one_line_error(result, "engine vllm was requested but vllm is not installed")
 
 
 def test_vllm_with_async_is_refused_for_now(pair, tmp_path):
