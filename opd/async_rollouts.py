@@ -13,8 +13,8 @@ worker could be hosted as an actor on a cluster engine by swapping `RolloutWorke
 
 **Staleness is bounded at dispatch.** The trainer keeps at most `lookahead + 1` batches outstanding (dispatched and
 not yet trained on; `lookahead` = `prefetch`, by default `max_staleness`). The worker handles its inbox in order, so
-the batch trained at step s was sampled with the weights published after step s - 1 - lookahead: its version gap is
-exactly `lookahead` in steady state (less while the pipeline fills), whatever the timing. Runs are therefore
+the batch trained at step s was sampled by policy version s - lookahead: its version gap is exactly `lookahead` in
+steady state (less while the pipeline fills, or after skipped steps), whatever the timing. Runs are therefore
 reproducible, and with `max_staleness` 0 the schedule is the synchronous one, computed in another process.
 The window is also the back-pressure: the inbox never holds more than `lookahead + 1` requests (and one weights
 message per step trained meanwhile), the outbox never more finished batches than that.
