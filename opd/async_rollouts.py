@@ -88,15 +88,17 @@ class WorkerSpec:
     return_dists: bool  # the engine's full distributions (for the exact KL)
     recompute: bool  # staleness is possible: compute q (and the exact KL) under the sampling weights
     recompute_fraction: float  # of each batch, the share (first rollouts) to recompute
+    vllm_model_dir: str = ""  # set: the worker samples with vLLM (in-process) from this checkpoint folder
 
 
-def recompute(engine: Engine, rollouts: list[Rollout], pad_id: int, temperature: float) -> None:
-    """Attach q and the exact per-token KL(p_rollout || p_q) to each rollout, from the engine's unquantized weights."""
+def recompute(model: Transformer, rollouts: list[Rollout], pad_id: int, temperature: float) -> None:
+    """Attach q and the exact per-token KL(p_rollout || p_q) to each rollout, from the sampling weights at full
+    precision (`model`: the engine's unquantized copy)."""
     if not rollouts:
         return
     batch = collate(rollouts, pad_id)
     with torch.no_grad():
-        logp = completion_logprobs(engine.base, batch, temperature)
+        logp = completion_logprobs(model, batch, temperature)
     q = token_logprobs(logp, batch.tokens)
     exact = kl(batch.rollout_logp.double(), logp.double()) if batch.rollout_logp is not None else None
     for b, r in enumerate(rollouts):
@@ -115,7 +117,14 @@ def worker_main(address: str, inbox, outbox, init: bytes) -> None:
         torch.set_num_threads(spec.threads)
         model = Transformer(ModelConfig(**spec.model_config))
         model.load_state_dict(unpack(weights))
-        engine = Engine(model, spec.eos_id, spec.pad_id, spec.plan, version, spec.noise_seed)
+        if spec.vllm_model_dir:  # in this process (env set at spawn); the published weights are loaded into it
+            from opd.vllm_engine import VllmEngine
+            engine = VllmEngine(spec.vllm_model_dir, spec.eos_id, spec.pad_id, spec.plan, version,
+                                max_model_len=model.cfg.max_position_embeddings, tied=model.cfg.tie_word_embeddings,
+                                in_process=True)
+            engine.update_weights(model.state_dict(), version)
+        else:
+            engine = Engine(model, spec.eos_id, spec.pad_id, spec.plan, version, spec.noise_seed)
         engine.scales.update(scales)
         outbox.put(("ready", address, os.getpid()))
         while True:
@@ -129,7 +138,8 @@ def worker_main(address: str, inbox, outbox, init: bytes) -> None:
                 return
             if message[0] == "weights":
                 _, version, blob = message
-                engine.update_weights(unpack(blob), version)
+                model.load_state_dict(unpack(blob))  # the built-in engine's base is this model
+                engine.update_weights(model.state_dict(), version)
             elif message[0] == "generate":
                 _, key, prompts, seed = message
                 start = time.perf_counter()
@@ -138,7 +148,7 @@ def worker_main(address: str, inbox, outbox, init: bytes) -> None:
                 generated = time.perf_counter()
                 if spec.recompute:
                     n = math.ceil(spec.recompute_fraction * len(rollouts))
-                    recompute(engine, rollouts[:n], spec.pad_id, spec.params.temperature)
+                    recompute(model, rollouts[:n], spec.pad_id, spec.params.temperature)
                     for r in rollouts[n:]:
                         r.dists = None  # stale: the trainer could not use them
                 result = pack({"rollouts": rollouts, "scales": engine.scales})
@@ -168,7 +178,20 @@ class RolloutWorker:
         init = pack((self.spec, weights, version, scales))
         self.process = ctx.Process(target=worker_main, args=(self.address, self.inbox, self.outbox, init),
                                    name=self.address, daemon=True)
-        self.process.start()
+        # vLLM runs inside the worker (a daemon process may not start its own engine processes); its OpenMP pool
+        # must be sized before torch is imported there, and a spawned child reads the environment at start
+        extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(self.spec.threads)} \
+            if self.spec.vllm_model_dir else {}
+        saved = {k: os.environ.get(k) for k in extra}
+        os.environ.update(extra)
+        try:
+            self.process.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         message = self.receive(self.timeout)
         if message[0] == "error":
             raise OpdError(f"rollout worker {self.address} failed to start: {message[2]}")
@@ -358,6 +381,8 @@ class AsyncRollouts:
                 self._send_generate(key)
 
 
-def worker_spec(cfg, model: Transformer, tok, plan: Plan, params: SamplingParams, return_dists: bool) -> WorkerSpec:
+def worker_spec(cfg, model: Transformer, tok, plan: Plan, params: SamplingParams, return_dists: bool,
+                model_dir: str = "") -> WorkerSpec:
     return WorkerSpec(asdict(model.cfg), tok.eos_id, tok.pad_id, plan, cfg.noise_seed, params, cfg.worker_threads,
-                      return_dists, recompute=cfg.lookahead > 0, recompute_fraction=cfg.recompute_fraction)
+                      return_dists, recompute=cfg.lookahead > 0, recompute_fraction=cfg.recompute_fraction,
+                      vllm_model_dir=str(model_dir) if cfg.engine == "vllm" else "")

@@ -81,8 +81,6 @@ class TrainConfig:
                 f"use one of {', '.join(LR_SCHEDULES)}")
         require(self.schedule in SCHEDULES, f"unknown schedule {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
         require(self.engine in ENGINES, f"unknown engine {self.engine!r}", f"use one of {', '.join(ENGINES)}")
-        require(not (self.engine == "vllm" and self.schedule == "async"),
-                "engine vllm runs with schedule sync only so far", "use schedule sync, or engine builtin")
         require(self.stale_policy in STALE_POLICIES, f"unknown stale_policy {self.stale_policy!r}",
                 f"use one of {', '.join(STALE_POLICIES)}")
         for name in ("max_staleness", "max_worker_restarts"):

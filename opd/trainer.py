@@ -256,7 +256,7 @@ def setup(cfg: TrainConfig) -> Run:
         print(f"opd: exact_kl off: the rollouts' full distributions would take {floats * 4 / 2**30:.1f} GiB "
               f"(batch x tokens x vocab); mismatch/kl_k3 still estimates the same KL", file=sys.stderr)
     prompts, params = PromptSource(cfg, tok, context), SamplingParams(cfg.new_tokens, temperature=cfg.temperature)
-    rollouts = AsyncRollouts(cfg, worker_spec(cfg, student, tok, plan, params, exact_kl), prompts) \
+    rollouts = AsyncRollouts(cfg, worker_spec(cfg, student, tok, plan, params, exact_kl, student_dir), prompts) \
         if asynchronous else None
     return Run(cfg, student, teacher, tok, engine, rollouts, plan, opt, prompts, params, State(), exact_kl)
 

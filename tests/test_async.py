@@ -94,7 +94,7 @@ def test_worker_recompute_matches_the_trainers_forward(pair):
         batch = collate(rollouts, tok.pad_id)
         with torch.no_grad():
             want = exact_kl_metric(batch.rollout_logp, completion_logprobs(model, batch), batch.mask)
-        recompute(engine, rollouts, tok.pad_id, 1.0)
+        recompute(engine.base, rollouts, tok.pad_id, 1.0)
         got = collate(rollouts, tok.pad_id)
         if plan == "":
             assert torch.allclose(got.q[got.mask], got.mu[got.mask], atol=2e-5)
