@@ -138,8 +138,10 @@ def worker_main(address: str, inbox, outbox, init: bytes) -> None:
                 return
             if message[0] == "weights":
                 _, version, blob = message
-                model.load_state_dict(unpack(blob))  # the built-in engine's base is this model
-                engine.update_weights(model.state_dict(), version)
+                state = unpack(blob)
+                engine.update_weights(state, version)
+                if spec.vllm_model_dir:  # the built-in engine's base *is* `model`; vLLM keeps its own copy
+                    model.load_state_dict(state)
             elif message[0] == "generate":
                 _, key, prompts, seed = message
                 start = time.perf_counter()
