@@ -44,7 +44,7 @@ import signal
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -277,6 +277,20 @@ class AsyncRollouts:
 
     def close(self) -> None:
         self.worker.stop()
+
+    def set_plan(self, plan: Plan) -> None:
+        """Sample under another precision plan from now on (the runtime guard's fallback): the worker is restarted
+        with it, and every outstanding batch, finished or not, is sampled again under it."""
+        started = self.worker.process is not None
+        self.worker.stop(grace=0)
+        self.spec = replace(self.spec, plan=plan)
+        self.worker = RolloutWorker(self.worker.address, self.spec, self.cfg.worker_timeout)
+        self.ready.clear()
+        self.scales = {}
+        if started:
+            self._call(lambda: self.worker.start(self.weights, self.version, self.scales))
+            for key in self.order:
+                self._call(lambda: self._send_generate(key))
 
     def state_dict(self, wait: bool) -> dict:
         """What a checkpoint needs to continue exactly: counters and finished batches. wait: first collect every

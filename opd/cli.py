@@ -21,6 +21,7 @@ from opd.evaluate import greedy_accuracy
 from opd.pretrain import FAMILIES, ROLES, PretrainConfig, default_cache_dir, pretrain
 from opd.plan import Plan
 from opd.sampling import SamplingParams
+from opd.sensitivity import SETTINGS
 from opd.task import TASKS, get_task, held_out_examples
 from opd.vllm_engine import VllmEngine, import_vllm
 
@@ -121,6 +122,83 @@ def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, r
           f"plan: {summary['plan']}; logs in {run_dir}")
 
 
+def cmd_sweep(grid: Path | None, out: Path, family: list[str] | None, plot_only: bool, quiet: bool) -> None:
+    """A grid of short OPD runs over mismatch sources and levels (resumable); then the plots and the knee per source."""
+    from opd.sweep import load_grid, read_results, run_sweep
+    from opd.tolerance import report
+    results = out / "results.jsonl"
+    if plot_only:
+        require(results.is_file(), f"no results file {results}", "run `opd sweep` first, or point --out at one")
+        rows = read_results(results)
+    else:
+        rows = run_sweep(load_grid(grid), out, family, progress=not quiet)
+    print(report(rows, out))
+
+
+def cmd_calibrate(results: Path, out: Path) -> None:
+    """Admission thresholds from sweep results: per estimator class, the mismatch that separates fine from degraded."""
+    from opd.admission import calibrate
+    from opd.runlog import write_atomic
+    from opd.sweep import read_results
+    from opd.tolerance import label
+    require(results.is_file(), f"no results file {results}", "run `opd sweep` first")
+    rows = [r for r in label(read_results(results)) if r["degraded"] is not None]
+    thresholds = calibrate(rows) | {"calibrated_from": str(results), "runs": len(rows)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, json.dumps(thresholds, indent=2) + "\n")
+    for cls, entry in thresholds["classes"].items():
+        print(f"{cls:10} max kl_k3 {entry['max']:.3g} ({'knee' if entry['knee'] else 'no degradation seen'}; "
+              f"{entry['errors']} of {entry['runs']} runs misclassified)  max_staleness {entry['max_staleness']}")
+    print(f"wrote {out}")
+
+
+def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, max_kl: float, rollouts: int,
+              as_json: bool, propose: bool) -> int:
+    """Before training: is this rollout configuration safe for OPD? ADMIT (exit 0) or REJECT (exit 1), with reasons."""
+    from opd.admission import admit, load_thresholds
+    from opd.config import load_config
+    from opd.trainer import probe_setup
+    cfg = load_config(config, overrides or [])
+    require(max_kl >= 0, f"--max-kl must be >= 0, got {max_kl}", "0 uses the calibrated limit")
+    limits = load_thresholds(thresholds)
+    if cfg.engine == "vllm":
+        import_vllm()
+    setup, plan = probe_setup(cfg, rollouts)
+    result = admit(setup, plan, limits, max_kl, propose)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"{result['decision']}  plan: {result['plan']}  (estimator class '{result['estimator_class']}', "
+              f"staleness {result['staleness']}, {result['probe_rollouts']} probe rollouts, {result['seconds']:.1f} s)")
+        for reason in result["reasons"]:
+            print(f"  - {reason}")
+        proposal = result.get("proposal")
+        if proposal:
+            print(f"  proposed plan: {proposal['plan']}" if proposal["plan"] else f"  no plan passes: {proposal['note']}")
+            print("  per-layer kl_k3 of the candidate setting: "
+                  + ", ".join(f"{i}: {v:.2g}" for i, v in enumerate(proposal["layer_kl_k3"])))
+    return 0 if result["decision"] == "ADMIT" else 1
+
+
+def cmd_sensitivity(family: list[str] | None, student: Path | None, teacher: Path | None, task: str,
+                    setting: list[str] | None, rollouts: int, out: Path, threads: int) -> None:
+    """Per-layer sensitivity: the mismatch when only one layer's KV cache or weights run at lower precision."""
+    from opd.config import TrainConfig
+    from opd.sensitivity import SETTINGS, layer_map, write
+    from opd.trainer import probe_setup
+    require(bool(student) == bool(teacher), "give both --student and --teacher, or neither", "neither: the built-in pairs")
+    common = dict(task=task, plan="", threads=threads)
+    targets = {"model": TrainConfig(student=str(student), teacher=str(teacher), **common)} if student \
+        else {f: TrainConfig(family=f, **common) for f in family or FAMILIES}
+    maps = {}
+    for name, cfg in targets.items():
+        setup, _ = probe_setup(cfg, rollouts)
+        for s in setting or []:
+            Plan.parse(s, setup.student.cfg.num_layers)  # a bad setting fails before any measurement
+        maps[name] = layer_map(setup, tuple(setting or SETTINGS))
+    print(write(maps, out))
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -187,6 +265,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="delete the run in --run-dir and start over")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sweep", help=cmd_sweep.__doc__)
+    p.add_argument("--grid", type=Path, help="YAML grid (default: the built-in tolerance study, see opd/sweep.py)")
+    p.add_argument("--out", type=Path, default=Path("runs/sweep"), help="results.jsonl, run folders and plots go here")
+    p.add_argument("--family", action="append", choices=FAMILIES, help="only these families of the grid (repeatable)")
+    p.add_argument("--plot-only", action="store_true", help="no runs: plots and knees from the results file")
+    p.add_argument("--quiet", action="store_true", help="no per-run progress lines")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("sensitivity", help=cmd_sensitivity.__doc__)
+    p.add_argument("--family", action="append", choices=FAMILIES, help="built-in pairs (default: all; repeatable)")
+    p.add_argument("--student", type=Path, help="HF checkpoint folder instead of a built-in pair (with --teacher)")
+    p.add_argument("--teacher", type=Path, help="HF checkpoint folder of the teacher (scores the probe)")
+    p.add_argument("--task", choices=list(TASKS), default="chain", help="whose training prompts the probe samples")
+    p.add_argument("--setting", action="append", help=f"plan settings to place on one layer at a time "
+                   f"(repeatable; default: {' | '.join(SETTINGS)})")
+    p.add_argument("--rollouts", type=positive_int, default=32, help="probe batch size")
+    p.add_argument("--out", type=Path, default=Path("runs/sensitivity"), help="sensitivity.json and .png go here")
+    p.add_argument("--threads", type=positive_int, default=2)
+    p.set_defaults(func=cmd_sensitivity)
+
+    p = sub.add_parser("calibrate", help=cmd_calibrate.__doc__)
+    p.add_argument("results", type=Path, help="a sweep's results.jsonl")
+    p.add_argument("-o", "--out", type=Path, default=Path("thresholds.json"), help="the thresholds file to write")
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("admit", help=cmd_admit.__doc__)
+    p.add_argument("--config", type=Path, help="the training config (YAML) whose rollout set-up is checked")
+    p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE", help="as in `opd train`")
+    p.add_argument("--thresholds", default="", help="from `opd calibrate` (default: the shipped opd/thresholds.json)")
+    p.add_argument("--max-kl", type=float, default=0.0, help="override the limit on kl_k3 (0: calibrated)")
+    p.add_argument("--rollouts", type=positive_int, default=16, help="probe batch size")
+    p.add_argument("--json", dest="as_json", action="store_true", help="print the full result as JSON")
+    p.add_argument("--no-propose", dest="propose", action="store_false", help="on REJECT, do not search for a plan")
+    p.set_defaults(func=cmd_admit)
     return parser
 
 
@@ -194,14 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = vars(build_parser().parse_args(argv))
         args.pop("command")
-        args.pop("func")(**args)
+        status = args.pop("func")(**args)
     except OpdError as e:
         print(f"opd: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("opd: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from opd.task import get_task
 SCHEDULES = ("sync", "async")
 ENGINES = ("builtin", "vllm")
 STALE_POLICIES = ("requeue", "drop")
+GUARD_ACTIONS = ("warn", "fallback", "stop")
 LR_SCHEDULES = ("cosine", "constant")
 
 
@@ -60,6 +61,10 @@ class TrainConfig:
     worker_threads: int = 1  # async: the rollout worker's threads (the trainer gets threads - worker_threads)
     worker_timeout: float = 120.0  # async: seconds without a message from a busy worker before it counts as hung
     max_worker_restarts: int = 2  # async: a dead or hung worker is restarted this many times, then the run stops
+    guard_every: int = 0  # the runtime admission check on the live rollouts every this many steps; 0: off
+    guard_action: str = "warn"  # when it rejects: "warn", "fallback" (BF16 rollouts from then on) or "stop"
+    guard_thresholds: str = ""  # a thresholds file from `opd calibrate`; "": the shipped opd/thresholds.json
+    guard_max_kl: float = 0.0  # > 0: this limit on the rollout-vs-learner kl_k3 instead of the calibrated one
     seed: int = 0
     threads: int = 2  # CPU threads for the whole run (async: split between the worker and the trainer)
 
@@ -88,6 +93,11 @@ class TrainConfig:
         require(self.prefetch >= -1, f"config: prefetch must be >= 0 (or -1: max_staleness), got {self.prefetch}")
         require(0 <= self.recompute_fraction <= 1,
                 f"config: recompute_fraction must be in [0, 1], got {self.recompute_fraction}")
+        require(self.guard_action in GUARD_ACTIONS, f"unknown guard_action {self.guard_action!r}",
+                f"use one of {', '.join(GUARD_ACTIONS)}")
+        require(self.guard_every >= 0, f"config: guard_every must be >= 0, got {self.guard_every}", "0 turns it off")
+        require(self.guard_max_kl >= 0, f"config: guard_max_kl must be >= 0, got {self.guard_max_kl}",
+                "0 uses the calibrated limit")
         require(self.worker_threads > 0, f"config: worker_threads must be positive, got {self.worker_threads}")
         require(self.worker_timeout > 0, f"config: worker_timeout must be positive, got {self.worker_timeout}")
         require(self.schedule != "async" or self.threads > self.worker_threads,

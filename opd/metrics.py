@@ -12,7 +12,9 @@ it, `pi` = under the current learner, `T` = under the teacher; `delta = q - mu`.
 - `opd/`: distortion of the sampled-token OPD signal, `A_mu = T - mu` vs `A_q = T - q`: `adv_sign_flip` (fraction of
   tokens whose advantage changes sign) and `adv_snr = mean |A_q| / mean |delta|` (how far the learning signal stands
   above the mismatch noise; infinite when there is no mismatch).
-- `stale/`: the policy-version gap of each rollout and the update-edge mismatch `upd_kl_k3` with `l = pi - q`.
+- `stale/`: the policy-version gap of each rollout, the update-edge mismatch `upd_kl_k3` with `l = pi - q`, and
+  `total_kl_k3` with `l = pi - mu`: the rollout engine vs the current learner, numerics and staleness together,
+  which is the gap a sampled-token advantage built on `mu` sees (equal to `mismatch/kl_k3` when nothing is stale).
 - `rollout/`: completion lengths and the truncation rate.
 """
 import math
@@ -72,10 +74,13 @@ def distortion_metrics(teacher: torch.Tensor, mu: torch.Tensor, q: torch.Tensor,
 
 
 def staleness_metrics(versions: list[int], current: int, q: torch.Tensor, pi: torch.Tensor,
-                      mask: torch.Tensor) -> dict:
-    """versions: the (token-weighted) policy version of each rollout; current: the learner's version."""
+                      mask: torch.Tensor, mu: torch.Tensor | None = None, token_mask: torch.Tensor | None = None) -> dict:
+    """versions: the (token-weighted) policy version of each rollout; current: the learner's version.
+    mask: the tokens whose q is known; token_mask: all generated tokens (for total_kl_k3, which needs only mu)."""
     gaps = [current - v for v in versions]
     out = {"stale/version_gap_mean": sum(gaps) / len(gaps), "stale/version_gap_max": float(max(gaps))}
+    if mu is not None and token_mask is not None and token_mask.any():
+        out["stale/total_kl_k3"] = kl_estimates(pi - mu, token_mask)[1]
     if mask.any():  # no tokens with a known q: the update's KL is unknown, not zero
         out["stale/upd_kl_k3"] = kl_estimates(pi - q, mask)[1]
     return out

@@ -68,10 +68,10 @@ class Plan:
         groups: dict[LayerPrecision, list[int]] = {}
         for i, layer in enumerate(self.layers):
             groups.setdefault(layer, []).append(i)
-        return "; ".join(f"{','.join(map(str, idx))}: {_describe(layer)}" for layer, idx in groups.items())
+        return "; ".join(f"{','.join(map(str, idx))}: {describe_layer(layer)}" for layer, idx in groups.items())
 
 
-def _describe(layer: LayerPrecision) -> str:
+def describe_layer(layer: LayerPrecision) -> str:
     kv = layer.kv
     parts = [f"kv={kv.dtype}", f"kv_scale={kv.scale_mode}", f"w={layer.weights}"]
     parts += ["kv_per_head=true"] if kv.per_head else []

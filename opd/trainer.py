@@ -25,12 +25,13 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from opd.admission import FLOOR_PLAN, METRIC, ProbeSetup, decide, estimator_class, load_thresholds
 from opd.async_rollouts import AsyncRollouts, sampler_seed, worker_spec
 from opd.checkpoint import load_checkpoint, save_checkpoint
 from opd.config import TrainConfig
@@ -111,6 +112,7 @@ class State:
     version: int = 0  # policy version of the engine's weights: optimizer steps actually taken
     bad_steps: int = 0  # non-finite steps in a row
     skipped: int = 0  # non-finite steps in total
+    fallback: bool = False  # the runtime guard switched the rollouts to BF16 (kept on resume)
 
 
 @dataclass
@@ -128,6 +130,8 @@ class Run:
     params: SamplingParams
     state: State
     exact_kl: bool  # keep the engine's whole distributions for mismatch/kl_exact (cfg.exact_kl, if they fit)
+    student_dir: Path
+    guard_thresholds: dict | None  # the runtime guard's limits (cfg.guard_every > 0)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -174,6 +178,9 @@ def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
     blob = torch.load(folder / "trainer_state.pt", weights_only=False)
     run.opt.load_state_dict(blob["optimizer"])
     state = State(**json.loads((folder / "trainer_state.json").read_text()))
+    run.state = state
+    if state.fallback:
+        fall_back(run)
     if run.engine is not None:
         run.engine.update_weights(run.student.state_dict(), state.version)
         run.engine.scales.update(blob["engine_scales"])
@@ -193,7 +200,8 @@ def step_metrics(batch, pi: torch.Tensor, student_logp: torch.Tensor, teacher_lo
     q = torch.where(carried[:, None], batch.q, pi) if batch.q is not None else pi
     known = mask & (carried | current)[:, None]
     out = {**mismatch_metrics(mu, q, known), **importance_metrics(mu, q, known, cfg.loss.cap),
-           **distortion_metrics(t_y, mu, q, known), **staleness_metrics(batch.versions, version, q, pi, known)}
+           **distortion_metrics(t_y, mu, q, known), **staleness_metrics(batch.versions, version, q, pi, known, mu,
+                                                                              mask)}
     if batch.kl_exact is not None:
         out["mismatch/kl_exact"] = masked_mean(batch.kl_exact.double(), mask & carried[:, None]).item()
     elif batch.rollout_logp is not None and (known & ~carried[:, None]).any():
@@ -236,16 +244,8 @@ def setup(cfg: TrainConfig) -> Run:
     torch.set_num_threads(cfg.threads - cfg.worker_threads if asynchronous else cfg.threads)
     student, teacher, tok, student_dir = load_pair(cfg)
     context = min(student.cfg.max_position_embeddings, teacher.cfg.max_position_embeddings)
-    plan = Plan.from_mapping(cfg.plan, student.cfg.num_layers) if isinstance(cfg.plan, dict) \
-        else Plan.parse(cfg.plan, student.cfg.num_layers)
-    # The engine holds its own copy: it runs the published weights of a version, never the learner's live tensors.
-    if asynchronous:
-        engine = None
-    elif cfg.engine == "vllm":
-        engine = VllmEngine(student_dir, tok.eos_id, tok.pad_id, plan, seed=cfg.seed, max_model_len=context,
-                            tied=student.cfg.tie_word_embeddings)
-    else:
-        engine = Engine(copy.deepcopy(student), tok.eos_id, tok.pad_id, plan, noise_seed=cfg.noise_seed)
+    plan = parse_plan(cfg, student.cfg.num_layers)
+    engine = None if asynchronous else build_engine(cfg, student, tok, plan, student_dir)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     floats = cfg.batch_size * cfg.new_tokens * student.cfg.vocab_size
     exact_kl = cfg.exact_kl and floats <= EXACT_KL_MAX_FLOATS and cfg.engine == "builtin"
@@ -258,7 +258,32 @@ def setup(cfg: TrainConfig) -> Run:
     prompts, params = PromptSource(cfg, tok, context), SamplingParams(cfg.new_tokens, temperature=cfg.temperature)
     rollouts = AsyncRollouts(cfg, worker_spec(cfg, student, tok, plan, params, exact_kl, student_dir), prompts) \
         if asynchronous else None
-    return Run(cfg, student, teacher, tok, engine, rollouts, plan, opt, prompts, params, State(), exact_kl)
+    thresholds = load_thresholds(cfg.guard_thresholds) if cfg.guard_every and not cfg.guard_max_kl else None
+    return Run(cfg, student, teacher, tok, engine, rollouts, plan, opt, prompts, params, State(), exact_kl,
+               student_dir, thresholds)
+
+
+def build_engine(cfg: TrainConfig, student: Transformer, tok: TextTokenizer, plan: Plan, student_dir: Path):
+    """The sync schedule's rollout engine. It holds its own copy: it runs the published weights of a version,
+    never the learner's live tensors."""
+    if cfg.engine == "vllm":
+        return VllmEngine(student_dir, tok.eos_id, tok.pad_id, plan, seed=cfg.seed,
+                          max_model_len=student.cfg.max_position_embeddings, tied=student.cfg.tie_word_embeddings)
+    return Engine(copy.deepcopy(student), tok.eos_id, tok.pad_id, plan, noise_seed=cfg.noise_seed)
+
+
+def parse_plan(cfg: TrainConfig, num_layers: int) -> Plan:
+    return Plan.from_mapping(cfg.plan, num_layers) if isinstance(cfg.plan, dict) else Plan.parse(cfg.plan, num_layers)
+
+
+def probe_setup(cfg: TrainConfig, n: int) -> tuple[ProbeSetup, Plan]:
+    """The admission probe of a training config: its pair, an engine factory, its first n training prompts."""
+    torch.set_num_threads(cfg.threads)
+    student, teacher, tok, student_dir = load_pair(cfg)
+    context = min(student.cfg.max_position_embeddings, teacher.cfg.max_position_embeddings)
+    prompts = PromptSource(replace(cfg, batch_size=n), tok, context).batch(0)
+    return ProbeSetup(cfg, student, teacher, tok, lambda plan: build_engine(cfg, student, tok, plan, student_dir),
+                      prompts), parse_plan(cfg, student.cfg.num_layers)
 
 
 def run_step(run: Run) -> dict:
@@ -315,8 +340,60 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
             run.engine.close()
 
 
+def fall_back(run: Run) -> None:
+    """The guard's `fallback`: BF16 rollouts from now on (recorded in the state, so a resumed run keeps them)."""
+    run.plan, run.state.fallback = Plan.parse(FLOOR_PLAN, run.student.cfg.num_layers), True
+    if run.rollouts is not None:
+        run.rollouts.set_plan(run.plan)
+        return
+    if hasattr(run.engine, "close"):
+        run.engine.close()
+    run.engine = build_engine(run.cfg, run.student, run.tok, run.plan, run.student_dir)
+    run.engine.update_weights(run.student.state_dict(), run.state.version)
+
+
+def guard(run: Run, window: list[float], step: int, run_dir: Path) -> dict:
+    """The admission check on the live rollouts: the rollout-vs-learner KL (`stale/total_kl_k3`, numerics and
+    staleness together) averaged over the steps since the last check, against the estimator's limit. On REJECT the
+    event goes to guard.jsonl and stderr, and `guard_action` is taken."""
+    cfg = run.cfg
+    value = sum(window) / len(window) if window else math.nan
+    window.clear()
+    decision = decide({METRIC: value}, run.guard_thresholds, estimator_class(cfg.loss), 0, cfg.guard_max_kl)
+    out = {"guard/kl": value, "guard/limit": decision.limit, "guard/triggered": float(not decision.admit)}
+    if decision.admit:
+        return out
+    action = "warn" if cfg.guard_action == "fallback" and run.state.fallback else cfg.guard_action
+    event = {"step": step, "action": action, "kl": value, "limit": decision.limit, "plan": str(run.plan),
+             "reasons": decision.reasons}
+    with open(run_dir / "guard.jsonl", "a") as f:
+        f.write(json.dumps(event) + "\n")
+    print(f"opd: guard: step {step}: rollout-vs-learner kl_k3 {value:.3g} > limit {decision.limit:.3g} "
+          f"(plan {run.plan}): {action}", file=sys.stderr)
+    if action == "stop":
+        raise OpdError(f"guard: the rollouts' mismatch (kl_k3 {value:.3g}) exceeded the limit {decision.limit:.3g} "
+                       f"at step {step}", "use a safer plan (`opd admit` proposes one), guard_action=fallback, or "
+                       "a higher guard_max_kl")
+    if action == "fallback":
+        fall_back(run)
+    return out
+
+
+def _guard_window(run_dir: Path, step: int, every: int) -> list[float]:
+    """On resume: the live KLs of the steps since the last check (from metrics.jsonl), so the checks see what they
+    would have seen; and guard events of the steps to be re-run are dropped (they are logged again)."""
+    path = run_dir / "guard.jsonl"
+    if path.is_file():
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
+        write_atomic(path, "".join(line + "\n" for line in kept))
+    if not every:
+        return []
+    first = step - step % every
+    return [row.get("stale/total_kl_k3", math.nan) for row in read_metrics(run_dir) if first <= row["step"] < step]
+
+
 def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step) -> dict:
-    log = RunLog(run_dir, run.state.step)
+    log, window = RunLog(run_dir, run.state.step), _guard_window(run_dir, run.state.step, cfg.guard_every)
     before = evaluate(run, cfg) if run.state.step == 0 else _first_eval(run_dir)
     last_eval = before
     bar = tqdm(range(run.state.step, cfg.steps), desc=f"opd {cfg.family if not cfg.student else 'train'}",
@@ -327,6 +404,10 @@ def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step) -
             if step > 0 and cfg.eval_every and step % cfg.eval_every == 0:
                 metrics |= (last_eval := evaluate(run, cfg))
             metrics |= run_step(run)
+            if cfg.guard_every:
+                window.append(metrics.get("stale/total_kl_k3", math.nan))
+                if (step + 1) % cfg.guard_every == 0:
+                    metrics |= guard(run, window, step, run_dir)
             log.write(step, metrics)
             bar.set_postfix(rkl=f"{metrics['loss/rkl_sampled']:.4f}", kl_k3=f"{metrics.get('mismatch/kl_k3', 0):.1e}",
                             acc=f"{last_eval['eval/accuracy']:.3f}" if last_eval else "-")
@@ -347,7 +428,8 @@ def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step) -
     log.close()
     save_state(run_dir, run, wait=False)
     summary = {"before": before, "after": after, "steps": run.state.step, "skipped_steps": run.state.skipped,
-               "plan": str(run.plan), "schedule": cfg.schedule, **_seconds(read_metrics(run_dir))}
+               "plan": str(run.plan), "schedule": cfg.schedule, "guard_fallback": run.state.fallback,
+               **_seconds(read_metrics(run_dir))}
     if run.rollouts is not None:
         summary |= {f"async/{k}": v for k, v in run.rollouts.counts.items()}
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))

@@ -1,0 +1,268 @@
+"""The admission check: is a rollout configuration safe for OPD? A cheap probe, calibrated thresholds, a decision.
+
+**What is measured** (`probe`). The candidate engine (the training config's engine and precision plan) samples a small
+batch of the run's own training prompts with the student; the trainer's full-precision forward recomputes the same
+tokens. From the two come the numerics mismatch of metrics.py (`kl_k3`, `kl_exact`, `prob_err`, importance weights,
+`adv_sign_flip` against the teacher). The same probe with BF16 rollouts (`kv=bf16 w=bf16`) is the noise floor: the
+mismatch that an ordinary BF16 engine already has, reported beside the candidate's. The decision metric is `kl_k3`,
+the k3 estimate of KL(rollout engine || trainer); the runtime guard compares the trainer's live
+`stale/total_kl_k3` (the same estimate against the current learner, numerics and staleness together) with the same
+limit. Staleness cannot be probed before training: an optimizer step on a probe batch from a fresh optimizer is a
+sign step of size lr on every weight, and overstated the real per-step drift 20-100x (dev/LOG.md). So the
+configuration's `max_staleness` is compared with the largest staleness the sweep saw train fine with its estimator.
+
+**What is safe depends on the estimator**, so thresholds are kept per estimator class (`estimator_class`):
+    full       full-distribution losses (full_rkl, topk_rkl, fkl, jsd): mu never enters the gradient; the mismatch
+               only changes which prefixes are visited
+    sampler    sampled_rkl with the sampler's log-prob as the student term and no correction: A = T - mu, so every
+               bit of mismatch is added to the advantage
+    learner    sampled_rkl with the student term recomputed at learner time
+    corrected  sampled_rkl with TIS or MIS
+**Thresholds are calibrated** from sweep results (`calibrate`): per class, the cut on each synchronous run's probe
+`kl_k3` that best separates the runs that trained fine from the degraded ones (tolerance.py defines "degraded");
+where no run of a class degraded, the cut is the largest mismatch seen to train fine, so the check never
+extrapolates past what was observed. Likewise `max_staleness`: the largest staleness whose runs (at the BF16 floor)
+all trained fine. The result is a small JSON file (`opd calibrate`); the package ships one calibrated on the built-in
+pairs (thresholds.json), and users can pass their own or override the limit.
+
+**When it rejects**, `propose_plan` measures the candidate setting on one layer at a time (the sensitivity map) and
+keeps the most sensitive layers in BF16, one more at a time, until the probe is admitted: the cheapest per-layer plan
+that passes, in layers kept at BF16. `decide` is a pure predicate; the runtime guard (trainer.py) applies it to the
+live training metrics every `guard_every` steps.
+"""
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from opd.errors import OpdError, require
+from opd.learner import collate, completion_logprobs, token_logprobs
+from opd.losses import LossConfig
+from opd.metrics import distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics
+from opd.plan import Plan, describe_layer
+
+FLOOR_PLAN = "kv=bf16 w=bf16"
+CLASSES = ("full", "sampler", "learner", "corrected")
+METRIC = "kl_k3"
+DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.json")
+KEEP = "kv=bf16 w=bf16 noise=0"  # what a layer kept "in BF16" by a proposed plan runs at
+
+
+def estimator_class(loss: LossConfig) -> str:
+    if loss.name != "sampled_rkl":
+        return "full"
+    if loss.correction != "none":
+        return "corrected"
+    return "sampler" if loss.student_term == "sampler" else "learner"
+
+
+@dataclass
+class Decision:
+    admit: bool
+    reasons: list[str]
+    limit: float  # the kl_k3 limit that applied
+    value: float  # the measured kl_k3 (live: stale/total_kl_k3)
+
+    def to_dict(self) -> dict:
+        return {"decision": "ADMIT" if self.admit else "REJECT", "reasons": self.reasons, "limit": self.limit,
+                METRIC: self.value}
+
+
+# ---- thresholds ----------------------------------------------------------------------------------------------------
+
+def load_thresholds(path: str | Path = "") -> dict:
+    path = Path(path) if path else DEFAULT_THRESHOLDS
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise OpdError(f"thresholds file {path} not found", "pass a file written by `opd calibrate`") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpdError(f"thresholds file {path} is not valid JSON ({e})", "rewrite it with `opd calibrate`") from None
+    classes = data.get("classes") if isinstance(data, dict) else None
+    require(isinstance(classes, dict) and classes and all(
+        isinstance(c, dict) and isinstance(c.get("max"), (int, float)) and c["max"] > 0 for c in classes.values()),
+        f"thresholds file {path} has no valid per-class limits", "rewrite it with `opd calibrate`")
+    require(set(classes) <= set(CLASSES), f"thresholds file {path} names unknown estimator classes "
+            f"{sorted(set(classes) - set(CLASSES))}", f"use {', '.join(CLASSES)}")
+    return data
+
+
+def class_limits(thresholds: dict, cls: str) -> tuple[dict, str]:
+    """-> (the class's entry: max_kl, knee, max_staleness; how it was obtained, for the reasons)."""
+    classes = thresholds["classes"]
+    if cls in classes:
+        entry = classes[cls]
+        how = (f"calibrated knee of the '{cls}' estimators" if entry.get("knee") else
+               f"largest mismatch seen to train fine with '{cls}' estimators; no degradation was observed")
+        return entry, how
+    strictest = min(classes, key=lambda c: classes[c]["max"])
+    return classes[strictest], (f"no calibration for '{cls}' estimators: the strictest calibrated limit "
+                                f"('{strictest}') applies")
+
+
+def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0, max_kl: float = 0.0) -> Decision:
+    """The admission predicate. numbers: probe metrics without their namespace (kl_k3, and floor_kl_k3,
+    adv_sign_flip, ess_frac when known); staleness: the run's max_staleness (0 when sync); max_kl > 0 overrides the
+    calibrated limit (thresholds may then be None)."""
+    entry, how = class_limits(thresholds, cls) if thresholds else ({}, "")
+    limit, how = (max_kl, "user-set max_kl") if max_kl > 0 else (float(entry["max"]), how)
+    value = numbers.get(METRIC, math.nan)
+    if not math.isfinite(value):
+        return Decision(False, ["the rollouts' log-probs are not finite (NaN/Inf): the engine is broken, not "
+                                "merely mismatched"], limit, value)
+    admit = value <= limit
+    reasons = [f"{METRIC} {value:.3g} {'<=' if admit else '>'} limit {limit:.3g} ({how})"]
+    safe_staleness = entry.get("max_staleness")
+    if staleness and safe_staleness is not None:
+        admit &= staleness <= safe_staleness
+        reasons.append(f"max_staleness {staleness} {'<=' if staleness <= safe_staleness else '>'} "
+                       f"{safe_staleness}, the largest the sweep saw train fine with these estimators")
+    elif staleness:
+        reasons.append(f"max_staleness {staleness}: not calibrated (no staleness runs); the runtime guard "
+                       "measures it live")
+    floor = numbers.get("floor_kl_k3")
+    if floor is not None:
+        reasons.append(f"that is {value / max(floor, 1e-12):.0f}x the BF16 engine's floor {floor:.3g}")
+    if "adv_sign_flip" in numbers:
+        reasons.append(f"adv_sign_flip {numbers['adv_sign_flip']:.4f}, ess_frac {numbers.get('ess_frac', 1):.3f}")
+    return Decision(admit, reasons, limit, value)
+
+
+def calibrate(rows: list[dict]) -> dict:
+    """Per estimator class, the cut on the probe's kl_k3 that misclassifies the fewest synchronous sweep runs (the
+    widest gap among equally good cuts, its geometric middle), and the largest safe staleness. rows: sweep results
+    labelled by tolerance.label()."""
+    classes = {}
+    for cls in CLASSES:
+        mine = [r for r in rows if r["class"] == cls and math.isfinite(r["probe"].get(METRIC, math.nan))]
+        points = sorted((r["probe"][METRIC], r["degraded"]) for r in mine if not r["staleness"])
+        if not points:
+            continue
+        stale = {}
+        for r in mine:
+            if r["staleness"] and r["probe"][METRIC] <= 2 * r["probe"].get("floor_kl_k3", 0):
+                stale.setdefault(r["staleness"], []).append(r["degraded"])
+        safe = 0
+        for k in sorted(stale):  # the largest k with every level up to it fine
+            if any(stale[k]):
+                break
+            safe = k
+        classes[cls] = _stump(points) | {"runs": len(points), "max_staleness": safe if stale else None,
+                                         "staleness_seen": sorted(stale)}
+    require(classes, "no synchronous sweep results with probe measurements to calibrate from", "run `opd sweep` first")
+    return {"metric": METRIC, "classes": classes}
+
+
+def _stump(points: list[tuple[float, bool]]) -> dict:
+    values = [v for v, _ in points]
+    fine = [v for v, bad in points if not bad]
+    if not any(bad for _, bad in points):
+        return {"max": max(values), "knee": False, "errors": 0}
+    best = None
+    for i in range(len(points) + 1):  # cut between points[i-1] and points[i]: admit the first i
+        errors = sum(bad for _, bad in points[:i]) + sum(not bad for _, bad in points[i:])
+        low = values[i - 1] if i else values[0] / 2
+        high = values[i] if i < len(values) else values[-1] * 2
+        gap = math.log(max(high, 1e-12) / max(low, 1e-12))
+        if best is None or (errors, -gap) < (best[0], -best[1]):
+            best = (errors, gap, math.sqrt(max(low, 1e-12) * max(high, 1e-12)))
+    return {"max": best[2], "knee": True, "errors": best[0], "fine_max": max(fine) if fine else None}
+
+
+# ---- the probe -----------------------------------------------------------------------------------------------------
+
+@dataclass
+class ProbeSetup:
+    """What a probe needs from a training run: the config, the models and an engine factory."""
+    cfg: object  # TrainConfig
+    student: torch.nn.Module
+    teacher: torch.nn.Module
+    tok: object
+    make_engine: object  # (plan) -> engine
+    prompts: list[list[int]] = field(default_factory=list)
+
+
+def probe(setup: ProbeSetup, plan: Plan, floor: dict | None = None) -> dict:
+    """The candidate plan's mismatch on the probe batch (+ the BF16 floor, measured unless given)."""
+    start = time.perf_counter()
+    numbers = measure(setup, plan)
+    if floor is None:
+        floor_plan = Plan.parse(FLOOR_PLAN, len(plan.layers))
+        floor = numbers if str(floor_plan) == str(plan) else measure(setup, floor_plan)
+    numbers["floor_kl_k3"] = floor["kl_k3"]
+    numbers["seconds"] = time.perf_counter() - start
+    return numbers
+
+
+def staleness(cfg) -> int:
+    return cfg.max_staleness if cfg.schedule == "async" else 0
+
+
+@torch.no_grad()
+def _rollouts(setup: ProbeSetup, plan: Plan):
+    from opd.async_rollouts import sampler_seed
+    from opd.sampling import SamplingParams
+    cfg = setup.cfg
+    engine = setup.make_engine(plan)
+    try:
+        exact = not hasattr(engine, "close")  # the built-in engine returns whole distributions, vLLM does not
+        rollouts = engine.generate(setup.prompts, SamplingParams(cfg.new_tokens, temperature=cfg.temperature),
+                                   torch.Generator().manual_seed(sampler_seed(cfg.seed, 0)), return_dists=exact)
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
+    return collate(rollouts, setup.tok.pad_id)
+
+
+@torch.no_grad()
+def measure(setup: ProbeSetup, plan: Plan) -> dict:
+    cfg = setup.cfg
+    batch = _rollouts(setup, plan)
+    logp = completion_logprobs(setup.student, batch, cfg.temperature)
+    teacher_logp = completion_logprobs(setup.teacher, batch)
+    q, t_y, mask = token_logprobs(logp, batch.tokens), token_logprobs(teacher_logp, batch.tokens), batch.mask
+    out = {**mismatch_metrics(batch.mu, q, mask), **importance_metrics(batch.mu, q, mask, cfg.loss.cap),
+           **distortion_metrics(t_y, batch.mu, q, mask)}
+    if batch.rollout_logp is not None:
+        out |= exact_kl_metric(batch.rollout_logp, logp, mask)
+    return {k.split("/")[-1]: v for k, v in out.items()}
+
+
+# ---- the check, and the plan it proposes --------------------------------------------------------------------------
+
+def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, max_kl: float = 0.0, propose: bool = True) -> dict:
+    """ADMIT/REJECT with reasons for the run's rollout configuration; a per-layer plan that passes when rejected."""
+    start = time.perf_counter()
+    cls = estimator_class(setup.cfg.loss)
+    numbers = probe(setup, plan)
+    decision = decide(numbers, thresholds, cls, staleness(setup.cfg), max_kl)
+    out = {**decision.to_dict(), "plan": str(plan), "estimator_class": cls, "staleness": staleness(setup.cfg),
+           "probe": numbers, "probe_rollouts": len(setup.prompts)}
+    if not decision.admit and propose and math.isfinite(decision.value) and decision.value > decision.limit:
+        floor = {"kl_k3": numbers["floor_kl_k3"]}
+        out["proposal"] = propose_plan(setup, plan, thresholds, cls, max_kl, floor)
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, max_kl: float, floor: dict) -> dict:
+    """Keep the most sensitive layers at BF16, one more at a time, until the probe passes."""
+    n = len(plan.layers)
+    sensitivity = []
+    for i in range(n):  # the candidate setting on layer i alone, BF16 elsewhere
+        alone = Plan.parse(f"{KEEP}; {i}: {describe_layer(plan.layers[i])}", n)
+        sensitivity.append(measure(setup, alone)["kl_k3"])
+    order = sorted(range(n), key=lambda i: -sensitivity[i])
+    for j in range(1, n + 1):
+        kept = sorted(order[:j])
+        candidate = Plan.parse(f"{plan}; {','.join(map(str, kept))}: {KEEP}", n)
+        numbers = probe(setup, candidate, floor)
+        decision = decide(numbers, thresholds, cls, 0, max_kl)
+        if decision.admit:
+            return {"plan": str(candidate), "bf16_layers": kept, "layer_kl_k3": sensitivity,
+                    METRIC: decision.value, "limit": decision.limit}
+    return {"plan": None, "layer_kl_k3": sensitivity, "note": "even all-BF16 rollouts exceed the limit"}
+

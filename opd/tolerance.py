@@ -1,0 +1,179 @@
+"""The tolerance study's analysis: which runs degraded, where the knee is, and the plots. Reads only sweep results.
+
+**Quality** is the held-out mean per-token reverse KL to the teacher after training (`eval/rkl`, lower is better;
+exact-match accuracy is reported beside it but is too coarse on 100 prompts to decide with). **Mismatch** is what
+the run measured, not what it was configured with: `stale/total_kl_k3` averaged over training, the k3 estimate of
+KL(rollout engine || current learner), which covers numerics and staleness alike.
+
+**Degraded**, per family and estimator: the BF16 runs (source `bf16`, several seeds) span [lo, hi] in final reverse
+KL. A run is degraded when its final reverse KL exceeds hi by more than that spread, or by 5% of the BF16 mean if
+the spread is narrower:  rkl > hi + max(hi - lo, 0.05 * mean).  A few seeds understate the spread, hence the margin.
+
+**The knee** of a source (per family and estimator): the geometric middle between the largest mismatch of a fine run
+below the first degraded run and the first degraded run's mismatch. A source none of whose levels degraded has no
+knee; that, with the largest mismatch it reached, is a finding too.
+"""
+import json
+import math
+from pathlib import Path
+
+QUALITY, MISMATCH = "eval/rkl", "stale/total_kl_k3"
+MARKERS = {"bf16": "o", "kv": "s", "noise": "^", "staleness": "D", "weights": "v"}
+
+
+def groups(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    out: dict[tuple[str, str], list[dict]] = {}
+    for row in latest(rows):
+        out.setdefault((row["family"], row["estimator"]), []).append(row)
+    return out
+
+
+def latest(rows: list[dict]) -> list[dict]:
+    """One row per run id: the last one written (a re-run after a grid change replaces the older line)."""
+    return list({row["id"]: row for row in rows}.values())
+
+
+def band(rows: list[dict]) -> dict | None:
+    base = [r["after"][QUALITY] for r in rows if r["source"] == "bf16"]
+    if not base:
+        return None
+    lo, hi, mean = min(base), max(base), sum(base) / len(base)
+    return {"lo": lo, "hi": hi, "mean": mean, "limit": hi + max(hi - lo, 0.05 * mean), "seeds": len(base)}
+
+
+def label(rows: list[dict]) -> list[dict]:
+    """The latest rows with `degraded` (None where the group has no BF16 runs to compare with) and `mismatch`."""
+    out = []
+    for group in groups(rows).values():
+        b = band(group)
+        for row in group:
+            mismatch = row["train"].get(MISMATCH, row["train"].get("mismatch/kl_k3", math.nan))
+            out.append(row | {"degraded": None if b is None else row["after"][QUALITY] > b["limit"],
+                              "mismatch": mismatch if mismatch is not None else math.nan})
+    return out
+
+
+def knees(rows: list[dict]) -> list[dict]:
+    """Per (family, estimator, source): the knee, or the largest mismatch reached without degrading."""
+    out = []
+    labelled = label(rows)
+    for (family, estimator), group in groups(labelled).items():
+        for source in sorted({r["source"] for r in group} - {"bf16"}):
+            points = sorted((r["mismatch"], bool(r["degraded"])) for r in group
+                            if r["source"] in (source, "bf16") and r["degraded"] is not None)
+            first_bad = next((i for i, (_, bad) in enumerate(points) if bad), None)
+            entry = {"family": family, "estimator": estimator, "source": source,
+                     "max_mismatch": max(m for m, _ in points) if points else None}
+            if first_bad is None:
+                entry |= {"knee": None, "note": "no degradation up to the largest level"}
+            else:
+                below = [m for m, bad in points[:first_bad] if not bad]
+                high = points[first_bad][0]
+                entry |= {"knee": math.sqrt(below[-1] * high) if below and below[-1] > 0 else high,
+                          "last_fine": below[-1] if below else None, "first_degraded": high}
+            out.append(entry)
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per run, grouped, with the BF16 band."""
+    lines = ["| family | estimator | source | level | seed | total_kl_k3 | rkl before -> after | accuracy after | "
+             "degraded |", "|---|---|---|---|---|---|---|---|---|"]
+    for (family, estimator), group in groups(label(rows)).items():
+        for r in sorted(group, key=lambda r: (r["source"] != "bf16", r["source"], r["mismatch"], r["seed"])):
+            flag = {None: "-", True: "**yes**", False: "no"}[r["degraded"]]
+            lines.append(f"| {family} | {estimator} | {r['source']} | {r['level']} | {r['seed']} | "
+                         f"{r['mismatch']:.2g} | {r['before'][QUALITY]:.3f} -> {r['after'][QUALITY]:.3f} | "
+                         f"{r['after']['eval/accuracy']:.2f} | {flag} |")
+    return "\n".join(lines)
+
+
+def fp8_answer(rows: list[dict]) -> list[str]:
+    """Does FP8-e4m3 KV stay inside BF16's seed spread? One line per family and estimator."""
+    out = []
+    for (family, estimator), group in groups(rows).items():
+        b = band(group)
+        for r in group:
+            if b and r["source"] == "kv" and r["level"] == "fp8_e4m3":
+                q = r["after"][QUALITY]
+                where = "inside" if b["lo"] <= q <= b["hi"] else ("below (better than)" if q < b["lo"] else
+                                                                    "above" if q > b["limit"] else
+                                                                    "above the spread but within the margin of")
+                out.append(f"{family}/{estimator}: FP8-e4m3 KV rkl {q:.3f} is {where} the BF16 seeds' "
+                           f"[{b['lo']:.3f}, {b['hi']:.3f}]")
+    return out
+
+
+def report(rows: list[dict], out: Path) -> str:
+    """Write knees.json and the two plots into out; return the text summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    found = knees(rows)
+    (out / "knees.json").write_text(json.dumps(found, indent=2))
+    plot_quality(rows, out / "quality_vs_mismatch.png")
+    plot_curves(rows, out / "curves.png")
+    lines = [table(rows), "", "knees (total_kl_k3 averaged over training):"]
+    for k in found:
+        lines.append(f"  {k['family']}/{k['estimator']}/{k['source']}: " + (
+            f"knee ~{k['knee']:.2g} (last fine {k['last_fine'] or 0:.2g}, first degraded {k['first_degraded']:.2g})"
+            if k["knee"] is not None else f"no knee up to {k['max_mismatch']:.2g}"))
+    lines += ["", *fp8_answer(rows), "", f"plots: {out / 'quality_vs_mismatch.png'}, {out / 'curves.png'}"]
+    return "\n".join(lines)
+
+
+def _figure(rows: list[dict]):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = sorted(groups(rows))
+    families = sorted({f for f, _ in keys})
+    estimators = sorted({e for _, e in keys})
+    fig, axes = plt.subplots(len(families), len(estimators), figsize=(5 * len(estimators), 4 * len(families)),
+                             squeeze=False)
+    return plt, fig, {(f, e): axes[i][j] for i, f in enumerate(families) for j, e in enumerate(estimators)}
+
+
+def plot_quality(rows: list[dict], path: Path) -> None:
+    """Final reverse KL vs measured mismatch: one marker per source, every seed its own point, the BF16 band."""
+    plt, fig, axes = _figure(rows)
+    labelled = groups(label(rows))
+    for key, ax in axes.items():
+        group = labelled.get(key, [])
+        b = band(group)
+        if b:
+            ax.axhspan(b["lo"], b["hi"], color="tab:green", alpha=0.15, label="BF16 seed spread")
+            ax.axhline(b["limit"], color="tab:red", lw=0.8, ls="--", label="degraded above")
+        for source in sorted({r["source"] for r in group}):
+            pts = [(max(r["mismatch"], 1e-7), r["after"][QUALITY]) for r in group if r["source"] == source]
+            ax.scatter(*zip(*pts), marker=MARKERS.get(source, "x"), label=source, alpha=0.8)
+        for k in knees(rows):
+            if (k["family"], k["estimator"]) == key and k["knee"] is not None:
+                ax.axvline(k["knee"], color="gray", lw=0.8, ls=":")
+        ax.set_xscale("log")
+        ax.set(title=f"{key[0]} / {key[1]}", xlabel="rollout vs learner KL (total_kl_k3, mean over training)",
+               ylabel="held-out reverse KL to teacher (after)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+
+
+def plot_curves(rows: list[dict], path: Path) -> None:
+    """Training curves (sampled reverse KL per step) of every run, coloured by source."""
+    plt, fig, axes = _figure(rows)
+    colors = {}
+    for key, ax in axes.items():
+        for r in sorted(groups(rows).get(key, []), key=lambda r: r["source"]):
+            color = colors.setdefault(r["source"], f"C{len(colors)}")
+            ax.plot(r["curve"]["step"], r["curve"]["rkl_sampled"], color=color, alpha=0.7, lw=1,
+                    label=f"{r['source']}={r['level']}")
+        ax.set(title=f"{key[0]} / {key[1]}", xlabel="step", ylabel="reverse KL on the rollouts (sampled)")
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
+
+
+def _save(fig, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)

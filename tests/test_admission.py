@@ -1,0 +1,178 @@
+"""The admission check: decisions at and around each threshold, calibration, the probe, the proposed plan, the CLI."""
+import json
+import math
+
+import pytest
+
+from opd.admission import (calibrate, decide, estimator_class, load_thresholds, measure, probe, propose_plan,
+                           DEFAULT_THRESHOLDS)
+from opd.errors import OpdError
+from opd.losses import LossConfig
+from opd.plan import Plan
+from opd.trainer import probe_setup
+
+from test_cli import assert_one_line_error, opd
+from test_trainer import config, pair  # noqa: F401 (fixture)
+
+LIMITS = {"classes": {"full": {"max": 0.5, "knee": False, "max_staleness": 4},
+                      "sampler": {"max": 0.02, "knee": True, "max_staleness": 0}}}
+
+
+@pytest.mark.parametrize("cls, limit", [("full", 0.5), ("sampler", 0.02)])
+def test_decisions_at_and_around_each_threshold(cls, limit):
+    assert decide({"kl_k3": limit}, LIMITS, cls).admit  # at the limit: admitted (<=)
+    assert decide({"kl_k3": limit * 0.999}, LIMITS, cls).admit
+    rejected = decide({"kl_k3": limit * 1.001}, LIMITS, cls)
+    assert not rejected.admit and rejected.limit == limit and ">" in rejected.reasons[0]
+    assert not decide({"kl_k3": math.nan}, LIMITS, cls).admit
+    assert not decide({"kl_k3": math.inf}, LIMITS, cls).admit
+
+
+def test_staleness_override_and_uncalibrated_classes():
+    assert decide({"kl_k3": 1e-3}, LIMITS, "full", staleness=4).admit
+    assert not decide({"kl_k3": 1e-3}, LIMITS, "full", staleness=5).admit
+    assert not decide({"kl_k3": 1e-5}, LIMITS, "sampler", staleness=1).admit  # stale mu in the advantage
+    strict = decide({"kl_k3": 0.03}, LIMITS, "corrected")  # no calibration: the strictest class applies
+    assert not strict.admit and strict.limit == 0.02 and "strictest" in strict.reasons[0]
+    assert decide({"kl_k3": 0.03}, LIMITS, "sampler", max_kl=0.05).admit  # user override
+    assert not decide({"kl_k3": 0.06}, None, "sampler", max_kl=0.05).admit  # override needs no file
+
+
+def test_estimator_classes():
+    assert estimator_class(LossConfig()) == "full"
+    assert estimator_class(LossConfig(name="fkl")) == "full"
+    assert estimator_class(LossConfig(name="sampled_rkl", student_term="sampler")) == "sampler"
+    assert estimator_class(LossConfig(name="sampled_rkl")) == "learner"
+    assert estimator_class(LossConfig(name="sampled_rkl", student_term="sampler", correction="tis")) == "corrected"
+
+
+def _row(cls, kl, degraded, staleness=0, floor=1e-5):
+    return {"class": cls, "probe": {"kl_k3": kl, "floor_kl_k3": floor}, "degraded": degraded, "staleness": staleness}
+
+
+def test_calibration_separates_fine_from_degraded():
+    rows = [_row("sampler", v, v > 0.03) for v in (1e-5, 2e-5, 0.01, 0.02, 0.05, 0.2)]
+    rows += [_row("sampler", 1e-5, False, staleness=1), _row("sampler", 1e-5, True, staleness=2)]
+    rows += [_row("full", v, False) for v in (1e-5, 0.05, 0.3)]
+    out = calibrate(rows)["classes"]
+    assert 0.02 < out["sampler"]["max"] < 0.05 and out["sampler"]["knee"] and out["sampler"]["errors"] == 0
+    assert math.isclose(out["sampler"]["max"], math.sqrt(0.02 * 0.05))
+    assert out["sampler"]["max_staleness"] == 1
+    assert out["full"] == {"max": 0.3, "knee": False, "errors": 0, "runs": 3, "max_staleness": None,
+                           "staleness_seen": []}  # never degraded: no extrapolation past 0.3
+
+
+def test_calibration_with_a_noisy_outcome_minimises_errors():
+    rows = [_row("full", v, bad) for v, bad in ((0.01, False), (0.02, True), (0.03, False), (0.5, True), (0.9, True))]
+    entry = calibrate(rows)["classes"]["full"]
+    assert entry["errors"] == 1 and 0.03 < entry["max"] < 0.5
+
+
+def test_thresholds_file_errors(tmp_path):
+    assert set(load_thresholds()["classes"]) <= {"full", "sampler", "learner", "corrected"}  # the shipped file
+    bad = tmp_path / "t.json"
+    bad.write_text("{not json")
+    with pytest.raises(OpdError, match="not valid JSON"):
+        load_thresholds(bad)
+    bad.write_text(json.dumps({"classes": {"full": {"max": -1}}}))
+    with pytest.raises(OpdError, match="no valid per-class limits"):
+        load_thresholds(bad)
+    with pytest.raises(OpdError, match="not found"):
+        load_thresholds(tmp_path / "missing.json")
+    assert DEFAULT_THRESHOLDS.is_file()
+
+
+def test_probe_measures_mismatch_above_the_floor(pair):
+    setup, plan = probe_setup(config(pair, plan="kv=fp8_e5m2", max_new_tokens=12), 8)
+    numbers = probe(setup, plan)
+    assert numbers["kl_k3"] > 3 * numbers["floor_kl_k3"] > 0
+    assert numbers["kl_exact"] > 0 and 0 < numbers["ess_frac"] <= 1
+    exact, _ = probe_setup(config(pair, plan="", max_new_tokens=12), 8)  # float32 engine == trainer
+    assert measure(exact, Plan.parse("", 2))["kl_k3"] < 1e-9
+
+
+def test_rejection_proposes_a_plan_that_passes(pair):
+    setup, plan = probe_setup(config(pair, plan="kv=fp8_e5m2 w=int4", max_new_tokens=12), 8)
+    numbers = probe(setup, plan)
+    limit = numbers["kl_k3"] / 3  # rejects the candidate; all-BF16 (the floor) is far below it
+    proposal = propose_plan(setup, plan, None, "full", limit, {"kl_k3": numbers["floor_kl_k3"]})
+    assert proposal["plan"] is not None and proposal[("kl_k3")] <= limit
+    kept = proposal["bf16_layers"]
+    most = max(range(2), key=lambda i: proposal["layer_kl_k3"][i])
+    assert most in kept  # the most sensitive layer is the first one kept at BF16
+    assert measure(setup, Plan.parse(proposal["plan"], 2))["kl_k3"] <= limit
+
+
+def test_admit_cli(pair, tmp_path):
+    student, teacher = pair
+    common = ["--set", f"student={student}", "--set", f"teacher={teacher}", "--set", "task=add", "--set", "threads=1",
+              "--rollouts", "4"]
+    ok = opd("admit", *common, "--set", "plan=", "--max-kl", "0.5")
+    assert ok.returncode == 0 and ok.stdout.startswith("ADMIT"), ok.stderr
+    rejected = opd("admit", *common, "--set", "plan=noise=0.5", "--max-kl", "1e-6", "--json")
+    assert rejected.returncode == 1, rejected.stderr
+    result = json.loads(rejected.stdout)
+    assert result["decision"] == "REJECT" and result["proposal"]["layer_kl_k3"] and result["seconds"] > 0
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    assert_one_line_error(opd("admit", *common, "--thresholds", bad), "no valid per-class limits")
+    assert_one_line_error(opd("admit", *common, "--max-kl", "-1"), "--max-kl must be >= 0")
+
+
+def test_guard_falls_back_to_bf16_on_an_injected_mismatch(pair, tmp_path):
+    from opd.runlog import read_metrics
+    from opd.trainer import train
+    cfg = config(pair, plan="noise=0.5", steps=6, guard_every=2, guard_action="fallback", guard_max_kl=1e-3,
+                 max_new_tokens=12)
+    summary = train(cfg, tmp_path / "run", progress=False)
+    events = [json.loads(line) for line in (tmp_path / "run" / "guard.jsonl").read_text().splitlines()]
+    assert len(events) == 1 and events[0]["step"] == 1 and events[0]["action"] == "fallback"
+    assert events[0]["kl"] > 1e-3 and "noise=0.5" in events[0]["plan"]
+    rows = read_metrics(tmp_path / "run")
+    assert [r.get("guard/triggered") for r in rows[:6]] == [None, 1.0, None, 0.0, None, 0.0]
+    assert all(r["mismatch/kl_k3"] > 1e-3 for r in rows[:2])  # the injected mismatch...
+    assert all(r["mismatch/kl_k3"] < 1e-3 for r in rows[2:6])  # ...gone after the fallback
+    assert summary["guard_fallback"] and "noise" not in summary["plan"] and "kv=bf16" in summary["plan"]
+
+
+def test_guard_stop_and_warn(pair, tmp_path):
+    from opd.trainer import train
+    cfg = config(pair, plan="noise=0.5", steps=4, guard_every=1, guard_action="stop", guard_max_kl=1e-3,
+                 max_new_tokens=12)
+    with pytest.raises(OpdError, match="guard: the rollouts' mismatch"):
+        train(cfg, tmp_path / "stop", progress=False)
+    assert (tmp_path / "stop" / "checkpoint" / "trainer_state.pt").is_file()  # saved for --resume
+    warn = config(pair, plan="noise=0.5", steps=3, guard_every=1, guard_action="warn", guard_max_kl=1e-3,
+                  max_new_tokens=12)
+    summary = train(warn, tmp_path / "warn", progress=False)
+    assert len((tmp_path / "warn" / "guard.jsonl").read_text().splitlines()) == 3 and not summary["guard_fallback"]
+
+
+def test_guard_fallback_survives_resume(pair, tmp_path):
+    from opd.runlog import read_metrics
+    from opd.trainer import train
+    cfg = config(pair, plan="noise=0.5", steps=6, save_every=3, guard_every=2, guard_action="fallback",
+                 guard_max_kl=1e-3, max_new_tokens=12)
+    train(cfg, tmp_path / "full", progress=False)
+
+    def crash(step, run):
+        if step == 4:
+            raise RuntimeError("simulated crash")
+    with pytest.raises(RuntimeError):
+        train(cfg, tmp_path / "resumed", progress=False, on_step=crash)
+    train(cfg, tmp_path / "resumed", resume=True, progress=False)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time", "throughput"))} for r in rows]
+    assert strip(read_metrics(tmp_path / "resumed")) == strip(read_metrics(tmp_path / "full"))
+    assert (tmp_path / "resumed" / "guard.jsonl").read_text() == (tmp_path / "full" / "guard.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_guard_fallback_in_the_async_schedule(pair, tmp_path):
+    from opd.runlog import read_metrics
+    from opd.trainer import train
+    cfg = config(pair, plan="noise=0.5", steps=6, guard_every=2, guard_action="fallback", guard_max_kl=1e-3,
+                 max_new_tokens=12, schedule="async", max_staleness=1, threads=2, save_every=0)
+    summary = train(cfg, tmp_path / "run", progress=False)
+    rows = read_metrics(tmp_path / "run")
+    assert rows[1]["guard/triggered"] == 1.0 and summary["guard_fallback"]
+    assert all(r["mismatch/kl_k3"] < 1e-3 for r in rows[2:6])  # batches in flight were re-sampled at BF16

@@ -1,0 +1,123 @@
+"""The tolerance study: sweep resume, the results file, degraded/knee on synthetic results, plots, sensitivity."""
+import json
+import math
+
+import pytest
+import yaml
+
+from opd import sweep as sweep_module
+from opd.errors import OpdError
+from opd.sensitivity import layer_map, spread
+from opd.sweep import expand, load_grid, read_results, run_sweep
+from opd.tolerance import band, knees, label, report
+from opd.trainer import probe_setup
+
+from test_cli import assert_one_line_error, opd
+from test_trainer import config, pair  # noqa: F401 (fixture)
+
+
+def tiny_grid(pair, points):
+    student, teacher = pair
+    return {"base": {"student": str(student), "teacher": str(teacher), "task": "add", "steps": 2, "batch_size": 4,
+                     "eval_every": 0, "eval_examples": 4, "save_every": 0, "threads": 1, "plan": "",
+                     "warmup_steps": 1},
+            "estimators": {"full_rkl": {"loss": {"name": "full_rkl"}}}, "families": ["llama"], "points": points}
+
+
+def test_sweep_writes_one_line_per_run_and_resume_skips_finished_runs(pair, tmp_path, monkeypatch):
+    points = [{"source": "bf16", "level": 0, "set": {"plan": "kv=bf16 w=bf16"}, "seeds": [0, 1]},
+              {"source": "kv", "level": "fp8_e5m2", "set": {"plan": "kv=fp8_e5m2"}}]
+    rows = run_sweep(tiny_grid(pair, points), tmp_path, progress=False)
+    assert [r["id"] for r in rows] == ["llama/full_rkl/bf16=0/seed0", "llama/full_rkl/bf16=0/seed1",
+                                       "llama/full_rkl/kv=fp8_e5m2/seed0"]
+    row = rows[2]
+    assert row["config"]["plan"] == "kv=fp8_e5m2" and row["probe"]["kl_k3"] > row["probe"]["floor_kl_k3"]
+    assert row["train"]["mismatch/kl_k3"] > 0 and "eval/rkl" in row["after"] and len(row["git"]) >= 7
+    assert row["curve"]["step"] == [0, 1]
+
+    import opd.trainer
+    trained = []
+    real_train = opd.trainer.train
+    monkeypatch.setattr(opd.trainer, "train", lambda cfg, *a, **k: trained.append(cfg) or real_train(cfg, *a, **k))
+    assert len(run_sweep(tiny_grid(pair, points), tmp_path, progress=False)) == 3 and trained == []  # all done
+    points.append({"source": "noise", "level": 0.5, "set": {"plan": "noise=0.5"}})
+    rows = run_sweep(tiny_grid(pair, points), tmp_path, progress=False)
+    assert len(rows) == 4 and [c.plan for c in trained] == ["noise=0.5"]  # only the new point ran
+
+
+def test_a_torn_last_line_is_ignored(tmp_path, capsys):
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps({"id": "a", "key": "k"}) + "\n" + '{"id": "b", "ke')
+    assert [r["id"] for r in read_results(path)] == ["a"]
+    assert "not a complete JSON line" in capsys.readouterr().err
+
+
+def test_bad_grids_fail_before_any_run(pair, tmp_path):
+    with pytest.raises(OpdError, match="grid run llama/full_rkl/kv=x/seed0: config: lr must be positive"):
+        expand(tiny_grid(pair, [{"source": "kv", "level": "x", "set": {"lr": -1}}]))
+    with pytest.raises(OpdError, match="grid run llama/full_rkl/kv=int3/seed0: .*int3"):
+        expand(tiny_grid(pair, [{"source": "kv", "level": "int3", "set": {"plan": "kv=int3"}}]))
+    with pytest.raises(OpdError, match="needs `source` and `level`"):
+        load_grid_text(tmp_path, {"estimators": {"a": {}}, "points": [{"set": {}}]})
+    assert_one_line_error(opd("sweep", "--grid", tmp_path / "missing.yaml", "--out", tmp_path), "not found")
+    assert_one_line_error(opd("sweep", "--plot-only", "--out", tmp_path / "empty"), "no results file")
+
+
+def load_grid_text(tmp_path, grid):
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(grid))
+    return load_grid(path)
+
+
+def synthetic(source, level, rkl, mismatch, seed=0, estimator="sampled_mu"):
+    return {"id": f"llama/{estimator}/{source}={level}/seed{seed}", "family": "llama", "estimator": estimator,
+            "source": source, "level": level, "seed": seed, "after": {"eval/rkl": rkl, "eval/accuracy": 0.5},
+            "before": {"eval/rkl": 0.4}, "train": {"stale/total_kl_k3": mismatch},
+            "curve": {"step": [0, 1], "rkl_sampled": [0.5, 0.4]}}
+
+
+STUDY = [synthetic("bf16", 0, 0.30, 1e-5, 0), synthetic("bf16", 0, 0.32, 1e-5, 1), synthetic("bf16", 0, 0.31, 1e-5, 2),
+         synthetic("kv", "fp8_e4m3", 0.31, 0.01), synthetic("kv", "fp8_e5m2", 0.40, 0.06),
+         synthetic("noise", 0.1, 0.33, 0.005), synthetic("noise", 0.3, 0.345, 0.05)]
+
+
+def test_degraded_is_relative_to_the_bf16_seed_spread():
+    b = band([r for r in STUDY])
+    assert (b["lo"], b["hi"]) == (0.30, 0.32) and math.isclose(b["limit"], 0.32 + 0.02)  # spread 0.02 > 5% of 0.31
+    degraded = {r["id"]: r["degraded"] for r in label(STUDY)}
+    assert [degraded[r["id"]] for r in STUDY] == [False, False, False, False, True, False, True]
+
+
+def test_knees_per_source_and_no_knee():
+    found = {k["source"]: k for k in knees(STUDY)}
+    assert math.isclose(found["kv"]["knee"], math.sqrt(0.01 * 0.06)) and found["kv"]["first_degraded"] == 0.06
+    assert math.isclose(found["noise"]["knee"], math.sqrt(0.005 * 0.05))
+    calm = [r for r in STUDY if r["source"] != "kv" or r["level"] == "fp8_e4m3"]
+    assert {k["source"]: k["knee"] for k in knees(calm[:4])} == {"kv": None}  # no level degraded: no knee
+
+
+def test_report_writes_plots_from_the_results_alone(tmp_path):
+    text = report(STUDY, tmp_path)
+    for name in ("quality_vs_mismatch.png", "curves.png"):
+        assert (tmp_path / name).stat().st_size > 10_000
+    assert "inside the BF16 seeds' [0.300, 0.320]" in text and "knee ~" in text
+    assert json.loads((tmp_path / "knees.json").read_text())
+
+
+def test_sensitivity_puts_the_mismatch_on_one_layer_at_a_time(pair):
+    setup, _ = probe_setup(config(pair, max_new_tokens=12), 8)
+    maps = layer_map(setup, ("kv=fp32", "noise=0.3"))
+    assert all(v < 1e-9 for v in maps["kv=fp32"])  # full precision on the "quantized" layer: no mismatch
+    assert all(v > 1e-4 for v in maps["noise=0.3"]) and len(maps["noise=0.3"]) == 2
+    assert spread([1e-3, 4e-3, 2e-3]) == {"most": 1, "least": 0, "ratio": 4.0}
+
+
+def test_sensitivity_cli(pair, tmp_path):
+    student, teacher = pair
+    result = opd("sensitivity", "--student", student, "--teacher", teacher, "--task", "add", "--setting", "kv=int4 kv_group=16", "--rollouts",
+                 "4", "--out", tmp_path, "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    assert "| model | `kv=int4 kv_group=16` |" in result.stdout and (tmp_path / "sensitivity.png").stat().st_size > 5_000
+    assert_one_line_error(opd("sensitivity", "--student", student, "--teacher", teacher, "--task", "add",
+                              "--setting", "kv=int3",
+                              "--out", tmp_path), "int3")
