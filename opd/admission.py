@@ -150,13 +150,14 @@ def calibrate(rows: list[dict]) -> dict:
             if any(stale[k]):
                 break
             safe = k
-        classes[cls] = _stump(points) | {"runs": len(points), "max_staleness": safe if stale else None,
+        classes[cls] = best_cut(points) | {"runs": len(points), "max_staleness": safe if stale else None,
                                          "staleness_seen": sorted(stale)}
     require(classes, "no synchronous sweep results with probe measurements to calibrate from", "run `opd sweep` first")
     return {"metric": METRIC, "classes": classes}
 
 
-def _stump(points: list[tuple[float, bool]]) -> dict:
+def best_cut(points: list[tuple[float, bool]]) -> dict:
+    """points: sorted (mismatch, degraded). -> {max: the cut, knee: whether any point degraded, errors, fine_max}."""
     values = [v for v, _ in points]
     fine = [v for v, bad in points if not bad]
     if not any(bad for _, bad in points):
@@ -241,9 +242,13 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, max_kl: float = 0.0, 
     decision = decide(numbers, thresholds, cls, staleness(setup.cfg), max_kl)
     out = {**decision.to_dict(), "plan": str(plan), "estimator_class": cls, "staleness": staleness(setup.cfg),
            "probe": numbers, "probe_rollouts": len(setup.prompts)}
-    if not decision.admit and propose and math.isfinite(decision.value) and decision.value > decision.limit:
-        floor = {"kl_k3": numbers["floor_kl_k3"]}
-        out["proposal"] = propose_plan(setup, plan, thresholds, cls, max_kl, floor)
+    if not decision.admit and propose and math.isfinite(decision.value):
+        if decision.value > decision.limit:
+            floor = {"kl_k3": numbers["floor_kl_k3"]}
+            out["proposal"] = propose_plan(setup, plan, thresholds, cls, max_kl, floor)
+        else:  # the plan passes; the staleness does not
+            out["proposal"] = {"plan": None, "layer_kl": [], "note": "the plan passes: lower max_staleness "
+                               f"to {class_limits(thresholds, cls)[0].get('max_staleness')} or use another estimator"}
     out["seconds"] = time.perf_counter() - start
     return out
 
@@ -254,7 +259,8 @@ def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, max_
     sensitivity = []
     for i in range(n):  # the candidate setting on layer i alone, BF16 elsewhere
         alone = Plan.parse(f"{KEEP}; {i}: {describe_layer(plan.layers[i])}", n)
-        sensitivity.append(measure(setup, alone)["kl_k3"])
+        numbers = measure(setup, alone)
+        sensitivity.append(numbers.get("kl_exact", numbers["kl_k3"]))  # exact where the engine allows: less noise
     order = sorted(range(n), key=lambda i: -sensitivity[i])
     for j in range(1, n + 1):
         kept = sorted(order[:j])
@@ -262,7 +268,7 @@ def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, max_
         numbers = probe(setup, candidate, floor)
         decision = decide(numbers, thresholds, cls, 0, max_kl)
         if decision.admit:
-            return {"plan": str(candidate), "bf16_layers": kept, "layer_kl_k3": sensitivity,
+            return {"plan": str(candidate), "bf16_layers": kept, "layer_kl": sensitivity,
                     METRIC: decision.value, "limit": decision.limit}
-    return {"plan": None, "layer_kl_k3": sensitivity, "note": "even all-BF16 rollouts exceed the limit"}
+    return {"plan": None, "layer_kl": sensitivity, "note": "even all-BF16 rollouts exceed the limit"}
 

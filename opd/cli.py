@@ -174,9 +174,10 @@ def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, max_kl
             print(f"  - {reason}")
         proposal = result.get("proposal")
         if proposal:
-            print(f"  proposed plan: {proposal['plan']}" if proposal["plan"] else f"  no plan passes: {proposal['note']}")
-            print("  per-layer kl_k3 of the candidate setting: "
-                  + ", ".join(f"{i}: {v:.2g}" for i, v in enumerate(proposal["layer_kl_k3"])))
+            print(f"  proposed plan: {proposal['plan']}" if proposal["plan"] else f"  no plan proposed: {proposal['note']}")
+        if proposal and proposal["layer_kl"]:
+            print("  KL of the candidate setting on one layer alone (BF16 elsewhere): "
+                  + ", ".join(f"layer {i} {v:.2g}" for i, v in enumerate(proposal["layer_kl"])))
     return 0 if result["decision"] == "ADMIT" else 1
 
 

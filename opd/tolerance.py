@@ -9,13 +9,17 @@ KL(rollout engine || current learner), which covers numerics and staleness alike
 KL. A run is degraded when its final reverse KL exceeds hi by more than that spread, or by 5% of the BF16 mean if
 the spread is narrower:  rkl > hi + max(hi - lo, 0.05 * mean).  A few seeds understate the spread, hence the margin.
 
-**The knee** of a source (per family and estimator): the geometric middle between the largest mismatch of a fine run
-below the first degraded run and the first degraded run's mismatch. A source none of whose levels degraded has no
-knee; that, with the largest mismatch it reached, is a finding too.
+**The knee** of a source (per family and estimator): the mismatch cut that puts the fewest of its runs (and the BF16
+runs) on the wrong side, fine below and degraded above: the geometric middle of the widest gap among equally good
+cuts, the same rule that calibrates the admission check (admission.best_cut). Runs on the wrong side are counted
+(`misplaced`): a fine run above a degraded one is seed noise, or a source that does not act through the mismatch
+alone. A source none of whose levels degraded has no knee; that, with the largest mismatch it reached, is a finding.
 """
 import json
 import math
 from pathlib import Path
+
+from opd.admission import best_cut
 
 QUALITY, MISMATCH = "eval/rkl", "stale/total_kl_k3"
 MARKERS = {"bf16": "o", "kv": "s", "noise": "^", "staleness": "D", "weights": "v"}
@@ -61,16 +65,15 @@ def knees(rows: list[dict]) -> list[dict]:
         for source in sorted({r["source"] for r in group} - {"bf16"}):
             points = sorted((r["mismatch"], bool(r["degraded"])) for r in group
                             if r["source"] in (source, "bf16") and r["degraded"] is not None)
-            first_bad = next((i for i, (_, bad) in enumerate(points) if bad), None)
             entry = {"family": family, "estimator": estimator, "source": source,
                      "max_mismatch": max(m for m, _ in points) if points else None}
-            if first_bad is None:
+            if not any(bad for _, bad in points):
                 entry |= {"knee": None, "note": "no degradation up to the largest level"}
             else:
-                below = [m for m, bad in points[:first_bad] if not bad]
-                high = points[first_bad][0]
-                entry |= {"knee": math.sqrt(below[-1] * high) if below and below[-1] > 0 else high,
-                          "last_fine": below[-1] if below else None, "first_degraded": high}
+                cut = best_cut(points)
+                entry |= {"knee": cut["max"], "misplaced": cut["errors"],
+                          "last_fine": max((m for m, bad in points if not bad and m <= cut["max"]), default=None),
+                          "first_degraded": min((m for m, bad in points if bad and m > cut["max"]), default=None)}
             out.append(entry)
     return out
 
@@ -114,7 +117,8 @@ def report(rows: list[dict], out: Path) -> str:
     lines = [table(rows), "", "knees (total_kl_k3 averaged over training):"]
     for k in found:
         lines.append(f"  {k['family']}/{k['estimator']}/{k['source']}: " + (
-            f"knee ~{k['knee']:.2g} (last fine {k['last_fine'] or 0:.2g}, first degraded {k['first_degraded']:.2g})"
+            f"knee ~{k['knee']:.2g} (fine up to {k['last_fine'] or 0:.2g}, degraded from {k['first_degraded'] or 0:.2g}"
+            f"; {k['misplaced']} run(s) on the wrong side)"
             if k["knee"] is not None else f"no knee up to {k['max_mismatch']:.2g}"))
     lines += ["", *fp8_answer(rows), "", f"plots: {out / 'quality_vs_mismatch.png'}, {out / 'curves.png'}"]
     return "\n".join(lines)

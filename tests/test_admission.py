@@ -98,7 +98,7 @@ def test_rejection_proposes_a_plan_that_passes(pair):
     proposal = propose_plan(setup, plan, None, "full", limit, {"kl_k3": numbers["floor_kl_k3"]})
     assert proposal["plan"] is not None and proposal[("kl_k3")] <= limit
     kept = proposal["bf16_layers"]
-    most = max(range(2), key=lambda i: proposal["layer_kl_k3"][i])
+    most = max(range(2), key=lambda i: proposal["layer_kl"][i])
     assert most in kept  # the most sensitive layer is the first one kept at BF16
     assert measure(setup, Plan.parse(proposal["plan"], 2))["kl_k3"] <= limit
 
@@ -112,7 +112,7 @@ def test_admit_cli(pair, tmp_path):
     rejected = opd("admit", *common, "--set", "plan=noise=0.5", "--max-kl", "1e-6", "--json")
     assert rejected.returncode == 1, rejected.stderr
     result = json.loads(rejected.stdout)
-    assert result["decision"] == "REJECT" and result["proposal"]["layer_kl_k3"] and result["seconds"] > 0
+    assert result["decision"] == "REJECT" and result["proposal"]["layer_kl"] and result["seconds"] > 0
     bad = tmp_path / "bad.json"
     bad.write_text("[]")
     assert_one_line_error(opd("admit", *common, "--thresholds", bad), "no valid per-class limits")
