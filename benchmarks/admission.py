@@ -89,9 +89,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="stored results and probes; no models, no training")
     parser.add_argument("--out", type=Path, default=Path("runs/study"), help="the sweep's folder (full mode)")
+    parser.add_argument("--results", type=Path, default=STORED, help="--quick: the results file to read")
     args = parser.parse_args()
     if args.quick:
-        rows = label(read_results(STORED))
+        rows = label(read_results(args.results))
         check_s = [r["probe"]["seconds"] for r in rows]
     else:
         rows = label(run_sweep(yaml.safe_load(DEFAULT_GRID), args.out))

@@ -8,7 +8,7 @@ A grid is YAML (`DEFAULT_GRID` below is the one the README's tolerance study ran
       full_rkl: {loss: {name: full_rkl}, lr: 3.0e-4}
     seeds: [0]                                          # a point's seeds unless it names its own
     points:                                             # mismatch source, level, TrainConfig keys
-      - {source: bf16, level: 0, set: {}, seeds: [0, 1, 2]}
+      - {source: bf16, level: 0, set: {}, seeds: [0, 1, 2, 3, 4]}
       - {source: kv, level: fp8_e4m3, set: {plan: "kv=fp8_e4m3 w=bf16"}, seeds: [0, 1, 2]}
 
 Every run = family x estimator x point x seed. For each, the admission probe runs first on the initial student (what
@@ -46,7 +46,7 @@ estimators:
   sampled_mu: {loss: {name: sampled_rkl, student_term: sampler}, lr: 1.0e-4}
 seeds: [0]
 points:
-  - {source: bf16, level: 0, set: {}, seeds: [0, 1, 2]}
+  - {source: bf16, level: 0, set: {}, seeds: [0, 1, 2, 3, 4]}
   - {source: kv, level: fp8_e4m3, set: {plan: "kv=fp8_e4m3 w=bf16"}, seeds: [0, 1, 2]}
   - {source: kv, level: fp8_e5m2, set: {plan: "kv=fp8_e5m2 w=bf16"}}
   - {source: noise, level: 0.1, set: {plan: "kv=bf16 w=bf16 noise=0.1"}}

@@ -38,6 +38,21 @@ def test_staleness_override_and_uncalibrated_classes():
     assert not decide({"kl_k3": 0.06}, None, "sampler", max_kl=0.05).admit  # override needs no file
 
 
+def test_a_candidate_at_the_bf16_floor_is_admitted_whatever_the_limit():
+    at_floor = decide({"kl_k3": 0.03, "floor_kl_k3": 0.015}, LIMITS, "sampler")  # 2x the floor, above the limit
+    assert at_floor.admit and "BF16 rollouts are the reference" in at_floor.reasons[1]
+    assert not decide({"kl_k3": 0.0301, "floor_kl_k3": 0.015}, LIMITS, "sampler").admit
+    assert not decide({"kl_k3": 1e-5, "floor_kl_k3": 1e-5}, LIMITS, "sampler", staleness=1).admit  # staleness
+
+
+def test_staleness_limit_is_the_best_cut_over_noisy_levels():
+    rows = [_row("full", 1e-5, False), _row("full", 0.1, True)]
+    rows += [_row("full", 1e-5, bad, staleness=k) for k, bad in ((1, True), (1, False), (2, False), (4, False),
+                                                                  (8, True), (8, True))]
+    entry = calibrate(rows)["classes"]["full"]
+    assert entry["max_staleness"] == 4 and entry["staleness_seen"] == [1, 2, 4, 8]  # one noisy k=1 run outvoted
+
+
 def test_estimator_classes():
     assert estimator_class(LossConfig()) == "full"
     assert estimator_class(LossConfig(name="fkl")) == "full"
