@@ -17,6 +17,8 @@ held-out accuracy (greedy and sampled) and reverse KL to the teacher. A step who
 is skipped and counted; `max_bad_steps` in a row stop the run. A checkpoint (HF folder + optimizer, RNG, engine
 scales and step) is written every `save_every` steps, at the end, on Ctrl-C and when the run stops with an error
 (non-finite steps, a lost rollout worker); `resume` continues from it (exactly, from a periodic checkpoint).
+With `guard_every` > 0 the runtime guard (admission.py's decision on the live rollout-vs-learner KL) runs every that
+many steps and warns, falls back to BF16 rollouts or stops (`guard_action`); its events go to guard.jsonl.
 """
 import copy
 import io
