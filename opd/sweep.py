@@ -15,7 +15,7 @@ Every run = family x estimator x point x seed. For each, the admission probe run
 `opd admit` would see for that configuration), then the training run; then one line is appended to the results file:
 the run's id and key, its resolved config, the probe, quality before and after (held-out accuracy and reverse KL to
 the teacher), every per-step metric averaged over training, a short training curve, wall times and the git SHA.
-The key is a hash of the resolved config: a run whose key is already in the file is skipped, so a sweep that was
+The key is a hash of the resolved config's non-default values: a run whose key is already in the file is skipped, so a sweep that was
 stopped continues where it left off, and a changed grid re-runs only what changed. A line is written only when its
 run has finished (one `write` under a file lock, so two sweeps may share a file); a torn last line is ignored.
 Plotting and the knee (tolerance.py) read only the results file.
@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from opd.admission import estimator_class, probe, staleness
-from opd.config import build_config, merge
+from opd.config import TrainConfig, build_config, merge
 from opd.errors import OpdError, require
 from opd.plan import Plan
 from opd.runlog import read_metrics
@@ -99,7 +99,34 @@ def expand(grid: dict, families: list[str] | None = None) -> list[dict]:
 
 
 def config_key(cfg) -> str:
-    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+    """A hash of the config's non-default values: a release that adds config fields (with defaults that change
+    nothing) does not invalidate earlier results."""
+    return hashlib.sha256(json.dumps(_non_default(cfg.to_dict(), TrainConfig().to_dict()),
+                                     sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _non_default(values: dict, defaults: dict) -> dict:
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(defaults.get(key), dict):
+            value = _non_default(value, defaults[key])
+            if value:
+                out[key] = value
+        elif key not in defaults or value != defaults[key]:
+            out[key] = value
+    return out
+
+
+def finished_keys(rows: list[dict]) -> set[str]:
+    """Keys of the runs in a results file, recomputed from their stored configs (the stored `key` may come from an
+    older release)."""
+    keys = set()
+    for row in rows:
+        try:
+            keys.add(config_key(build_config(row["config"])))
+        except (OpdError, KeyError, TypeError):
+            keys.add(row.get("key"))
+    return keys
 
 
 def read_results(path: Path) -> list[dict]:
@@ -146,7 +173,7 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
     from opd.trainer import probe_setup, train
     results_path = out / "results.jsonl"
     runs = expand(grid, families)
-    done = {row.get("key") for row in read_results(results_path)}
+    done = finished_keys(read_results(results_path))
     todo = [r for r in runs if config_key(r["cfg"]) not in done]
     if progress:
         print(f"sweep: {len(runs)} runs, {len(runs) - len(todo)} already in {results_path}", file=sys.stderr)
