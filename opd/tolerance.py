@@ -91,18 +91,50 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def pivot(rows: list[dict]) -> str:
+    """Markdown: one line per source=level, one column per family/estimator; a cell is the final reverse KL (mean over
+    seeds, with the seeds' range when there are several), the measured mismatch, and how many runs degraded."""
+    labelled = groups(label(rows))
+    columns = sorted(labelled)
+    points = sorted({(r["source"], str(r["level"])) for g in labelled.values() for r in g},
+                    key=lambda p: (p[0] != "bf16", p[0], _number(p[1])))
+    lines = ["| source = level | " + " | ".join(f"{f} / {e}" for f, e in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for source, level in points:
+        cells = []
+        for key in columns:
+            runs = [r for r in labelled[key] if (r["source"], str(r["level"])) == (source, level)]
+            if not runs:
+                cells.append("")
+                continue
+            q = [r["after"][QUALITY] for r in runs]
+            bad = sum(bool(r["degraded"]) for r in runs)
+            spread = f" [{min(q):.3f}-{max(q):.3f}]" if len(q) > 1 else ""
+            mark = f" **{bad}/{len(runs)} degraded**" if bad else ""
+            cells.append(f"{sum(q) / len(q):.3f}{spread} @ {sum(r['mismatch'] for r in runs) / len(runs):.1e}{mark}")
+        lines.append(f"| {source} = {level} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.inf if text.startswith("fp8_e5") else -math.inf  # fp8_e4m3 before fp8_e5m2
+
+
 def fp8_answer(rows: list[dict]) -> list[str]:
     """Does FP8-e4m3 KV stay inside BF16's seed spread? One line per family and estimator."""
     out = []
     for (family, estimator), group in groups(rows).items():
         b = band(group)
-        for r in group:
+        for r in sorted(group, key=lambda r: r["seed"]):
             if b and r["source"] == "kv" and r["level"] == "fp8_e4m3":
                 q = r["after"][QUALITY]
                 where = "inside" if b["lo"] <= q <= b["hi"] else ("below (better than)" if q < b["lo"] else
                                                                     "above" if q > b["limit"] else
                                                                     "above the spread but within the margin of")
-                out.append(f"{family}/{estimator}: FP8-e4m3 KV rkl {q:.3f} is {where} the BF16 seeds' "
+                out.append(f"{family}/{estimator} seed {r['seed']}: FP8-e4m3 KV rkl {q:.3f} is {where} the BF16 seeds' "
                            f"[{b['lo']:.3f}, {b['hi']:.3f}]")
     return out
 
@@ -114,7 +146,7 @@ def report(rows: list[dict], out: Path) -> str:
     (out / "knees.json").write_text(json.dumps(found, indent=2))
     plot_quality(rows, out / "quality_vs_mismatch.png")
     plot_curves(rows, out / "curves.png")
-    lines = [table(rows), "", "knees (total_kl_k3 averaged over training):"]
+    lines = [table(rows), "", pivot(rows), "", "knees (total_kl_k3 averaged over training):"]
     for k in found:
         lines.append(f"  {k['family']}/{k['estimator']}/{k['source']}: " + (
             f"knee ~{k['knee']:.2g} (fine up to {k['last_fine'] or 0:.2g}, degraded from {k['first_degraded'] or 0:.2g}"
@@ -153,6 +185,7 @@ def plot_quality(rows: list[dict], path: Path) -> None:
             if (k["family"], k["estimator"]) == key and k["knee"] is not None:
                 ax.axvline(k["knee"], color="gray", lw=0.8, ls=":")
         ax.set_xscale("log")
+        ax.set_yscale("log")  # collapsed runs sit orders of magnitude above the rest
         ax.set(title=f"{key[0]} / {key[1]}", xlabel="rollout vs learner KL (total_kl_k3, mean over training)",
                ylabel="held-out reverse KL to teacher (after)")
         ax.legend(fontsize=7)
@@ -170,6 +203,7 @@ def plot_curves(rows: list[dict], path: Path) -> None:
             color = colors.setdefault(r["source"], f"C{len(colors)}")
             ax.plot(r["curve"]["step"], r["curve"]["rkl_sampled"], color=color, alpha=0.7, lw=1,
                     label=f"{r['source']}={r['level']}")
+        ax.set_yscale("symlog", linthresh=0.1)  # a sampled estimate: it can dip below zero
         ax.set(title=f"{key[0]} / {key[1]}", xlabel="step", ylabel="reverse KL on the rollouts (sampled)")
         ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
