@@ -2,14 +2,19 @@
 
 **What is measured** (`probe`). The candidate engine (the training config's engine and precision plan) samples a small
 batch of the run's own training prompts with the student; the trainer's full-precision forward recomputes the same
-tokens. From the two come the numerics mismatch of metrics.py (`kl_k3`, `kl_exact`, `prob_err`, importance weights,
-`adv_sign_flip` against the teacher). The same probe with BF16 rollouts (`kv=bf16 w=bf16`) is the noise floor: the
-mismatch that an ordinary BF16 engine already has, reported beside the candidate's. The decision metric is `kl_k3`,
-the k3 estimate of KL(rollout engine || trainer); the runtime guard compares the trainer's live
-`stale/total_kl_k3` (the same estimate against the current learner, numerics and staleness together) with the same
-limit. Staleness cannot be probed before training: an optimizer step on a probe batch from a fresh optimizer is a
-sign step of size lr on every weight, and overstated the real per-step drift 20-100x (dev/LOG.md). So the
-configuration's `max_staleness` is compared with the largest staleness the sweep saw train fine with its estimator.
+tokens and the teacher scores them. From these come the metrics of metrics.py (`kl_k3`, `kl_exact`, `prob_err`,
+importance weights, `adv_sign_flip`). The same probe with BF16 rollouts (`kv=bf16 w=bf16`) is the noise floor: the
+mismatch that an ordinary BF16 engine already has, reported beside the candidate's.
+
+**The decision metric is the noise-to-signal ratio** `nsr = mean |q - mu| / mean |T - q|`: the rollout mismatch
+next to the OPD learning signal it perturbs (the sampled-token advantage). The same KL hurts a student that is
+already close to its teacher (small signal) more than one far from it; in the tolerance study, `kl_k3` alone put
+runs of the two built-in families that trained fine above ones that degraded, and `nsr` ordered them better
+(dev/LOG.md has both). The runtime guard compares the trainer's live `stale/total_nsr` (with the current learner
+`pi` in place of `q`: numerics and staleness together) with the same limit. Staleness cannot be probed before
+training: an optimizer step on a probe batch from a fresh optimizer is a sign step of size lr on every weight, and
+overstated the real per-step drift 20-100x (dev/LOG.md). So the configuration's `max_staleness` is compared with the
+largest staleness the sweep saw train fine with its estimator.
 
 **What is safe depends on the estimator**, so thresholds are kept per estimator class (`estimator_class`):
     full       full-distribution losses (full_rkl, topk_rkl, fkl, jsd): mu never enters the gradient; the mismatch
@@ -19,11 +24,12 @@ configuration's `max_staleness` is compared with the largest staleness the sweep
     learner    sampled_rkl with the student term recomputed at learner time
     corrected  sampled_rkl with TIS or MIS
 **Thresholds are calibrated** from sweep results (`calibrate`): per class, the cut on each synchronous run's probe
-`kl_k3` that best separates the runs that trained fine from the degraded ones (tolerance.py defines "degraded");
+`nsr` that best separates the runs that trained fine from the degraded ones (tolerance.py defines "degraded");
 where no run of a class degraded, the cut is the largest mismatch seen to train fine, so the check never
 extrapolates past what was observed. `max_staleness` comes from the same rule applied to the staleness levels of the
-runs whose only mismatch was staleness. A candidate within 2x of the BF16 floor always passes the KL test. The result is a small JSON file (`opd calibrate`); the package ships one calibrated on the built-in
-pairs (thresholds.json), and users can pass their own or override the limit.
+runs whose only mismatch was staleness. A candidate within 2x of the BF16 floor always passes the mismatch test.
+The result is a small JSON file (`opd calibrate`); the package ships one calibrated on the built-in pairs
+(thresholds.json), and users can pass their own or override the limit.
 
 **When it rejects**, `propose_plan` measures the candidate setting on one layer at a time (the sensitivity map) and
 keeps the most sensitive layers in BF16, one more at a time, until the probe is admitted: the cheapest per-layer plan
@@ -46,7 +52,7 @@ from opd.plan import Plan, describe_layer
 
 FLOOR_PLAN = "kv=bf16 w=bf16"
 CLASSES = ("full", "sampler", "learner", "corrected")
-METRIC = "kl_k3"
+METRIC = "nsr"
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.json")
 KEEP = "kv=bf16 w=bf16 noise=0"  # what a layer kept "in BF16" by a proposed plan runs at
 FLOOR_FACTOR = 2.0  # a candidate within this factor of the BF16 engine's own mismatch is at the floor: admitted
@@ -64,8 +70,8 @@ def estimator_class(loss: LossConfig) -> str:
 class Decision:
     admit: bool
     reasons: list[str]
-    limit: float  # the kl_k3 limit that applied
-    value: float  # the measured kl_k3 (live: stale/total_kl_k3)
+    limit: float  # the limit on nsr that applied
+    value: float  # the measured nsr (live: stale/total_nsr)
 
     def to_dict(self) -> dict:
         return {"decision": "ADMIT" if self.admit else "REJECT", "reasons": self.reasons, "limit": self.limit,
@@ -92,7 +98,7 @@ def load_thresholds(path: str | Path = "") -> dict:
 
 
 def class_limits(thresholds: dict, cls: str) -> tuple[dict, str]:
-    """-> (the class's entry: max_kl, knee, max_staleness; how it was obtained, for the reasons)."""
+    """-> (the class's entry: max (the limit on nsr), knee, max_staleness; how it was obtained, for the reasons)."""
     classes = thresholds["classes"]
     if cls in classes:
         entry = classes[cls]
@@ -104,24 +110,24 @@ def class_limits(thresholds: dict, cls: str) -> tuple[dict, str]:
                                 f"('{strictest}') applies")
 
 
-def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0, max_kl: float = 0.0) -> Decision:
-    """The admission predicate. numbers: probe metrics without their namespace (kl_k3, and floor_kl_k3,
-    adv_sign_flip, ess_frac when known); staleness: the run's max_staleness (0 when sync); max_kl > 0 overrides the
+def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0, limit: float = 0.0) -> Decision:
+    """The admission predicate. numbers: probe metrics without their namespace (nsr, and floor_nsr, kl_k3,
+    floor_kl_k3, adv_sign_flip, ess_frac when known); staleness: the run's max_staleness (0 when sync); limit > 0 overrides the
     calibrated limit (thresholds may then be None). A candidate within FLOOR_FACTOR of the BF16 floor passes the KL test
     whatever the limit: the reference cannot be degraded relative to itself."""
     entry, how = class_limits(thresholds, cls) if thresholds else ({}, "")
-    limit, how = (max_kl, "user-set max_kl") if max_kl > 0 else (float(entry["max"]), how)
+    limit, how = (limit, "user-set limit") if limit > 0 else (float(entry["max"]), how)
     value = numbers.get(METRIC, math.nan)
     if not math.isfinite(value):
         return Decision(False, ["the rollouts' log-probs are not finite (NaN/Inf): the engine is broken, not "
                                 "merely mismatched"], limit, value)
-    floor = numbers.get("floor_kl_k3")
+    floor = numbers.get("floor_nsr")
     at_floor = floor is not None and value <= FLOOR_FACTOR * floor
     admit = value <= limit or at_floor
-    reasons = [f"{METRIC} {value:.3g} {'<=' if value <= limit else '>'} limit {limit:.3g} ({how})"]
+    reasons = [f"noise-to-signal {METRIC} {value:.3g} {'<=' if value <= limit else '>'} limit {limit:.3g} ({how})"]
     if at_floor and value > limit:
-        reasons.append(f"but within {FLOOR_FACTOR:g}x of the BF16 engine's own mismatch {floor:.3g}: BF16 rollouts "
-                       "are the reference, not a risk")
+        reasons.append(f"but within {FLOOR_FACTOR:g}x of the BF16 engine's own {floor:.3g}: BF16 rollouts are the "
+                       "reference, not a risk")
     safe_staleness = entry.get("max_staleness")
     if staleness and safe_staleness is not None:
         admit &= staleness <= safe_staleness
@@ -130,15 +136,16 @@ def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0,
     elif staleness:
         reasons.append(f"max_staleness {staleness}: not calibrated (no staleness runs); the runtime guard "
                        "measures it live")
-    if floor is not None:
-        reasons.append(f"that is {value / max(floor, 1e-12):.2g}x the BF16 engine's floor {floor:.3g}")
+    if floor is not None and "kl_k3" in numbers:
+        reasons.append(f"kl_k3 {numbers['kl_k3']:.3g} vs the BF16 engine's {numbers['floor_kl_k3']:.3g}; nsr "
+                       f"{value / max(floor, 1e-12):.2g}x the BF16 engine's")
     if "adv_sign_flip" in numbers:
         reasons.append(f"adv_sign_flip {numbers['adv_sign_flip']:.4f}, ess_frac {numbers.get('ess_frac', 1):.3f}")
     return Decision(admit, reasons, limit, value)
 
 
 def calibrate(rows: list[dict]) -> dict:
-    """Per estimator class, the cut on the probe's kl_k3 that misclassifies the fewest synchronous sweep runs (the
+    """Per estimator class, the cut on the probe's nsr that misclassifies the fewest synchronous sweep runs (the
     widest gap among equally good cuts, its geometric middle), and the largest safe staleness. rows: sweep results
     labelled by tolerance.label()."""
     classes = {}
@@ -148,7 +155,7 @@ def calibrate(rows: list[dict]) -> dict:
         if not points:
             continue
         stale = sorted((r["staleness"], r["degraded"]) for r in mine  # staleness alone: numerics at the floor
-                       if r["staleness"] and r["probe"][METRIC] <= FLOOR_FACTOR * r["probe"].get("floor_kl_k3", 0))
+                       if r["staleness"] and r["probe"][METRIC] <= FLOOR_FACTOR * r["probe"].get("floor_nsr", 0))
         safe = None
         if stale:  # the same rule on the staleness levels: the cut that misplaces the fewest runs
             cut = best_cut(stale)["max"]
@@ -196,7 +203,7 @@ def probe(setup: ProbeSetup, plan: Plan, floor: dict | None = None) -> dict:
     if floor is None:
         floor_plan = Plan.parse(FLOOR_PLAN, len(plan.layers))
         floor = numbers if str(floor_plan) == str(plan) else measure(setup, floor_plan)
-    numbers["floor_kl_k3"] = floor["kl_k3"]
+    numbers |= {"floor_kl_k3": floor["kl_k3"], "floor_nsr": floor[METRIC]}
     numbers["seconds"] = time.perf_counter() - start
     return numbers
 
@@ -237,18 +244,18 @@ def measure(setup: ProbeSetup, plan: Plan) -> dict:
 
 # ---- the check, and the plan it proposes --------------------------------------------------------------------------
 
-def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, max_kl: float = 0.0, propose: bool = True) -> dict:
+def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, propose: bool = True) -> dict:
     """ADMIT/REJECT with reasons for the run's rollout configuration; a per-layer plan that passes when rejected."""
     start = time.perf_counter()
     cls = estimator_class(setup.cfg.loss)
     numbers = probe(setup, plan)
-    decision = decide(numbers, thresholds, cls, staleness(setup.cfg), max_kl)
+    decision = decide(numbers, thresholds, cls, staleness(setup.cfg), limit)
     out = {**decision.to_dict(), "plan": str(plan), "estimator_class": cls, "staleness": staleness(setup.cfg),
            "probe": numbers, "probe_rollouts": len(setup.prompts)}
     if not decision.admit and propose and math.isfinite(decision.value):
         if decision.value > decision.limit:
-            floor = {"kl_k3": numbers["floor_kl_k3"]}
-            out["proposal"] = propose_plan(setup, plan, thresholds, cls, max_kl, floor)
+            floor = {"kl_k3": numbers["floor_kl_k3"], METRIC: numbers["floor_nsr"]}
+            out["proposal"] = propose_plan(setup, plan, thresholds, cls, limit, floor)
         else:  # the plan passes; the staleness does not
             out["proposal"] = {"plan": None, "layer_kl": [], "note": "the plan passes: lower max_staleness "
                                f"to {class_limits(thresholds, cls)[0].get('max_staleness')} or use another estimator"}
@@ -256,7 +263,7 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, max_kl: float = 0.0, 
     return out
 
 
-def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, max_kl: float, floor: dict) -> dict:
+def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, limit: float, floor: dict) -> dict:
     """Keep the most sensitive layers at BF16, one more at a time, until the probe passes."""
     n = len(plan.layers)
     sensitivity = []
@@ -269,7 +276,7 @@ def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, max_
         kept = sorted(order[:j])
         candidate = Plan.parse(f"{plan}; {','.join(map(str, kept))}: {KEEP}", n)
         numbers = probe(setup, candidate, floor)
-        decision = decide(numbers, thresholds, cls, 0, max_kl)
+        decision = decide(numbers, thresholds, cls, 0, limit)
         if decision.admit:
             return {"plan": str(candidate), "bf16_layers": kept, "layer_kl": sensitivity,
                     METRIC: decision.value, "limit": decision.limit}

@@ -147,24 +147,24 @@ def cmd_calibrate(results: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(thresholds, indent=2) + "\n")
     for cls, entry in thresholds["classes"].items():
-        print(f"{cls:10} max kl_k3 {entry['max']:.3g} ({'knee' if entry['knee'] else 'no degradation seen'}; "
+        print(f"{cls:10} max nsr {entry['max']:.3g} ({'knee' if entry['knee'] else 'no degradation seen'}; "
               f"{entry['errors']} of {entry['runs']} runs misclassified)  max_staleness {entry['max_staleness']}")
     print(f"wrote {out}")
 
 
-def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, max_kl: float, rollouts: int,
+def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit: float, rollouts: int,
               as_json: bool, propose: bool) -> int:
     """Before training: is this rollout configuration safe for OPD? ADMIT (exit 0) or REJECT (exit 1), with reasons."""
     from opd.admission import admit, load_thresholds
     from opd.config import load_config
     from opd.trainer import probe_setup
     cfg = load_config(config, overrides or [])
-    require(max_kl >= 0, f"--max-kl must be >= 0, got {max_kl}", "0 uses the calibrated limit")
+    require(limit >= 0, f"--limit must be >= 0, got {limit}", "0 uses the calibrated limit")
     limits = load_thresholds(thresholds)
     if cfg.engine == "vllm":
         import_vllm()
     setup, plan = probe_setup(cfg, rollouts)
-    result = admit(setup, plan, limits, max_kl, propose)
+    result = admit(setup, plan, limits, limit, propose)
     if as_json:
         print(json.dumps(result, indent=2))
     else:
@@ -296,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="the training config (YAML) whose rollout set-up is checked")
     p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE", help="as in `opd train`")
     p.add_argument("--thresholds", default="", help="from `opd calibrate` (default: the shipped opd/thresholds.json)")
-    p.add_argument("--max-kl", type=float, default=0.0, help="override the limit on kl_k3 (0: calibrated)")
+    p.add_argument("--limit", type=float, default=0.0,
+                   help="override the limit on the noise-to-signal ratio nsr (0: the calibrated one)")
     p.add_argument("--rollouts", type=positive_int, default=16, help="probe batch size")
     p.add_argument("--json", dest="as_json", action="store_true", help="print the full result as JSON")
     p.add_argument("--no-propose", dest="propose", action="store_false", help="on REJECT, do not search for a plan")

@@ -64,7 +64,7 @@ class TrainConfig:
     guard_every: int = 0  # the runtime admission check on the live rollouts every this many steps; 0: off
     guard_action: str = "warn"  # when it rejects: "warn", "fallback" (BF16 rollouts from then on) or "stop"
     guard_thresholds: str = ""  # a thresholds file from `opd calibrate`; "": the shipped opd/thresholds.json
-    guard_max_kl: float = 0.0  # > 0: this limit on the rollout-vs-learner kl_k3 instead of the calibrated one
+    guard_limit: float = 0.0  # > 0: this limit on the rollout-vs-learner nsr (admission.py) instead of the calibrated one
     seed: int = 0
     threads: int = 2  # CPU threads for the whole run (async: split between the worker and the trainer)
 
@@ -96,7 +96,7 @@ class TrainConfig:
         require(self.guard_action in GUARD_ACTIONS, f"unknown guard_action {self.guard_action!r}",
                 f"use one of {', '.join(GUARD_ACTIONS)}")
         require(self.guard_every >= 0, f"config: guard_every must be >= 0, got {self.guard_every}", "0 turns it off")
-        require(self.guard_max_kl >= 0, f"config: guard_max_kl must be >= 0, got {self.guard_max_kl}",
+        require(self.guard_limit >= 0, f"config: guard_limit must be >= 0, got {self.guard_limit}",
                 "0 uses the calibrated limit")
         require(self.worker_threads > 0, f"config: worker_threads must be positive, got {self.worker_threads}")
         require(self.worker_timeout > 0, f"config: worker_timeout must be positive, got {self.worker_timeout}")

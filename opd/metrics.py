@@ -10,11 +10,13 @@ it, `pi` = under the current learner, `T` = under the teacher; `delta = q - mu`.
 - `is/`: importance weights `w = exp(delta)`: mean, min, max, fraction outside [1/C, C], effective sample size
   `ess = (sum w)^2 / sum w^2` (= N when all weights are equal) and `ess_frac = ess / N = 1 / mean((w / mean w)^2)`.
 - `opd/`: distortion of the sampled-token OPD signal, `A_mu = T - mu` vs `A_q = T - q`: `adv_sign_flip` (fraction of
-  tokens whose advantage changes sign) and `adv_snr = mean |A_q| / mean |delta|` (how far the learning signal stands
-  above the mismatch noise; infinite when there is no mismatch).
+  tokens whose advantage changes sign), `adv_snr = mean |A_q| / mean |delta|` (how far the learning signal stands
+  above the mismatch noise; infinite when there is no mismatch) and its inverse `nsr = mean |delta| / mean |A_q|`
+  (0 when there is no mismatch), the admission check's decision metric.
 - `stale/`: the policy-version gap of each rollout, the update-edge mismatch `upd_kl_k3` with `l = pi - q`, and
   `total_kl_k3` with `l = pi - mu`: the rollout engine vs the current learner, numerics and staleness together,
-  which is the gap a sampled-token advantage built on `mu` sees (equal to `mismatch/kl_k3` when nothing is stale).
+  which is the gap a sampled-token advantage built on `mu` sees (equal to `mismatch/kl_k3` when nothing is stale),
+  and `total_nsr = mean |pi - mu| / mean |T - pi|` (trainer.py; `opd/nsr` when nothing is stale).
 - `rollout/`: completion lengths and the truncation rate.
 """
 import math
@@ -70,7 +72,16 @@ def distortion_metrics(teacher: torch.Tensor, mu: torch.Tensor, q: torch.Tensor,
         return {}
     noise = delta.abs().mean().item()
     return {"opd/adv_sign_flip": (torch.sign(a_mu) != torch.sign(a_q)).double().mean().item(),
-            "opd/adv_snr": a_q.abs().mean().item() / noise if noise > 0 else math.inf}
+            "opd/adv_snr": a_q.abs().mean().item() / noise if noise > 0 else math.inf,
+            "opd/nsr": noise_to_signal(teacher, mu, q, mask)}
+
+
+def noise_to_signal(teacher: torch.Tensor, sampler: torch.Tensor, learner: torch.Tensor, mask: torch.Tensor) -> float:
+    """mean |learner - sampler| / mean |teacher - learner|: the rollout mismatch next to the OPD signal it perturbs
+    (the advantage T - s). A student far from its teacher has a large signal and tolerates more mismatch."""
+    noise = _values(learner - sampler, mask).abs().mean().item()
+    signal = _values(teacher - learner, mask).abs().mean().item()
+    return noise / signal if signal > 0 else (math.inf if noise > 0 else 0.0)
 
 
 def staleness_metrics(versions: list[int], current: int, q: torch.Tensor, pi: torch.Tensor,

@@ -119,12 +119,13 @@ def _non_default(values: dict, defaults: dict) -> dict:
 
 def finished_keys(rows: list[dict]) -> set[str]:
     """Keys of the runs in a results file, recomputed from their stored configs (the stored `key` may come from an
-    older release)."""
+    older release; config fields this release no longer has are ignored)."""
+    known = set(TrainConfig().to_dict())
     keys = set()
     for row in rows:
         try:
-            keys.add(config_key(build_config(row["config"])))
-        except (OpdError, KeyError, TypeError):
+            keys.add(config_key(build_config({k: v for k, v in row["config"].items() if k in known})))
+        except (OpdError, KeyError, TypeError, AttributeError):
             keys.add(row.get("key"))
     return keys
 

@@ -17,7 +17,7 @@ held-out accuracy (greedy and sampled) and reverse KL to the teacher. A step who
 is skipped and counted; `max_bad_steps` in a row stop the run. A checkpoint (HF folder + optimizer, RNG, engine
 scales and step) is written every `save_every` steps, at the end, on Ctrl-C and when the run stops with an error
 (non-finite steps, a lost rollout worker); `resume` continues from it (exactly, from a periodic checkpoint).
-With `guard_every` > 0 the runtime guard (admission.py's decision on the live rollout-vs-learner KL) runs every that
+With `guard_every` > 0 the runtime guard (admission.py's decision on the live rollout mismatch) runs every that
 many steps and warns, falls back to BF16 rollouts or stops (`guard_action`); its events go to guard.jsonl.
 """
 import copy
@@ -43,8 +43,8 @@ from opd.errors import OpdError, require
 from opd.evaluate import greedy_accuracy, sampled_quality
 from opd.learner import collate, completion_logprobs, token_logprobs
 from opd.losses import masked_mean, opd_loss
-from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics, rollout_metrics,
-                         staleness_metrics)
+from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics, noise_to_signal,
+                         rollout_metrics, staleness_metrics)
 from opd.model import Transformer
 from opd.plan import Plan
 from opd.pretrain import PretrainConfig, pretrain
@@ -204,6 +204,7 @@ def step_metrics(batch, pi: torch.Tensor, student_logp: torch.Tensor, teacher_lo
     out = {**mismatch_metrics(mu, q, known), **importance_metrics(mu, q, known, cfg.loss.cap),
            **distortion_metrics(t_y, mu, q, known), **staleness_metrics(batch.versions, version, q, pi, known, mu,
                                                                               mask)}
+    out["stale/total_nsr"] = noise_to_signal(t_y, mu, pi, mask)
     if batch.kl_exact is not None:
         out["mismatch/kl_exact"] = masked_mean(batch.kl_exact.double(), mask & carried[:, None]).item()
     elif batch.rollout_logp is not None and (known & ~carried[:, None]).any():
@@ -260,7 +261,7 @@ def setup(cfg: TrainConfig) -> Run:
     prompts, params = PromptSource(cfg, tok, context), SamplingParams(cfg.new_tokens, temperature=cfg.temperature)
     rollouts = AsyncRollouts(cfg, worker_spec(cfg, student, tok, plan, params, exact_kl, student_dir), prompts) \
         if asynchronous else None
-    thresholds = load_thresholds(cfg.guard_thresholds) if cfg.guard_every and not cfg.guard_max_kl else None
+    thresholds = load_thresholds(cfg.guard_thresholds) if cfg.guard_every and not cfg.guard_limit else None
     return Run(cfg, student, teacher, tok, engine, rollouts, plan, opt, prompts, params, State(), exact_kl,
                student_dir, thresholds)
 
@@ -355,34 +356,34 @@ def fall_back(run: Run) -> None:
 
 
 def guard(run: Run, window: list[float], step: int, run_dir: Path) -> dict:
-    """The admission check on the live rollouts: the rollout-vs-learner KL (`stale/total_kl_k3`, numerics and
-    staleness together) averaged over the steps since the last check, against the estimator's limit. On REJECT the
+    """The admission check on the live rollouts: the rollout-vs-learner noise-to-signal ratio (`stale/total_nsr`,
+    numerics and staleness together) averaged over the steps since the last check, against the estimator's limit. On REJECT the
     event goes to guard.jsonl and stderr, and `guard_action` is taken."""
     cfg = run.cfg
     value = sum(window) / len(window) if window else math.nan
     window.clear()
-    decision = decide({METRIC: value}, run.guard_thresholds, estimator_class(cfg.loss), 0, cfg.guard_max_kl)
-    out = {"guard/kl": value, "guard/limit": decision.limit, "guard/triggered": float(not decision.admit)}
+    decision = decide({METRIC: value}, run.guard_thresholds, estimator_class(cfg.loss), 0, cfg.guard_limit)
+    out = {"guard/nsr": value, "guard/limit": decision.limit, "guard/triggered": float(not decision.admit)}
     if decision.admit:
         return out
     action = "warn" if cfg.guard_action == "fallback" and run.state.fallback else cfg.guard_action
-    event = {"step": step, "action": action, "kl": value, "limit": decision.limit, "plan": str(run.plan),
+    event = {"step": step, "action": action, "nsr": value, "limit": decision.limit, "plan": str(run.plan),
              "reasons": decision.reasons}
     with open(run_dir / "guard.jsonl", "a") as f:
         f.write(json.dumps(event) + "\n")
-    print(f"opd: guard: step {step}: rollout-vs-learner kl_k3 {value:.3g} > limit {decision.limit:.3g} "
+    print(f"opd: guard: step {step}: rollout-vs-learner nsr {value:.3g} > limit {decision.limit:.3g} "
           f"(plan {run.plan}): {action}", file=sys.stderr)
     if action == "stop":
-        raise OpdError(f"guard: the rollouts' mismatch (kl_k3 {value:.3g}) exceeded the limit {decision.limit:.3g} "
+        raise OpdError(f"guard: the rollouts' mismatch (nsr {value:.3g}) exceeded the limit {decision.limit:.3g} "
                        f"at step {step}", "use a safer plan (`opd admit` proposes one), guard_action=fallback, or "
-                       "a higher guard_max_kl")
+                       "a higher guard_limit")
     if action == "fallback":
         fall_back(run)
     return out
 
 
 def _guard_window(run_dir: Path, step: int, every: int) -> list[float]:
-    """On resume: the live KLs of the steps since the last check (from metrics.jsonl), so the checks see what they
+    """On resume: the live ratios of the steps since the last check (from metrics.jsonl), so the checks see what they
     would have seen; and guard events of the steps to be re-run are dropped (they are logged again)."""
     path = run_dir / "guard.jsonl"
     if path.is_file():
@@ -391,7 +392,7 @@ def _guard_window(run_dir: Path, step: int, every: int) -> list[float]:
     if not every:
         return []
     first = step - step % every
-    return [row.get("stale/total_kl_k3", math.nan) for row in read_metrics(run_dir) if first <= row["step"] < step]
+    return [row.get("stale/total_nsr", math.nan) for row in read_metrics(run_dir) if first <= row["step"] < step]
 
 
 def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step) -> dict:
@@ -407,7 +408,7 @@ def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step) -
                 metrics |= (last_eval := evaluate(run, cfg))
             metrics |= run_step(run)
             if cfg.guard_every:
-                window.append(metrics.get("stale/total_kl_k3", math.nan))
+                window.append(metrics.get("stale/total_nsr", math.nan))
                 if (step + 1) % cfg.guard_every == 0:
                     metrics |= guard(run, window, step, run_dir)
             log.write(step, metrics)

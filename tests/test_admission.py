@@ -14,35 +14,36 @@ from opd.trainer import probe_setup
 from test_cli import assert_one_line_error, opd
 from test_trainer import config, pair  # noqa: F401 (fixture)
 
+GUARD_LIMIT = 0.05  # nsr: the injected noise=0.5 is far above it, BF16 rollouts far below (tiny random pair)
 LIMITS = {"classes": {"full": {"max": 0.5, "knee": False, "max_staleness": 4},
                       "sampler": {"max": 0.02, "knee": True, "max_staleness": 0}}}
 
 
 @pytest.mark.parametrize("cls, limit", [("full", 0.5), ("sampler", 0.02)])
 def test_decisions_at_and_around_each_threshold(cls, limit):
-    assert decide({"kl_k3": limit}, LIMITS, cls).admit  # at the limit: admitted (<=)
-    assert decide({"kl_k3": limit * 0.999}, LIMITS, cls).admit
-    rejected = decide({"kl_k3": limit * 1.001}, LIMITS, cls)
+    assert decide({"nsr": limit}, LIMITS, cls).admit  # at the limit: admitted (<=)
+    assert decide({"nsr": limit * 0.999}, LIMITS, cls).admit
+    rejected = decide({"nsr": limit * 1.001}, LIMITS, cls)
     assert not rejected.admit and rejected.limit == limit and ">" in rejected.reasons[0]
-    assert not decide({"kl_k3": math.nan}, LIMITS, cls).admit
-    assert not decide({"kl_k3": math.inf}, LIMITS, cls).admit
+    assert not decide({"nsr": math.nan}, LIMITS, cls).admit
+    assert not decide({"nsr": math.inf}, LIMITS, cls).admit
 
 
 def test_staleness_override_and_uncalibrated_classes():
-    assert decide({"kl_k3": 1e-3}, LIMITS, "full", staleness=4).admit
-    assert not decide({"kl_k3": 1e-3}, LIMITS, "full", staleness=5).admit
-    assert not decide({"kl_k3": 1e-5}, LIMITS, "sampler", staleness=1).admit  # stale mu in the advantage
-    strict = decide({"kl_k3": 0.03}, LIMITS, "corrected")  # no calibration: the strictest class applies
+    assert decide({"nsr": 1e-3}, LIMITS, "full", staleness=4).admit
+    assert not decide({"nsr": 1e-3}, LIMITS, "full", staleness=5).admit
+    assert not decide({"nsr": 1e-5}, LIMITS, "sampler", staleness=1).admit  # stale mu in the advantage
+    strict = decide({"nsr": 0.03}, LIMITS, "corrected")  # no calibration: the strictest class applies
     assert not strict.admit and strict.limit == 0.02 and "strictest" in strict.reasons[0]
-    assert decide({"kl_k3": 0.03}, LIMITS, "sampler", max_kl=0.05).admit  # user override
-    assert not decide({"kl_k3": 0.06}, None, "sampler", max_kl=0.05).admit  # override needs no file
+    assert decide({"nsr": 0.03}, LIMITS, "sampler", limit=0.05).admit  # user override
+    assert not decide({"nsr": 0.06}, None, "sampler", limit=0.05).admit  # override needs no file
 
 
 def test_a_candidate_at_the_bf16_floor_is_admitted_whatever_the_limit():
-    at_floor = decide({"kl_k3": 0.03, "floor_kl_k3": 0.015}, LIMITS, "sampler")  # 2x the floor, above the limit
+    at_floor = decide({"nsr": 0.03, "floor_nsr": 0.015}, LIMITS, "sampler")  # 2x the floor, above the limit
     assert at_floor.admit and "BF16 rollouts are the reference" in at_floor.reasons[1]
-    assert not decide({"kl_k3": 0.0301, "floor_kl_k3": 0.015}, LIMITS, "sampler").admit
-    assert not decide({"kl_k3": 1e-5, "floor_kl_k3": 1e-5}, LIMITS, "sampler", staleness=1).admit  # staleness
+    assert not decide({"nsr": 0.0301, "floor_nsr": 0.015}, LIMITS, "sampler").admit
+    assert not decide({"nsr": 1e-5, "floor_nsr": 1e-5}, LIMITS, "sampler", staleness=1).admit  # staleness
 
 
 def test_staleness_limit_is_the_best_cut_over_noisy_levels():
@@ -62,7 +63,7 @@ def test_estimator_classes():
 
 
 def _row(cls, kl, degraded, staleness=0, floor=1e-5):
-    return {"class": cls, "probe": {"kl_k3": kl, "floor_kl_k3": floor}, "degraded": degraded, "staleness": staleness}
+    return {"class": cls, "probe": {"nsr": kl, "floor_nsr": floor}, "degraded": degraded, "staleness": staleness}
 
 
 def test_calibration_separates_fine_from_degraded():
@@ -109,40 +110,40 @@ def test_probe_measures_mismatch_above_the_floor(pair):
 def test_rejection_proposes_a_plan_that_passes(pair):
     setup, plan = probe_setup(config(pair, plan="kv=fp8_e5m2 w=int4", max_new_tokens=12), 8)
     numbers = probe(setup, plan)
-    limit = numbers["kl_k3"] / 3  # rejects the candidate; all-BF16 (the floor) is far below it
-    proposal = propose_plan(setup, plan, None, "full", limit, {"kl_k3": numbers["floor_kl_k3"]})
-    assert proposal["plan"] is not None and proposal[("kl_k3")] <= limit
+    limit = numbers["nsr"] / 3  # rejects the candidate; all-BF16 (the floor) is far below it
+    proposal = propose_plan(setup, plan, None, "full", limit, {"kl_k3": numbers["floor_kl_k3"], "nsr": numbers["floor_nsr"]})
+    assert proposal["plan"] is not None and proposal["nsr"] <= limit
     kept = proposal["bf16_layers"]
     most = max(range(2), key=lambda i: proposal["layer_kl"][i])
     assert most in kept  # the most sensitive layer is the first one kept at BF16
-    assert measure(setup, Plan.parse(proposal["plan"], 2))["kl_k3"] <= limit
+    assert measure(setup, Plan.parse(proposal["plan"], 2))["nsr"] <= limit
 
 
 def test_admit_cli(pair, tmp_path):
     student, teacher = pair
     common = ["--set", f"student={student}", "--set", f"teacher={teacher}", "--set", "task=add", "--set", "threads=1",
               "--rollouts", "4"]
-    ok = opd("admit", *common, "--set", "plan=", "--max-kl", "0.5")
+    ok = opd("admit", *common, "--set", "plan=", "--limit", "0.5")
     assert ok.returncode == 0 and ok.stdout.startswith("ADMIT"), ok.stderr
-    rejected = opd("admit", *common, "--set", "plan=noise=0.5", "--max-kl", "1e-6", "--json")
+    rejected = opd("admit", *common, "--set", "plan=noise=0.5", "--limit", "1e-6", "--json")
     assert rejected.returncode == 1, rejected.stderr
     result = json.loads(rejected.stdout)
     assert result["decision"] == "REJECT" and result["proposal"]["layer_kl"] and result["seconds"] > 0
     bad = tmp_path / "bad.json"
     bad.write_text("[]")
     assert_one_line_error(opd("admit", *common, "--thresholds", bad), "no valid per-class limits")
-    assert_one_line_error(opd("admit", *common, "--max-kl", "-1"), "--max-kl must be >= 0")
+    assert_one_line_error(opd("admit", *common, "--limit", "-1"), "--limit must be >= 0")
 
 
 def test_guard_falls_back_to_bf16_on_an_injected_mismatch(pair, tmp_path):
     from opd.runlog import read_metrics
     from opd.trainer import train
-    cfg = config(pair, plan="noise=0.5", steps=6, guard_every=2, guard_action="fallback", guard_max_kl=1e-3,
+    cfg = config(pair, plan="noise=0.5", steps=6, guard_every=2, guard_action="fallback", guard_limit=GUARD_LIMIT,
                  max_new_tokens=12)
     summary = train(cfg, tmp_path / "run", progress=False)
     events = [json.loads(line) for line in (tmp_path / "run" / "guard.jsonl").read_text().splitlines()]
     assert len(events) == 1 and events[0]["step"] == 1 and events[0]["action"] == "fallback"
-    assert events[0]["kl"] > 1e-3 and "noise=0.5" in events[0]["plan"]
+    assert events[0]["nsr"] > GUARD_LIMIT and "noise=0.5" in events[0]["plan"]
     rows = read_metrics(tmp_path / "run")
     assert [r.get("guard/triggered") for r in rows[:6]] == [None, 1.0, None, 0.0, None, 0.0]
     assert all(r["mismatch/kl_k3"] > 1e-3 for r in rows[:2])  # the injected mismatch...
@@ -152,12 +153,12 @@ def test_guard_falls_back_to_bf16_on_an_injected_mismatch(pair, tmp_path):
 
 def test_guard_stop_and_warn(pair, tmp_path):
     from opd.trainer import train
-    cfg = config(pair, plan="noise=0.5", steps=4, guard_every=1, guard_action="stop", guard_max_kl=1e-3,
+    cfg = config(pair, plan="noise=0.5", steps=4, guard_every=1, guard_action="stop", guard_limit=GUARD_LIMIT,
                  max_new_tokens=12)
     with pytest.raises(OpdError, match="guard: the rollouts' mismatch"):
         train(cfg, tmp_path / "stop", progress=False)
     assert (tmp_path / "stop" / "checkpoint" / "trainer_state.pt").is_file()  # saved for --resume
-    warn = config(pair, plan="noise=0.5", steps=3, guard_every=1, guard_action="warn", guard_max_kl=1e-3,
+    warn = config(pair, plan="noise=0.5", steps=3, guard_every=1, guard_action="warn", guard_limit=GUARD_LIMIT,
                   max_new_tokens=12)
     summary = train(warn, tmp_path / "warn", progress=False)
     assert len((tmp_path / "warn" / "guard.jsonl").read_text().splitlines()) == 3 and not summary["guard_fallback"]
@@ -167,7 +168,7 @@ def test_guard_fallback_survives_resume(pair, tmp_path):
     from opd.runlog import read_metrics
     from opd.trainer import train
     cfg = config(pair, plan="noise=0.5", steps=6, save_every=3, guard_every=2, guard_action="fallback",
-                 guard_max_kl=1e-3, max_new_tokens=12)
+                 guard_limit=GUARD_LIMIT, max_new_tokens=12)
     train(cfg, tmp_path / "full", progress=False)
 
     def crash(step, run):
@@ -185,7 +186,7 @@ def test_guard_fallback_survives_resume(pair, tmp_path):
 def test_guard_fallback_in_the_async_schedule(pair, tmp_path):
     from opd.runlog import read_metrics
     from opd.trainer import train
-    cfg = config(pair, plan="noise=0.5", steps=6, guard_every=2, guard_action="fallback", guard_max_kl=1e-3,
+    cfg = config(pair, plan="noise=0.5", steps=6, guard_every=2, guard_action="fallback", guard_limit=GUARD_LIMIT,
                  max_new_tokens=12, schedule="async", max_staleness=1, threads=2, save_every=0)
     summary = train(cfg, tmp_path / "run", progress=False)
     rows = read_metrics(tmp_path / "run")

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics, rollout_metrics,
-                         staleness_metrics)
+from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics, noise_to_signal,
+                         rollout_metrics, staleness_metrics)
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
 
@@ -87,6 +87,10 @@ def test_advantage_sign_flips_and_snr_by_hand():
     assert m["opd/adv_sign_flip"] == pytest.approx(0.5)
     assert m["opd/adv_snr"] == pytest.approx((0.5 + 0.2 + 0.2 + 1.0) / 4 / ((0.7 + 0.3) / 4))
     assert distortion_metrics(teacher, q, q, torch.ones(1, 4, dtype=torch.bool))["opd/adv_snr"] == math.inf
+    assert m["opd/nsr"] == pytest.approx((0.7 + 0.3) / (0.5 + 0.2 + 0.2 + 1.0))  # the inverse, 0 without mismatch
+    assert distortion_metrics(teacher, q, q, torch.ones(1, 4, dtype=torch.bool))["opd/nsr"] == 0.0
+    assert noise_to_signal(teacher, mu, q, torch.tensor([[True, True, False, False]])) == pytest.approx(0.7 / 0.7)
+    assert noise_to_signal(q, mu, q, torch.ones(1, 4, dtype=torch.bool)) == math.inf  # no signal, some mismatch
 
 
 def test_staleness_and_rollout_metrics():

@@ -40,8 +40,9 @@ def test_sweep_writes_one_line_per_run_and_resume_skips_finished_runs(pair, tmp_
     real_train = opd.trainer.train
     monkeypatch.setattr(opd.trainer, "train", lambda cfg, *a, **k: trained.append(cfg) or real_train(cfg, *a, **k))
     assert len(run_sweep(tiny_grid(pair, points), tmp_path, progress=False)) == 3 and trained == []  # all done
-    results = tmp_path / "results.jsonl"  # written by an older release: no guard fields, another key scheme
-    old = [r | {"key": "0" * 16, "config": {k: v for k, v in r["config"].items() if not k.startswith("guard")}}
+    results = tmp_path / "results.jsonl"  # written by an older release: no guard fields, a field since removed,
+    old = [r | {"key": "0" * 16,  # and another key scheme
+                "config": {k: v for k, v in r["config"].items() if not k.startswith("guard")} | {"gone": 0}}
            for r in read_results(results)]
     results.write_text("".join(json.dumps(r) + "\n" for r in old))
     assert len(run_sweep(tiny_grid(pair, points), tmp_path, progress=False)) == 3 and trained == []
