@@ -120,14 +120,19 @@ def _non_default(values: dict, defaults: dict) -> dict:
 def finished_keys(rows: list[dict]) -> set[str]:
     """Keys of the runs in a results file, recomputed from their stored configs (the stored `key` may come from an
     older release; config fields this release no longer has are ignored)."""
-    known = set(TrainConfig().to_dict())
     keys = set()
     for row in rows:
         try:
-            keys.add(config_key(build_config({k: v for k, v in row["config"].items() if k in known})))
+            keys.add(config_key(stored_config(row)))
         except (OpdError, KeyError, TypeError, AttributeError):
             keys.add(row.get("key"))
     return keys
+
+
+def stored_config(row: dict) -> TrainConfig:
+    """A results line's config, read by this release (fields it no longer has are dropped)."""
+    known = set(TrainConfig().to_dict())
+    return build_config({k: v for k, v in row["config"].items() if k in known})
 
 
 def read_results(path: Path) -> list[dict]:
