@@ -67,13 +67,14 @@ def knees(rows: list[dict]) -> list[dict]:
                             if r["source"] in (source, "bf16") and r["degraded"] is not None)
             entry = {"family": family, "estimator": estimator, "source": source,
                      "max_mismatch": max(m for m, _ in points) if points else None}
-            if not any(bad for _, bad in points):
-                entry |= {"knee": None, "note": "no degradation up to the largest level"}
+            cut = best_cut(points) if any(bad for _, bad in points) else None
+            first_bad = min((m for m, bad in points if bad and m > cut["max"]), default=None) if cut else None
+            if first_bad is None:  # nothing degraded, or only runs the best cut calls noise (below fine ones)
+                entry |= {"knee": None, "misplaced": sum(bad for _, bad in points),
+                          "note": "no knee up to the largest level"}
             else:
-                cut = best_cut(points)
-                entry |= {"knee": cut["max"], "misplaced": cut["errors"],
-                          "last_fine": max((m for m, bad in points if not bad and m <= cut["max"]), default=None),
-                          "first_degraded": min((m for m, bad in points if bad and m > cut["max"]), default=None)}
+                entry |= {"knee": cut["max"], "misplaced": cut["errors"], "first_degraded": first_bad,
+                          "last_fine": max((m for m, bad in points if not bad and m <= cut["max"]), default=None)}
             out.append(entry)
     return out
 
@@ -151,7 +152,8 @@ def report(rows: list[dict], out: Path) -> str:
         lines.append(f"  {k['family']}/{k['estimator']}/{k['source']}: " + (
             f"knee ~{k['knee']:.2g} (fine up to {k['last_fine'] or 0:.2g}, degraded from {k['first_degraded'] or 0:.2g}"
             f"; {k['misplaced']} run(s) on the wrong side)"
-            if k["knee"] is not None else f"no knee up to {k['max_mismatch']:.2g}"))
+            if k["knee"] is not None else f"no knee up to {k['max_mismatch']:.2g}"
+            + (f" ({k['misplaced']} degraded run(s) below fine ones: noise)" if k["misplaced"] else "")))
     lines += ["", *fp8_answer(rows), "", f"plots: {out / 'quality_vs_mismatch.png'}, {out / 'curves.png'}"]
     return "\n".join(lines)
 
