@@ -1,6 +1,7 @@
 """The admission check: decisions at and around each threshold, calibration, the probe, the proposed plan, the CLI."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -192,3 +193,21 @@ def test_guard_fallback_in_the_async_schedule(pair, tmp_path):
     rows = read_metrics(tmp_path / "run")
     assert rows[1]["guard/triggered"] == 1.0 and summary["guard_fallback"]
     assert all(r["mismatch/kl_k3"] < 1e-3 for r in rows[2:6])  # batches in flight were re-sampled at BF16
+
+
+def test_the_shipped_thresholds_are_the_calibration_of_the_stored_study():
+    from opd.sweep import read_results
+    from opd.tolerance import label
+    stored = Path(__file__).parents[1] / "benchmarks" / "data" / "admission_results.jsonl"
+    rows = [r for r in label(read_results(stored)) if r["degraded"] is not None]
+    assert calibrate(rows)["classes"] == load_thresholds()["classes"]
+
+
+def test_admission_benchmark_quick_mode():
+    import subprocess
+    import sys
+    script = Path(__file__).parents[1] / "benchmarks" / "admission.py"
+    out = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = dict(kv.split("=") for kv in out.stdout.strip().splitlines()[-1].split()[1:])
+    assert float(result["accuracy"]) >= 0.9 and float(result["cost_fraction"]) <= 0.02  # the README's numbers
