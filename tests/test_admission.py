@@ -13,7 +13,7 @@ from opd.plan import Plan
 from opd.trainer import probe_setup
 
 from test_cli import assert_one_line_error, opd
-from test_trainer import config, pair  # noqa: F401 (fixture)
+from test_trainer import comparable, config, pair  # noqa: F401 (fixture)
 
 GUARD_LIMIT = 0.05  # nsr: the injected noise=0.5 is far above it, BF16 rollouts far below (tiny random pair)
 LIMITS = {"classes": {"full": {"max": 0.5, "knee": False, "max_staleness": 4},
@@ -178,8 +178,7 @@ def test_guard_fallback_survives_resume(pair, tmp_path):
     with pytest.raises(RuntimeError):
         train(cfg, tmp_path / "resumed", progress=False, on_step=crash)
     train(cfg, tmp_path / "resumed", resume=True, progress=False)
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time", "throughput"))} for r in rows]
-    assert strip(read_metrics(tmp_path / "resumed")) == strip(read_metrics(tmp_path / "full"))
+    assert comparable(read_metrics(tmp_path / "resumed")) == comparable(read_metrics(tmp_path / "full"))
     assert (tmp_path / "resumed" / "guard.jsonl").read_text() == (tmp_path / "full" / "guard.jsonl").read_text()
 
 
