@@ -118,11 +118,13 @@ def main() -> None:
     on_kl = [r | {"probe": r["probe"] | {"nsr": r["probe"]["kl_k3"], "floor_nsr": r["probe"]["floor_kl_k3"]}}
              for r in rows]  # the same rule on kl_k3 instead of nsr, for comparison
     results["kl_k3"] = accuracy(confusion(leave_one_out(on_kl)))
-    print(f"\nthe same rule deciding on kl_k3 instead of nsr: leave-one-configuration-out accuracy {results['kl_k3']:.3f}")
+    print(f"\nthe same rule deciding on kl_k3 instead of nsr: leave-one-configuration-out accuracy "
+          f"{results['kl_k3']:.3f}")
     cost = statistics.median(check_s) / statistics.median(train_s)
     print(f"\ncheck {statistics.median(check_s):.2f} s (median) vs training run {statistics.median(train_s):.1f} s")
     print(f"RESULT accuracy={results['leave one configuration out']:.3f} "
-          f"accuracy_cross_family={results['calibrated on the other family']:.3f} accuracy_on_kl_k3={results['kl_k3']:.3f} "
+          f"accuracy_cross_family={results['calibrated on the other family']:.3f} "
+          f"accuracy_on_kl_k3={results['kl_k3']:.3f} "
           f"cost_fraction={cost:.4f} "
           f"runs={len(rows)} check_s={statistics.median(check_s):.2f} train_s={statistics.median(train_s):.1f}")
 

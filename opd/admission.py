@@ -112,9 +112,10 @@ def class_limits(thresholds: dict, cls: str) -> tuple[dict, str]:
 
 def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0, limit: float = 0.0) -> Decision:
     """The admission predicate. numbers: probe metrics without their namespace (nsr, and floor_nsr, kl_k3,
-    floor_kl_k3, adv_sign_flip, ess_frac when known); staleness: the run's max_staleness (0 when sync); limit > 0 overrides the
-    calibrated limit (thresholds may then be None). A candidate within FLOOR_FACTOR of the BF16 floor passes the KL test
-    whatever the limit: the reference cannot be degraded relative to itself."""
+    floor_kl_k3, adv_sign_flip, ess_frac when known); staleness: the run's max_staleness (0 when sync); limit > 0
+    overrides the calibrated limit (thresholds may then be None). A candidate within FLOOR_FACTOR of the BF16 floor
+    passes the mismatch test whatever the limit: the reference cannot be degraded relative to itself."""
+    require(thresholds is not None or limit > 0, "no admission thresholds and no limit", "pass one of them")
     entry, how = class_limits(thresholds, cls) if thresholds else ({}, "")
     limit, how = (limit, "user-set limit") if limit > 0 else (float(entry["max"]), how)
     value = numbers.get(METRIC, math.nan)

@@ -174,7 +174,8 @@ def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit:
             print(f"  - {reason}")
         proposal = result.get("proposal")
         if proposal:
-            print(f"  proposed plan: {proposal['plan']}" if proposal["plan"] else f"  no plan proposed: {proposal['note']}")
+            print(f"  proposed plan: {proposal['plan']}" if proposal["plan"]
+                  else f"  no plan proposed: {proposal['note']}")
         if proposal and proposal["layer_kl"]:
             print("  KL of the candidate setting on one layer alone (BF16 elsewhere): "
                   + ", ".join(f"layer {i} {v:.2g}" for i, v in enumerate(proposal["layer_kl"])))
@@ -187,7 +188,8 @@ def cmd_sensitivity(family: list[str] | None, student: Path | None, teacher: Pat
     from opd.config import TrainConfig
     from opd.sensitivity import SETTINGS, layer_map, write
     from opd.trainer import probe_setup
-    require(bool(student) == bool(teacher), "give both --student and --teacher, or neither", "neither: the built-in pairs")
+    require(bool(student) == bool(teacher), "give both --student and --teacher, or neither",
+            "neither: the built-in pairs")
     common = dict(task=task, plan="", threads=threads)
     targets = {"model": TrainConfig(student=str(student), teacher=str(teacher), **common)} if student \
         else {f: TrainConfig(family=f, **common) for f in family or FAMILIES}

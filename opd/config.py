@@ -64,7 +64,7 @@ class TrainConfig:
     guard_every: int = 0  # the runtime admission check on the live rollouts every this many steps; 0: off
     guard_action: str = "warn"  # when it rejects: "warn", "fallback" (BF16 rollouts from then on) or "stop"
     guard_thresholds: str = ""  # a thresholds file from `opd calibrate`; "": the shipped opd/thresholds.json
-    guard_limit: float = 0.0  # > 0: this limit on the rollout-vs-learner nsr (admission.py) instead of the calibrated one
+    guard_limit: float = 0.0  # > 0: this limit on the rollout-vs-learner nsr (admission.py), not the calibrated one
     seed: int = 0
     threads: int = 2  # CPU threads for the whole run (async: split between the worker and the trainer)
 

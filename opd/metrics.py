@@ -85,7 +85,8 @@ def noise_to_signal(teacher: torch.Tensor, sampler: torch.Tensor, learner: torch
 
 
 def staleness_metrics(versions: list[int], current: int, q: torch.Tensor, pi: torch.Tensor,
-                      mask: torch.Tensor, mu: torch.Tensor | None = None, token_mask: torch.Tensor | None = None) -> dict:
+                      mask: torch.Tensor, mu: torch.Tensor | None = None,
+                      token_mask: torch.Tensor | None = None) -> dict:
     """versions: the (token-weighted) policy version of each rollout; current: the learner's version.
     mask: the tokens whose q is known; token_mask: all generated tokens (for total_kl_k3, which needs only mu)."""
     gaps = [current - v for v in versions]

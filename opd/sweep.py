@@ -15,9 +15,10 @@ Every run = family x estimator x point x seed. For each, the admission probe run
 `opd admit` would see for that configuration), then the training run; then one line is appended to the results file:
 the run's id and key, its resolved config, the probe, quality before and after (held-out accuracy and reverse KL to
 the teacher), every per-step metric averaged over training, a short training curve, wall times and the git SHA.
-The key is a hash of the resolved config's non-default values: a run whose key is already in the file is skipped, so a sweep that was
-stopped continues where it left off, and a changed grid re-runs only what changed. A line is written only when its
-run has finished (one `write` under a file lock, so two sweeps may share a file); a torn last line is ignored.
+The key is a hash of the resolved config's non-default values: a run whose key is already in the file is skipped,
+so a sweep that was stopped continues where it left off, and a changed grid re-runs only what changed. A line is
+written only when its run has finished (one `write` under a file lock, so two sweeps may share a file); a torn last
+line is ignored.
 Plotting and the knee (tolerance.py) read only the results file.
 """
 import fcntl

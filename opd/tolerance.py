@@ -20,6 +20,7 @@ import math
 from pathlib import Path
 
 from opd.admission import best_cut
+from opd.errors import require
 
 QUALITY, MISMATCH = "eval/rkl", "stale/total_kl_k3"
 MARKERS = {"bf16": "o", "kv": "s", "noise": "^", "staleness": "D", "weights": "v"}
@@ -142,6 +143,7 @@ def fp8_answer(rows: list[dict]) -> list[str]:
 
 def report(rows: list[dict], out: Path) -> str:
     """Write knees.json and the two plots into out; return the text summary."""
+    require(bool(rows), f"no sweep results to analyse in {out}", "run `opd sweep` first")
     out.mkdir(parents=True, exist_ok=True)
     found = knees(rows)
     (out / "knees.json").write_text(json.dumps(found, indent=2))

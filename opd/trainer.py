@@ -357,8 +357,8 @@ def fall_back(run: Run) -> None:
 
 def guard(run: Run, window: list[float], step: int, run_dir: Path) -> dict:
     """The admission check on the live rollouts: the rollout-vs-learner noise-to-signal ratio (`stale/total_nsr`,
-    numerics and staleness together) averaged over the steps since the last check, against the estimator's limit. On REJECT the
-    event goes to guard.jsonl and stderr, and `guard_action` is taken."""
+    numerics and staleness together) averaged over the steps since the last check, against the estimator's limit.
+    On REJECT the event goes to guard.jsonl and stderr, and `guard_action` is taken."""
     cfg = run.cfg
     value = sum(window) / len(window) if window else math.nan
     window.clear()

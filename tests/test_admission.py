@@ -112,7 +112,8 @@ def test_rejection_proposes_a_plan_that_passes(pair):
     setup, plan = probe_setup(config(pair, plan="kv=fp8_e5m2 w=int4", max_new_tokens=12), 8)
     numbers = probe(setup, plan)
     limit = numbers["nsr"] / 3  # rejects the candidate; all-BF16 (the floor) is far below it
-    proposal = propose_plan(setup, plan, None, "full", limit, {"kl_k3": numbers["floor_kl_k3"], "nsr": numbers["floor_nsr"]})
+    floor = {"kl_k3": numbers["floor_kl_k3"], "nsr": numbers["floor_nsr"]}
+    proposal = propose_plan(setup, plan, None, "full", limit, floor)
     assert proposal["plan"] is not None and proposal["nsr"] <= limit
     kept = proposal["bf16_layers"]
     most = max(range(2), key=lambda i: proposal["layer_kl"][i])

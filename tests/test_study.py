@@ -108,6 +108,8 @@ def test_report_writes_plots_from_the_results_alone(tmp_path):
         assert (tmp_path / name).stat().st_size > 10_000
     assert "inside the BF16 seeds' [0.300, 0.320]" in text and "knee ~" in text
     assert json.loads((tmp_path / "knees.json").read_text())
+    with pytest.raises(OpdError, match="no sweep results"):
+        report([], tmp_path / "empty")
 
 
 def test_sensitivity_puts_the_mismatch_on_one_layer_at_a_time(pair):
@@ -120,10 +122,12 @@ def test_sensitivity_puts_the_mismatch_on_one_layer_at_a_time(pair):
 
 def test_sensitivity_cli(pair, tmp_path):
     student, teacher = pair
-    result = opd("sensitivity", "--student", student, "--teacher", teacher, "--task", "add", "--setting", "kv=int4 kv_group=16", "--rollouts",
+    result = opd("sensitivity", "--student", student, "--teacher", teacher, "--task", "add",
+                 "--setting", "kv=int4 kv_group=16", "--rollouts",
                  "4", "--out", tmp_path, "--threads", "1")
     assert result.returncode == 0, result.stderr
-    assert "| model | `kv=int4 kv_group=16` |" in result.stdout and (tmp_path / "sensitivity.png").stat().st_size > 5_000
+    assert "| model | `kv=int4 kv_group=16` |" in result.stdout
+    assert (tmp_path / "sensitivity.png").stat().st_size > 5_000
     assert_one_line_error(opd("sensitivity", "--student", student, "--teacher", teacher, "--task", "add",
                               "--setting", "kv=int3",
                               "--out", tmp_path), "int3")
