@@ -25,6 +25,7 @@ demo: $(STAMP)
 	$(VENV)/bin/opd pretrain
 	$(VENV)/bin/opd train --set family=llama --run-dir runs/demo-llama --overwrite
 	$(VENV)/bin/opd train --set family=qwen3 --run-dir runs/demo-qwen3 --overwrite
+	$(VENV)/bin/opd report runs/demo-llama runs/demo-qwen3 --out runs/demo-report
 
 test: $(VLLM_STAMP)
 	$(PY) -m pytest -q

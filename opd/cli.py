@@ -202,6 +202,12 @@ def cmd_sensitivity(family: list[str] | None, student: Path | None, teacher: Pat
     print(write(maps, out))
 
 
+def cmd_report(run_dirs: list[Path], out: Path) -> None:
+    """A Markdown + HTML report (training curves, mismatch over time, quality vs mismatch, speed) from run folders."""
+    from opd.report import write_report
+    print(f"wrote {write_report(run_dirs, out)} and {out / 'report.html'}")
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -288,6 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("runs/sensitivity"), help="sensitivity.json and .png go here")
     p.add_argument("--threads", type=positive_int, default=2)
     p.set_defaults(func=cmd_sensitivity)
+
+    p = sub.add_parser("report", help=cmd_report.__doc__)
+    p.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="folders written by opd train")
+    p.add_argument("--out", type=Path, default=Path("runs/report"), help="report.md, report.html and the PNGs")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("calibrate", help=cmd_calibrate.__doc__)
     p.add_argument("results", type=Path, help="a sweep's results.jsonl")

@@ -1,0 +1,172 @@
+"""`opd report`: a report from run directories that reads without any other tool, in Markdown and in HTML.
+
+It reads each run directory's `config.yaml`, `metrics.jsonl` and `summary.json` (runlog.py) and writes, into the
+output folder:
+
+    report.md     the tables and links to the figures next to it
+    report.html   the same, with the figures embedded (one self-contained file)
+    curves.png    training curves: the sampled reverse KL on the rollouts per step, held-out reverse KL points
+    mismatch.png  mismatch over time: mismatch/kl_k3 (numerics) and stale/total_kl_k3 (with staleness), log scale
+    quality.png   final held-out reverse KL vs mean rollout-vs-learner KL, one point per run
+
+Tables: each run's set-up (plan, schedule, loss, steps) and quality before and after (greedy accuracy, held-out
+reverse KL); speed (mean seconds per step, tokens/s, the split between sampling, teacher, learner); mismatch averages
+and guard events. A run that has not finished (no summary.json) is reported from its metrics so far.
+"""
+import base64
+import html
+import json
+import math
+import re
+from pathlib import Path
+
+import yaml
+
+from opd.errors import OpdError, require
+from opd.runlog import read_metrics, write_atomic
+
+FIGURES = ("curves.png", "mismatch.png", "quality.png")
+
+
+def load_run(run_dir: Path) -> dict:
+    run_dir = Path(run_dir)
+    require((run_dir / "metrics.jsonl").is_file() and (run_dir / "config.yaml").is_file(),
+            f"{run_dir} is not an opd run directory (no metrics.jsonl / config.yaml)", "pass folders made by opd train")
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise OpdError(f"{run_dir}: unreadable config.yaml or summary.json ({e})", "re-run or remove it") from None
+    rows = read_metrics(run_dir)
+    require(bool(rows), f"{run_dir} has no logged steps yet", "report on a run that has taken at least one step")
+    evals = [r for r in rows if "eval/rkl" in r]
+    return {"name": run_dir.name, "dir": run_dir, "config": config, "summary": summary, "rows": rows,
+            "before": summary.get("before") or (evals[0] if evals else {}),
+            "after": summary.get("after") or (evals[-1] if len(evals) > 1 else {}),
+            "guard_events": _guard_events(run_dir)}
+
+
+def _guard_events(run_dir: Path) -> int:
+    path = run_dir / "guard.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def mean(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return sum(values) / len(values) if values else math.nan
+
+
+def _fmt(value, spec: str = ".3f") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def tables(runs: list[dict]) -> str:
+    setup = ["| run | plan | schedule | loss | steps | accuracy before -> after | held-out reverse KL before -> after |",
+             "|---|---|---|---|---|---|---|"]
+    speed = ["| run | s/step | tokens/s | generate s | teacher s | train s | sync s |", "|---|---|---|---|---|---|---|"]
+    mismatch = ["| run | kl_k3 | total_kl_k3 | nsr | adv_sign_flip | ess_frac | staleness (mean gap) | guard events |",
+                "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        cfg, rows, b, a = run["config"], [r for r in run["rows"] if "time/step" in r], run["before"], run["after"]
+        loss = cfg.get("loss", {}).get("name", "?") if isinstance(cfg.get("loss"), dict) else "?"
+        setup.append(f"| {run['name']} | `{cfg.get('plan') or 'float32'}` | {cfg.get('schedule', 'sync')} | {loss} | "
+                     f"{len(rows)} | {_fmt(b.get('eval/accuracy'))} -> {_fmt(a.get('eval/accuracy'))} | "
+                     f"{_fmt(b.get('eval/rkl'), '.4f')} -> {_fmt(a.get('eval/rkl'), '.4f')} |")
+        speed.append(f"| {run['name']} | {_fmt(mean(rows, 'time/step'))} | "
+                     f"{_fmt(mean(rows, 'throughput/tokens_per_s'), '.0f')} | "
+                     f"{_fmt(mean(rows, 'time/generate'))} | {_fmt(mean(rows, 'time/teacher'))} | "
+                     f"{_fmt(mean(rows, 'time/train'))} | {_fmt(mean(rows, 'time/sync'))} |")
+        mismatch.append(f"| {run['name']} | {_fmt(mean(rows, 'mismatch/kl_k3'), '.2e')} | "
+                        f"{_fmt(mean(rows, 'stale/total_kl_k3'), '.2e')} | {_fmt(mean(rows, 'opd/nsr'), '.3g')} | "
+                        f"{_fmt(mean(rows, 'opd/adv_sign_flip'), '.4f')} | {_fmt(mean(rows, 'is/ess_frac'))} | "
+                        f"{_fmt(mean(rows, 'stale/version_gap_mean'), '.2f')} | {run['guard_events']} |")
+    return "\n".join(["## Runs", "", *setup, "", "## Speed (means over steps)", "", *speed, "",
+                      "## Mismatch (means over steps)", "", *mismatch])
+
+
+def figures(runs: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, run in enumerate(runs):
+        steps = [(r["step"], r["loss/rkl_sampled"]) for r in run["rows"] if "loss/rkl_sampled" in r]
+        evals = [(r["step"], r["eval/rkl"]) for r in run["rows"] if "eval/rkl" in r]
+        if steps:
+            ax.plot(*zip(*steps), color=f"C{i}", lw=0.8, alpha=0.7, label=f"{run['name']} (rollouts)")
+        if evals:
+            ax.plot(*zip(*evals), "o--", color=f"C{i}", label=f"{run['name']} (held-out)")
+    ax.set_yscale("symlog", linthresh=0.01)  # log-like, but a sampled estimate can dip below 0
+    ax.set(xlabel="step", ylabel="reverse KL to the teacher")
+    _save(fig, ax, out / "curves.png", plt)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, run in enumerate(runs):
+        for key, style in (("mismatch/kl_k3", "-"), ("stale/total_kl_k3", ":")):
+            points = [(r["step"], max(r[key], 1e-12)) for r in run["rows"] if isinstance(r.get(key), (int, float))]
+            if points:
+                ax.plot(*zip(*points), style, color=f"C{i}", lw=0.9, label=f"{run['name']} {key.split('/')[1]}")
+    ax.set(xlabel="step", ylabel="KL(rollout || train), k3 estimate", yscale="log")
+    _save(fig, ax, out / "mismatch.png", plt)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, run in enumerate(runs):
+        x, y = mean(run["rows"], "stale/total_kl_k3"), run["after"].get("eval/rkl")
+        x = mean(run["rows"], "mismatch/kl_k3") if math.isnan(x) else x  # runs logged before total_kl_k3 existed
+        if y is not None and math.isfinite(x):
+            ax.scatter([max(x, 1e-12)], [y], color=f"C{i}", label=run["name"])
+    ax.set(xlabel="rollout vs learner KL (mean over training)", ylabel="held-out reverse KL after", xscale="log")
+    _save(fig, ax, out / "quality.png", plt)
+
+
+def _save(fig, ax, path: Path, plt) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)
+    plt.close(fig)
+
+
+def markdown(runs: list[dict]) -> str:
+    return "\n".join([f"# OPD report: {', '.join(r['name'] for r in runs)}", "",
+                      "Run directories: " + ", ".join(f"`{r['dir']}`" for r in runs), "", tables(runs), "",
+                      "## Figures", "", "Training curves:", "", "![training curves](curves.png)", "",
+                      "Mismatch over time:", "", "![mismatch over time](mismatch.png)", "",
+                      "Quality vs mismatch:", "", "![quality vs mismatch](quality.png)", ""])
+
+
+def to_html(text: str, out: Path) -> str:
+    """The Markdown above as HTML (its subset: headings, tables, images, paragraphs), images inlined as base64."""
+    body, table = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            if not set(line) <= set("|-"):
+                table.append(line)
+            continue
+        if table:
+            cells = [[html.escape(c.strip()) for c in row.strip("|").split("|")] for row in table]
+            body.append("<table><tr>" + "".join(f"<th>{c}</th>" for c in cells[0]) + "</tr>" + "".join(
+                "<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in cells[1:]) + "</table>")
+            table = []
+        if match := re.fullmatch(r"!\[(.*)\]\((.*)\)", line):
+            data = base64.b64encode((out / match[2]).read_bytes()).decode()
+            body.append(f'<img alt="{html.escape(match[1])}" src="data:image/png;base64,{data}">')
+        elif line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            body.append(f"<h{level}>{html.escape(line.lstrip('#').strip())}</h{level}>")
+        elif line:
+            body.append(f"<p>{html.escape(line)}</p>")
+    style = "body{font-family:sans-serif;max-width:1100px;margin:auto}table{border-collapse:collapse}" \
+            "td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px}img{max-width:100%}"
+    return f"<!doctype html><html><head><meta charset='utf-8'><title>OPD report</title><style>{style}</style>" \
+           f"</head><body>{''.join(body)}</body></html>\n"
+
+
+def write_report(run_dirs: list[Path], out: Path) -> Path:
+    runs = [load_run(d) for d in run_dirs]
+    out.mkdir(parents=True, exist_ok=True)
+    figures(runs, out)
+    text = markdown(runs)
+    write_atomic(out / "report.md", text)
+    write_atomic(out / "report.html", to_html(text, out))
+    return out / "report.md"

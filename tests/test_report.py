@@ -1,0 +1,31 @@
+"""`opd report`: built from a short run, its PNGs exist and are non-empty, its Markdown links resolve, the HTML
+embeds every figure; bad run folders are one clear error."""
+import re
+
+from opd.report import FIGURES, write_report
+from opd.trainer import train
+
+from test_cli import assert_one_line_error, opd
+from test_trainer import config, pair  # noqa: F401 (fixture)
+
+
+def test_report_from_short_runs(pair, tmp_path):
+    train(config(pair, steps=4, eval_every=2), tmp_path / "fp32", progress=False)
+    train(config(pair, steps=3, plan="kv=fp8_e5m2"), tmp_path / "fp8", progress=False)
+    result = opd("report", tmp_path / "fp32", tmp_path / "fp8", "--out", tmp_path / "report")
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "report"
+    for name in FIGURES:
+        assert (out / name).stat().st_size > 5_000
+    text = (out / "report.md").read_text()
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert sorted(links) == sorted(FIGURES) and all((out / link).is_file() for link in links)
+    assert "| fp32 | `float32` | sync | full_rkl | 4 |" in text
+    assert "| fp8 | `kv=fp8_e5m2` | sync |" in text
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 3 and "<table>" in page
+
+
+def test_report_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(opd("report", tmp_path / "empty", "--out", tmp_path / "r"), "not an opd run directory")
