@@ -70,10 +70,8 @@ class RunLog:
 
     def __init__(self, run_dir: Path, start_step: int = 0):
         self.path = run_dir / "metrics.jsonl"
-        kept = []
-        if self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] < start_step]
+        kept = [json.dumps(row) for row in read_metrics(run_dir) if row["step"] < start_step] \
+            if self.path.is_file() else []
         write_atomic(self.path, "".join(line + "\n" for line in kept))
         self.file = self.path.open("a")
         self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step if start_step else None)
@@ -92,5 +90,16 @@ class RunLog:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The logged steps. A torn last line (the process was killed mid-write) is left out; its step is re-run on
+    resume. A malformed line anywhere else is corruption, and an error."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for n, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n < len(lines):
+                raise OpdError(f"{path}:{n} is not a JSON line", "the run directory is damaged: start the run "
+                               "again with --overwrite") from None
+    return rows
