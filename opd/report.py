@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from opd.errors import OpdError, require
+from opd.figures import pyplot, save
 from opd.runlog import read_metrics, write_atomic
 
 FIGURES = ("curves.png", "mismatch.png", "quality.png")
@@ -85,9 +86,7 @@ def tables(runs: list[dict]) -> str:
 
 
 def figures(runs: list[dict], out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, run in enumerate(runs):
         steps = [(r["step"], r["loss/rkl_sampled"]) for r in run["rows"] if "loss/rkl_sampled" in r]
@@ -98,7 +97,7 @@ def figures(runs: list[dict], out: Path) -> None:
             ax.plot(*zip(*evals), "o--", color=f"C{i}", label=f"{run['name']} (held-out)")
     ax.set_yscale("symlog", linthresh=0.01)  # log-like, but a sampled estimate can dip below 0
     ax.set(xlabel="step", ylabel="reverse KL to the teacher")
-    _save(fig, ax, out / "curves.png", plt)
+    _save(fig, ax, out / "curves.png")
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, run in enumerate(runs):
         for key, style in (("mismatch/kl_k3", "-"), ("stale/total_kl_k3", ":")):
@@ -106,7 +105,7 @@ def figures(runs: list[dict], out: Path) -> None:
             if points:
                 ax.plot(*zip(*points), style, color=f"C{i}", lw=0.9, label=f"{run['name']} {key.split('/')[1]}")
     ax.set(xlabel="step", ylabel="KL(rollout || train), k3 estimate", yscale="log")
-    _save(fig, ax, out / "mismatch.png", plt)
+    _save(fig, ax, out / "mismatch.png")
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, run in enumerate(runs):
         x, y = mean(run["rows"], "stale/total_kl_k3"), run["after"].get("eval/rkl")
@@ -114,17 +113,14 @@ def figures(runs: list[dict], out: Path) -> None:
         if y is not None and math.isfinite(x):
             ax.scatter([max(x, 1e-12)], [y], color=f"C{i}", label=run["name"])
     ax.set(xlabel="rollout vs learner KL (mean over training)", ylabel="held-out reverse KL after", xscale="log")
-    _save(fig, ax, out / "quality.png", plt)
+    _save(fig, ax, out / "quality.png")
 
 
-def _save(fig, ax, path: Path, plt) -> None:
+def _save(fig, ax, path: Path) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
-    plt.close(fig)
+    save(fig, path)
 
 
 def markdown(runs: list[dict]) -> str:

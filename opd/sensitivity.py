@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 from opd.admission import measure
+from opd.figures import pyplot, save
 from opd.plan import Plan
 
 SETTINGS = ("kv=fp8_e4m3", "kv=fp8_e5m2", "kv=int4", "w=fp8", "w=int4", "noise=0.1")
@@ -51,10 +52,7 @@ def table(maps: dict[str, dict[str, list[float]]]) -> str:
 
 
 def heatmap(maps: dict[str, dict[str, list[float]]], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(maps), figsize=(5.5 * len(maps), 3.8), squeeze=False, layout="constrained")
+    fig, axes = pyplot().subplots(1, len(maps), figsize=(5.5 * len(maps), 3.8), squeeze=False, layout="constrained")
     values = [math.log10(max(c, 1e-9)) for m in maps.values() for cells in m.values() for c in cells]
     for ax, (family, m) in zip(axes[0], maps.items()):
         grid = [[math.log10(max(c, 1e-9)) for c in cells] for cells in m.values()]
@@ -66,10 +64,7 @@ def heatmap(maps: dict[str, dict[str, list[float]]], path: Path) -> None:
             for j, v in enumerate(row):
                 ax.text(j, i, f"{v:.1f}", ha="center", va="center", color="w", fontsize=7)
     fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
-    plt.close(fig)
+    save(fig, path)
 
 
 def write(maps: dict, out: Path) -> str:

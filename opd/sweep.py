@@ -189,8 +189,9 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
         setup, plan = probe_setup(cfg, PROBE_ROLLOUTS)
         numbers = probe(setup, plan)
         del setup
-        summary = train(cfg, out / "runs" / spec["id"].replace("/", "__"), overwrite=True, progress=False)
-        rows = read_metrics(out / "runs" / spec["id"].replace("/", "__"))
+        run_dir = out / "runs" / spec["id"].replace("/", "__")
+        summary = train(cfg, run_dir, overwrite=True, progress=False)
+        rows = read_metrics(run_dir)
         row = {"id": spec["id"], "key": config_key(cfg), "family": spec["family"], "estimator": spec["estimator"],
                "class": estimator_class(cfg.loss), "source": spec["source"], "level": spec["level"],
                "seed": spec["seed"], "staleness": staleness(cfg), "config": cfg.to_dict(), "probe": numbers,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from opd.admission import best_cut
 from opd.errors import require
+from opd.figures import pyplot, save
 
 QUALITY, MISMATCH = "eval/rkl", "stale/total_kl_k3"
 MARKERS = {"bf16": "o", "kv": "s", "noise": "^", "staleness": "D", "weights": "v"}
@@ -161,20 +162,17 @@ def report(rows: list[dict], out: Path) -> str:
 
 
 def _figure(rows: list[dict]):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     keys = sorted(groups(rows))
     families = sorted({f for f, _ in keys})
     estimators = sorted({e for _, e in keys})
-    fig, axes = plt.subplots(len(families), len(estimators), figsize=(5 * len(estimators), 4 * len(families)),
+    fig, axes = pyplot().subplots(len(families), len(estimators), figsize=(5 * len(estimators), 4 * len(families)),
                              squeeze=False)
-    return plt, fig, {(f, e): axes[i][j] for i, f in enumerate(families) for j, e in enumerate(estimators)}
+    return fig, {(f, e): axes[i][j] for i, f in enumerate(families) for j, e in enumerate(estimators)}
 
 
 def plot_quality(rows: list[dict], path: Path) -> None:
     """Final reverse KL vs measured mismatch: one marker per source, every seed its own point, the BF16 band."""
-    plt, fig, axes = _figure(rows)
+    fig, axes = _figure(rows)
     labelled = groups(label(rows))
     for key, ax in axes.items():
         group = labelled.get(key, [])
@@ -194,13 +192,12 @@ def plot_quality(rows: list[dict], path: Path) -> None:
                ylabel="held-out reverse KL to teacher (after)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    _save(fig, path)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_curves(rows: list[dict], path: Path) -> None:
     """Training curves (sampled reverse KL per step) of every run, coloured by source."""
-    plt, fig, axes = _figure(rows)
+    fig, axes = _figure(rows)
     colors = {}
     for key, ax in axes.items():
         for r in sorted(groups(rows).get(key, []), key=lambda r: r["source"]):
@@ -211,11 +208,5 @@ def plot_curves(rows: list[dict], path: Path) -> None:
         ax.set(title=f"{key[0]} / {key[1]}", xlabel="step", ylabel="reverse KL on the rollouts (sampled)")
         ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    _save(fig, path)
-    plt.close(fig)
+    save(fig, path)
 
-
-def _save(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)

@@ -13,7 +13,7 @@ from opd.plan import Plan
 from opd.trainer import probe_setup
 
 from test_cli import assert_one_line_error, opd
-from test_trainer import comparable, config, pair  # noqa: F401 (fixture)
+from test_trainer import comparable, config, crash_at, pair  # noqa: F401 (fixture)
 
 GUARD_LIMIT = 0.05  # nsr: the injected noise=0.5 is far above it, BF16 rollouts far below (tiny random pair)
 LIMITS = {"classes": {"full": {"max": 0.5, "knee": False, "max_staleness": 4},
@@ -172,12 +172,8 @@ def test_guard_fallback_survives_resume(pair, tmp_path):
     cfg = config(pair, plan="noise=0.5", steps=6, save_every=3, guard_every=2, guard_action="fallback",
                  guard_limit=GUARD_LIMIT, max_new_tokens=12)
     train(cfg, tmp_path / "full", progress=False)
-
-    def crash(step, run):
-        if step == 4:
-            raise RuntimeError("simulated crash")
     with pytest.raises(RuntimeError):
-        train(cfg, tmp_path / "resumed", progress=False, on_step=crash)
+        train(cfg, tmp_path / "resumed", progress=False, on_step=crash_at(4))
     train(cfg, tmp_path / "resumed", resume=True, progress=False)
     assert comparable(read_metrics(tmp_path / "resumed")) == comparable(read_metrics(tmp_path / "full"))
     assert (tmp_path / "resumed" / "guard.jsonl").read_text() == (tmp_path / "full" / "guard.jsonl").read_text()

@@ -22,7 +22,7 @@ from opd.sampling import SamplingParams
 from opd.trainer import train
 
 from test_cli import assert_one_line_error, opd
-from test_trainer import config, make_checkpoint
+from test_trainer import config, crash_at, make_checkpoint
 from test_trainer import comparable as without_times
 
 pytestmark = pytest.mark.slow
@@ -122,12 +122,8 @@ def test_resume_after_a_crash_continues_exactly(pair, tmp_path):
     cfg = async_config(pair, max_staleness=1, save_every=3)
     train(cfg, tmp_path / "whole", progress=False)
 
-    def crash(step, run):
-        if step == 4:
-            raise RuntimeError("simulated crash")
-
     with pytest.raises(RuntimeError):
-        train(cfg, tmp_path / "cut", progress=False, on_step=crash)
+        train(cfg, tmp_path / "cut", progress=False, on_step=crash_at(4))
     assert no_worker_left()
     train(cfg, tmp_path / "cut", resume=True, progress=False)
     assert comparable(read_metrics(tmp_path / "cut")) == comparable(read_metrics(tmp_path / "whole"))

@@ -45,6 +45,14 @@ def config(pair, **overrides) -> TrainConfig:
     return build_config(values | overrides)
 
 
+def crash_at(at_step: int):
+    """An on_step hook that raises (a simulated crash) after step `at_step` is logged."""
+    def crash(step, run):
+        if step == at_step:
+            raise RuntimeError("simulated crash")
+    return crash
+
+
 def comparable(rows):
     """Metric lines without wall-clock values."""
     return [{k: v for k, v in row.items() if not k.startswith(("time", "throughput"))} for row in rows]
