@@ -1,9 +1,16 @@
 """Hugging Face checkpoint folders: `config.json` + `model.safetensors` (or sharded with an index) + `tokenizer.json`.
 
 Folders we save load in `transformers.AutoModelForCausalLM` and vLLM; Llama, Qwen2 and Qwen3 folders saved by
-transformers load here. Saving is atomic: everything is written into a temporary sibling folder that is renamed
-into place, so a crash never leaves a half-written checkpoint under the real name.
+transformers load here.
+
+Saving is atomic: everything is written and fsynced into a temporary sibling folder `.<name>.tmp-*`, then a manifest
+(`opd_manifest.json`: each file's size and SHA-256) is written last, and the folder is renamed into place. A crash
+never leaves a half-written checkpoint under the real name. Loading a folder that has a manifest checks every file
+against it first, so a checkpoint that was cut short or changed after saving (an interrupted copy, a damaged disk)
+is refused with one line instead of being loaded. Folders without a manifest (saved by transformers) load unchecked.
+`recover_checkpoint` finishes a save that a crash interrupted between its two renames.
 """
+import hashlib
 import json
 import os
 import shutil
@@ -18,6 +25,7 @@ from opd.errors import OpdError, require
 from opd.model import ModelConfig, Transformer
 from opd.tokenizer import TextTokenizer
 
+MANIFEST = "opd_manifest.json"
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
@@ -108,9 +116,47 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def manifest_problem(folder: Path) -> str | None:
+    """None when every file the folder's manifest lists has its recorded size and hash (or there is no manifest);
+    otherwise what is wrong, in a few words."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        return f"its {MANIFEST} is unreadable"
+    for name, want in files.items():
+        file = folder / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes, its manifest says {want['bytes']}"
+        if _sha256(file) != want["sha256"]:
+            return f"{name} does not match the SHA-256 in its manifest"
+    return None
+
+
+def verify_checkpoint(folder: Path) -> None:
+    problem = manifest_problem(folder)
+    require(problem is None, f"checkpoint {folder} is damaged or incomplete: {problem}",
+            f"it was cut short or changed after saving: copy or save it again, or delete {MANIFEST} if you edited it "
+            "on purpose")
+
+
 def load_model(folder, dtype: torch.dtype = torch.float32) -> Transformer:
     folder = Path(folder)
     require(folder.is_dir(), f"checkpoint folder not found: {folder}", "check the path, or run `opd pretrain`")
+    verify_checkpoint(folder)
     cfg = from_hf_config(read_json(folder / "config.json", "config.json"), str(folder / "config.json"))
     model = Transformer(cfg)
     state = {k.removeprefix("model."): v for k, v in _read_tensors(folder).items()}
@@ -150,10 +196,11 @@ def hf_state_dict(state_dict: dict, tied: bool) -> dict:
 
 def save_checkpoint(folder, model: Transformer, tokenizer: TextTokenizer, extra_json: dict | None = None,
                     extra_files: dict[str, bytes] | None = None) -> Path:
-    """Write config.json, model.safetensors, tokenizer files and any extra JSON or binary files, atomically."""
+    """Write config.json, model.safetensors, tokenizer files, any extra JSON or binary files, and the manifest,
+    atomically (see the module docstring)."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(to_hf_config(model.cfg), indent=2))
         state = hf_state_dict(model.state_dict(), model.cfg.tie_word_embeddings)
@@ -163,11 +210,27 @@ def save_checkpoint(folder, model: Transformer, tokenizer: TextTokenizer, extra_
             (tmp / name).write_text(json.dumps(payload, indent=2))
         for name, payload in (extra_files or {}).items():
             (tmp / name).write_bytes(payload)
+        files = {}
+        for path in sorted(tmp.iterdir()):
+            _fsync(path)
+            files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        (tmp / MANIFEST).write_text(json.dumps({"format": 1, "files": files}, indent=2))
+        _fsync(tmp / MANIFEST)
+        _fsync(tmp)
         _replace_dir(tmp, folder)
+        _fsync(folder.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
@@ -175,6 +238,22 @@ def _replace_dir(src: Path, dst: Path) -> None:
     if dst.exists():
         old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
         dst.rename(old)
-    src.rename(dst)
+    src.rename(dst)  # a crash between the two renames leaves no `dst`: recover_checkpoint repairs that
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_checkpoint(folder) -> None:
+    """For the owner of `folder` (a resuming run): finish a save that a crash interrupted, and clear the leftovers.
+    If `folder` is missing but a complete copy is beside it (the new one written, or the old one moved aside), that
+    copy takes its place: the new one first. Incomplete copies (no manifest yet, or files that do not match it) are
+    deleted, never loaded."""
+    folder = Path(folder)
+    if not folder.parent.is_dir():
+        return
+    leftovers = [*sorted(folder.parent.glob(f".{folder.name}.tmp-*")), *sorted(folder.parent.glob(f".{folder.name}.old-*"))]
+    for candidate in leftovers:
+        if not folder.exists() and (candidate / MANIFEST).is_file() and manifest_problem(candidate) is None:
+            candidate.rename(folder)
+        else:
+            shutil.rmtree(candidate, ignore_errors=True)

@@ -17,6 +17,11 @@ def pyplot():
 def save(fig, path: Path) -> None:
     """Write fig to path atomically and release it."""
     tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
-    pyplot().close(fig)
+    try:
+        fig.savefig(tmp, dpi=110)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        pyplot().close(fig)

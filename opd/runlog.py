@@ -56,9 +56,18 @@ def _check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    """Write text to a temporary sibling, fsync it and rename it over path: readers see the old file or the new one,
+    never part of one. On failure (a full disk) the temporary file is removed and the old file is left as it was."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _finite(value):

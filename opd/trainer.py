@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from opd.admission import FLOOR_PLAN, METRIC, ProbeSetup, decide, estimator_class, load_thresholds
 from opd.async_rollouts import AsyncRollouts, sampler_seed, worker_spec
-from opd.checkpoint import load_checkpoint, save_checkpoint
+from opd.checkpoint import load_checkpoint, recover_checkpoint, save_checkpoint
 from opd.config import TrainConfig
 from opd.data import encode_prompt, load_prompts
 from opd.engine import Engine
@@ -173,6 +173,7 @@ def save_state(run_dir: Path, run: Run, wait: bool = True) -> None:
 def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
     """-> (trainer state, the saved blob: engine scales and, for async runs, the rollout worker's batches)."""
     folder = run_dir / "checkpoint"
+    recover_checkpoint(folder)
     if not (folder / "trainer_state.pt").is_file():
         return State(), {}  # interrupted before the first checkpoint: start over
     saved, _ = load_checkpoint(folder)

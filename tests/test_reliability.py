@@ -27,10 +27,17 @@ def train_args(pair, run_dir, steps=8):
             *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
 
 
-@pytest.mark.slow
-def test_kill_9_at_a_random_step_then_resume_gives_the_uninterrupted_metrics(pair, tmp_path):
-    whole = subprocess.run(train_args(pair, tmp_path / "whole"), capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def uninterrupted(pair, tmp_path_factory):
+    """The metrics of the whole run that every interrupted-then-resumed run must reproduce."""
+    run_dir = tmp_path_factory.mktemp("whole") / "run"
+    whole = subprocess.run(train_args(pair, run_dir), capture_output=True, text=True, timeout=300)
     assert whole.returncode == 0, whole.stderr
+    return comparable(read_metrics(run_dir))
+
+
+@pytest.mark.slow
+def test_kill_9_at_a_random_step_then_resume_gives_the_uninterrupted_metrics(pair, tmp_path, uninterrupted):
     kill_after = random.Random(time.time_ns()).randint(2, 6)
     run = subprocess.Popen(train_args(pair, tmp_path / "killed"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     metrics = tmp_path / "killed" / "metrics.jsonl"
@@ -45,7 +52,58 @@ def test_kill_9_at_a_random_step_then_resume_gives_the_uninterrupted_metrics(pai
     resumed = subprocess.run(train_args(pair, tmp_path / "killed") + ["--resume"], capture_output=True, text=True,
                              timeout=300)
     assert resumed.returncode == 0, (kill_after, resumed.stderr)
-    assert comparable(read_metrics(tmp_path / "killed")) == comparable(read_metrics(tmp_path / "whole")), kill_after
+    assert comparable(read_metrics(tmp_path / "killed")) == uninterrupted, kill_after
+
+
+# `opd train` with a SIGKILL at an exact point of its second checkpoint save (step 4): while the weights are being
+# written (the folder is incomplete, no manifest yet), or between moving the old checkpoint aside and renaming the
+# new one into place (no `checkpoint` folder at all).
+KILL_DURING_SAVE = """
+import os, signal, sys
+import opd.checkpoint as checkpoint
+where = sys.argv.pop(1)
+saves = []
+write, replace = checkpoint.save_file, checkpoint._replace_dir
+
+def save_file(tensors, path, **kwargs):
+    saves.append(path)
+    if where == "write" and len(saves) == 2:
+        with open(path, "wb") as f:
+            f.write(b"half a file")
+        os.kill(os.getpid(), signal.SIGKILL)
+    write(tensors, path, **kwargs)
+
+def replace_dir(src, dst):
+    if where == "rename" and len(saves) == 2:
+        dst.rename(dst.with_name(f".{dst.name}.old-{os.getpid()}"))
+        os.kill(os.getpid(), signal.SIGKILL)
+    replace(src, dst)
+
+checkpoint.save_file, checkpoint._replace_dir = save_file, replace_dir
+from opd.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["write", "rename"])
+def test_kill_9_inside_a_checkpoint_save_then_resume_gives_the_uninterrupted_metrics(pair, tmp_path, uninterrupted,
+                                                                                      where):
+    args = train_args(pair, tmp_path / "run")
+    killed = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, where, *args[3:]], capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    leftovers = sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(".checkpoint."))
+    assert leftovers and (where == "write") == (tmp_path / "run" / "checkpoint").is_dir(), leftovers
+    before = read_metrics(tmp_path / "run")
+    resumed = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    after = read_metrics(tmp_path / "run")
+    assert comparable(after) == uninterrupted
+    kept = 2 if where == "write" else 4  # it continued from the last complete checkpoint (not from the start):
+    assert after[:kept] == before[:kept]  # the lines before it are the killed process's, untouched
+    assert all(a["time"] != b["time"] for a, b in zip(after[kept:], before[kept:]))  # the later ones were re-run
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".checkpoint.")]
 
 
 def test_same_seed_same_run(pair, tmp_path):

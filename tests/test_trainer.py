@@ -186,6 +186,7 @@ def test_mismatched_vocabularies_and_tokenizers(pair, tmp_path):
     vocab = tok["model"]["vocab"]
     vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
     (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    (swapped / "opd_manifest.json").unlink()  # edited on purpose
     with pytest.raises(OpdError, match="tokenizers differ"):
         train(config((student, swapped)), tmp_path / "run2", progress=False)
 
