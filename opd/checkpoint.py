@@ -251,7 +251,8 @@ def recover_checkpoint(folder) -> None:
     folder = Path(folder)
     if not folder.parent.is_dir():
         return
-    leftovers = [*sorted(folder.parent.glob(f".{folder.name}.tmp-*")), *sorted(folder.parent.glob(f".{folder.name}.old-*"))]
+    leftovers = [*sorted(folder.parent.glob(f".{folder.name}.tmp-*")),
+                 *sorted(folder.parent.glob(f".{folder.name}.old-*"))]
     for candidate in leftovers:
         if not folder.exists() and (candidate / MANIFEST).is_file() and manifest_problem(candidate) is None:
             candidate.rename(folder)
