@@ -33,7 +33,8 @@ staleness (q vs pi) are measured apart, as MISSION defines them. It is one more 
 for `worker_timeout` seconds while it has work is killed as hung. Either is restarted (with the newest weights and
 every outstanding request) up to `max_worker_restarts` times, then the run stops with a clear error. An exception
 inside the worker is reported as one line and stops the run (it would recur). The worker ignores Ctrl-C, so the
-trainer can shut it down cleanly and save; it exits by itself if the trainer process disappears.
+trainer can shut it down cleanly and save; a watchdog thread in it exits the process within 0.2 s of the trainer
+process disappearing (even while it is blocked on a pipe).
 """
 import io
 import math
@@ -41,6 +42,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import threading
 import time
 import traceback
 from collections import deque
@@ -108,10 +110,19 @@ def recompute(model: Transformer, rollouts: list[Rollout], pad_id: int, temperat
         r.dists = None  # the trainer needs only the per-token numbers
 
 
+def _exit_with(parent: int) -> None:
+    """The worker's watchdog thread: once the trainer is gone (killed with SIGKILL, say), exit at once. Not from the
+    main loop: it may be stuck for good in a read of a message the dying trainer only half wrote, or in a write to
+    an outbox nobody reads, and a normal exit would also wait for the queues' feeder threads."""
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    os._exit(0)
+
+
 def worker_main(address: str, inbox, outbox, init: bytes) -> None:
     """The rollout worker process: build the engine, then serve the inbox until "stop" or the trainer is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer owns Ctrl-C and stops us cleanly
-    parent = os.getppid()
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     try:
         spec, weights, version, scales = unpack(init)
         torch.set_num_threads(spec.threads)
@@ -128,12 +139,7 @@ def worker_main(address: str, inbox, outbox, init: bytes) -> None:
         engine.scales.update(scales)
         outbox.put(("ready", address, os.getpid()))
         while True:
-            try:
-                message = inbox.get(timeout=1.0)
-            except queue.Empty:
-                if os.getppid() != parent:
-                    return  # the trainer died: nobody will read our results
-                continue
+            message = inbox.get()
             if message[0] == "stop":
                 return
             if message[0] == "weights":

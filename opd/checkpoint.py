@@ -219,6 +219,11 @@ def save_checkpoint(folder, model: Transformer, tokenizer: TextTokenizer, extra_
         _fsync(tmp)
         _replace_dir(tmp, folder)
         _fsync(folder.parent)
+    except (OSError, SafetensorError) as e:  # a full disk, an unwritable folder: one line
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OpdError(f"cannot write the checkpoint {folder}: {e}",
+                       "free some disk space or choose a writable location; the previous checkpoint is unchanged") \
+            from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,6 +1,7 @@
 """The `opd` command line. Each subcommand is one typed function; its flags map one to one onto its arguments.
 
-User errors (`OpdError`, bad flags) print one line `opd: error: ...` and exit 2; no traceback.
+User errors (`OpdError`, bad flags) print one line `opd: error: ...` and exit 2; no traceback. So do errors of the
+operating system (a full disk, an unwritable or missing path): those name the path and the system's reason.
 """
 import argparse
 import json
@@ -220,7 +221,8 @@ def positive_int(text: str) -> int:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
-        raise OpdError(f"{self.prog}: {message}", f"see `{self.prog} --help`")
+        where = self.prog.removeprefix("opd").strip()  # the subcommand, if any
+        raise OpdError(f"{where}: {message}" if where else message, f"see `{self.prog} --help`")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         status = args.pop("func")(**args)
     except OpdError as e:
         print(f"opd: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        where = f": {e.filename}" if e.filename else ""
+        print(f"opd: error: {e.strerror or e}{where} (check that the path exists and is writable, and that the disk "
+              "has room)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("opd: interrupted", file=sys.stderr)

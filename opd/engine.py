@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opd.errors import require
+from opd.errors import OpdError, require
 from opd.generate import left_pad, prefill_mask
 from opd.kv_cache import KVCache
 from opd.model import Transformer
@@ -94,6 +94,7 @@ class Engine:
         done = torch.zeros(B, dtype=torch.bool)
         dists = []
         for t in range(N):
+            check_finite(logits, t)
             tok, mu[:, t], raw[:, t], processed = self._step(logits, params, generator)
             if return_dists:
                 dists.append(processed)
@@ -117,3 +118,12 @@ class Engine:
         processed = process_logits(logits, params) if params.reshapes_distribution else raw
         tok = sample(processed, params, generator)
         return tok, processed.gather(1, tok[:, None])[:, 0], raw.gather(1, tok[:, None])[:, 0], processed
+
+
+def check_finite(logits: torch.Tensor, step: int) -> None:
+    """NaN/Inf logits would sample garbage with NaN log-probs and poison every metric: stop with one line instead."""
+    bad = ~torch.isfinite(logits).all(-1)
+    if bad.any():
+        raise OpdError(f"the rollout engine produced NaN/Inf logits at decode step {step} for {int(bad.sum())} of "
+                       f"{len(bad)} sequences", "check the student checkpoint for NaN/Inf weights, or use a "
+                       "plan without weight noise or quantization")

@@ -26,7 +26,7 @@ import torch
 
 from opd.errors import require
 from opd.model import ModelConfig
-from opd.quant import (FP8_DTYPES, dequantize_fp8, dequantize_int4, dequantize_int8, fp8_max, quantize_fp8,
+from opd.quant import (FP8_DTYPES, dequantize_fp8, dequantize_int4, dequantize_int8, quantize_fp8,
                        quantize_int4, quantize_int8, safe_scale)
 
 KV_DTYPES = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")

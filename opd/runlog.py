@@ -87,15 +87,26 @@ class RunLog:
 
     def write(self, step: int, metrics: dict) -> None:
         row = {"step": step, "time": time.time(), **{k: _finite(v) for k, v in metrics.items()}}
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: at worst a torn last line, which resume drops
+            raise OpdError(f"cannot write {self.path}: {e.strerror or e}",
+                           "free some disk space, then --resume continues from the last checkpoint") from None
         for key, value in metrics.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 self.tb.add_scalar(key, value, step)
 
     def close(self) -> None:
-        self.file.close()
-        self.tb.close()
+        """Close both logs; a failure to flush them (the disk that just filled up) is not raised again."""
+        writers = list((self.tb.all_writers or {}).values())
+        for close in (self.file.close, self.tb.close):
+            try:
+                close()
+            except OSError:
+                pass
+        for writer in writers:  # else tensorboardX flushes a writer that failed to close again at exit, and prints
+            writer.event_writer._closed = True  # a traceback of the same full disk
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

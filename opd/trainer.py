@@ -424,8 +424,12 @@ def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step) -
             if on_step is not None:
                 on_step(step, run)
     except (KeyboardInterrupt, OpdError):  # the state is consistent between steps: keep it for --resume
-        save_state(run_dir, run, wait=False)
-        log.close()
+        try:
+            save_state(run_dir, run, wait=False)
+        except OpdError:
+            pass  # cannot save either (the disk is full): the first error is the one to report
+        finally:
+            log.close()
         raise
     after = evaluate(run, cfg)
     log.write(cfg.steps, after)

@@ -122,6 +122,9 @@ class VllmEngine:
             out = output.outputs[0]
             ids, logprobs = list(out.token_ids), list(out.logprobs.logprobs)
             require(len(ids) == len(logprobs), "vllm returned a log-prob count that does not match the tokens")
+            require(all(math.isfinite(lp) or lp == -math.inf for lp in logprobs),
+                    "vllm returned NaN log-probs for sampled tokens", "the student's weights hold NaN/Inf: check the "
+                    "checkpoint")
             raw = logprobs if not params.reshapes_distribution else [math.nan] * len(ids)
             rollouts.append(Rollout(list(prompt), ids, logprobs, raw, "length" if out.finish_reason == "length"
                                     else "stop", self.version))

@@ -22,8 +22,7 @@ from opd.sampling import SamplingParams
 from opd.trainer import train
 
 from test_cli import assert_one_line_error, opd
-from test_trainer import config, crash_at, make_checkpoint
-from test_trainer import comparable as without_times
+from test_trainer import comparable, config, crash_at, make_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -37,11 +36,6 @@ def pair(tmp_path_factory):
 def async_config(pair, **overrides):
     # threads=2: one for the worker, one for the trainer, so the trainer's arithmetic matches a threads=1 sync run
     return config(pair, **({"schedule": "async", "threads": 2, "plan": "kv=fp8_e4m3"} | overrides))
-
-
-def comparable(rows):
-    """Without wall-clock values and the queue depth (how many batches were ready depends on timing)."""
-    return [{k: v for k, v in row.items() if k != "async/queue_depth"} for row in without_times(rows)]
 
 
 def no_worker_left():
@@ -118,6 +112,7 @@ def test_too_stale_batches_are_requeued_or_dropped_and_counted(pair, tmp_path, p
     assert other == 0
 
 
+@pytest.mark.reliability
 def test_resume_after_a_crash_continues_exactly(pair, tmp_path):
     cfg = async_config(pair, max_staleness=1, save_every=3)
     train(cfg, tmp_path / "whole", progress=False)
@@ -129,6 +124,7 @@ def test_resume_after_a_crash_continues_exactly(pair, tmp_path):
     assert comparable(read_metrics(tmp_path / "cut")) == comparable(read_metrics(tmp_path / "whole"))
 
 
+@pytest.mark.reliability
 def test_ctrl_c_leaves_a_resumable_run(pair, tmp_path):
     cfg = async_config(pair, max_staleness=2, save_every=0)
 
@@ -153,6 +149,7 @@ def kill_worker_at(step_to_kill, sig):
     return hook
 
 
+@pytest.mark.reliability
 def test_a_killed_worker_is_restarted(pair, tmp_path):
     start = time.monotonic()
     summary = train(async_config(pair, max_staleness=1), tmp_path / "run", progress=False,
@@ -162,6 +159,7 @@ def test_a_killed_worker_is_restarted(pair, tmp_path):
     assert no_worker_left()
 
 
+@pytest.mark.reliability
 def test_a_hung_worker_is_detected_and_restarted(pair, tmp_path):
     summary = train(async_config(pair, max_staleness=1, worker_timeout=3.0), tmp_path / "run", progress=False,
                     on_step=kill_worker_at(2, signal.SIGSTOP))
@@ -169,6 +167,7 @@ def test_a_hung_worker_is_detected_and_restarted(pair, tmp_path):
     assert no_worker_left()
 
 
+@pytest.mark.reliability
 def test_a_worker_that_keeps_dying_stops_the_run_with_a_clear_error(pair, tmp_path):
     start = time.monotonic()
     with pytest.raises(OpdError, match="rollout worker rollout-0 exited with code -9; it was restarted 0 times"):

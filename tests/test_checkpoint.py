@@ -73,7 +73,7 @@ def test_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full")
     monkeypatch.setattr(checkpoint, "save_file", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(OpdError, match="cannot write the checkpoint .*ckpt: disk full"):
         save_checkpoint(tmp_path / "ckpt", tiny(), TextTokenizer.builtin())
     assert list(tmp_path.iterdir()) == []
 

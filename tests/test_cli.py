@@ -1,4 +1,4 @@
-"""The CLI end to end: a shortened pretrain, eval, and one clear line for each kind of bad input."""
+"""The CLI end to end: a shortened pretrain, eval and generate. (Bad input through the CLI: test_bad_input.py.)"""
 import json
 import subprocess
 import sys
@@ -35,40 +35,6 @@ def tiny_checkpoint(tmp_path_factory):
     return folder
 
 
-def test_unknown_option():
-    assert_one_line_error(opd("pretrain", "--no-such-flag"), "--no-such-flag")
-
-
-def test_unknown_command():
-    assert_one_line_error(opd("fly"), "fly")
-
-
-def test_missing_checkpoint_folder(tmp_path):
-    assert_one_line_error(opd("eval", "--model", tmp_path / "nope"), "checkpoint folder not found", "nope")
-
-
-def test_unsupported_architecture(tmp_path, tiny_checkpoint):
-    folder = tmp_path / "gpt2"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 100}))
-    assert_one_line_error(opd("eval", "--model", folder), "model_type 'gpt2' is not supported")
-
-
-def test_truncated_weights(tmp_path, tiny_checkpoint):
-    folder = tmp_path / "trunc"
-    folder.mkdir()
-    for name in ("config.json", "tokenizer.json"):
-        (folder / name).write_bytes((tiny_checkpoint / name).read_bytes())
-    (folder / "model.safetensors").write_bytes((tiny_checkpoint / "model.safetensors").read_bytes()[:500])
-    assert_one_line_error(opd("eval", "--model", folder), "model.safetensors", "truncated or corrupt")
-
-
-def test_malformed_jsonl_names_file_and_line(tmp_path, tiny_checkpoint):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "1+2=", "answer": "3"}\n{"prompt": "2+2=", "answer": \n')
-    assert_one_line_error(opd("eval", "--model", tiny_checkpoint, "--prompts", prompts), "prompts.jsonl:2:")
-
-
 def test_eval_on_prompt_file(tmp_path, tiny_checkpoint):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "1+2=", "answer": "3"}\n{"prompt": "2+2=", "answer": 4}\n{"prompt": "hi"}\n')
@@ -76,10 +42,6 @@ def test_eval_on_prompt_file(tmp_path, tiny_checkpoint):
     assert result.returncode == 0, result.stderr
     metrics = json.loads(result.stdout)
     assert metrics["eval/n"] == 2 and 0 <= metrics["eval/accuracy"] <= 1
-
-
-def test_bad_config_value():
-    assert_one_line_error(opd("pretrain", "--steps", "-5"), "steps must be positive")
 
 
 def test_pretrain_shortened_run_through_cli(tmp_path):
@@ -108,10 +70,6 @@ def test_generate_with_plan_prints_records(tiny_checkpoint):
         assert r["kv_bytes_per_token"] == 2 * 1 * 16 * 1  # one layer, K and V, 1 kv head x 16 dims, 1 byte each
 
 
-def test_generate_bad_plan_is_one_line(tiny_checkpoint):
-    assert_one_line_error(opd("generate", "--model", tiny_checkpoint, "--plan", "3: kv=bf16"), "out of range")
-
-
 def test_eval_under_a_plan_reports_it(tmp_path, tiny_checkpoint):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "1+2=", "answer": "3"}\n')
@@ -119,4 +77,3 @@ def test_eval_under_a_plan_reports_it(tmp_path, tiny_checkpoint):
                  "kv=fp8_e5m2")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["eval/plan"] == "0: kv=fp8_e5m2 kv_scale=fixed w=none"
-    assert_one_line_error(opd("eval", "--model", tiny_checkpoint, "--plan", "kv=fp7"), "unknown KV cache dtype")

@@ -1,5 +1,4 @@
 """The rollout engine against its oracles: the naive uncached sampling loop, and the trainer-side recomputation."""
-import math
 
 import pytest
 import torch

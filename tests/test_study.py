@@ -5,7 +5,6 @@ import math
 import pytest
 import yaml
 
-from opd import sweep as sweep_module
 from opd.errors import OpdError
 from opd.sensitivity import layer_map, spread
 from opd.sweep import expand, load_grid, read_results, run_sweep

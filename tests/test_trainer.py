@@ -19,7 +19,7 @@ from opd.tokenizer import TextTokenizer
 from opd import trainer
 from opd.trainer import run_step, train
 
-from test_cli import assert_one_line_error, opd
+from test_cli import opd
 
 TINY = dict(arch="llama", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
             head_dim=16, tie_word_embeddings=True, max_position_embeddings=64)
@@ -54,8 +54,10 @@ def crash_at(at_step: int):
 
 
 def comparable(rows):
-    """Metric lines without wall-clock values."""
-    return [{k: v for k, v in row.items() if not k.startswith(("time", "throughput"))} for row in rows]
+    """Metric lines without the values that depend on timing: wall-clock ones, and the async queue depth (how many
+    batches were ready)."""
+    return [{k: v for k, v in row.items() if not k.startswith(("time", "throughput")) and k != "async/queue_depth"}
+            for row in rows]
 
 
 def test_opd_lowers_the_reverse_kl_to_the_teacher(pair, tmp_path):
@@ -88,6 +90,7 @@ def test_trainer_q_equals_engine_mu_at_full_precision(pair):
     assert torch.allclose(q[batch.mask], batch.mu[batch.mask], atol=2e-5)
 
 
+@pytest.mark.reliability
 @pytest.mark.parametrize("crash", [KeyboardInterrupt, RuntimeError])
 def test_resume_reproduces_the_uninterrupted_run(pair, tmp_path, monkeypatch, crash):
     """Ctrl-C at step 4 saves a checkpoint there; a crash resumes from the periodic one at step 3 and redoes step 3.
@@ -112,6 +115,7 @@ def test_resume_reproduces_the_uninterrupted_run(pair, tmp_path, monkeypatch, cr
     assert straight[3]["mismatch/kl_k3"] > 0  # the fp8 engine's mismatch is there, and was resumed with its scales
 
 
+@pytest.mark.reliability
 def test_nan_loss_is_skipped_counted_and_stops_the_run(pair, tmp_path):
     student, teacher = pair
     bad = tmp_path / "nan_teacher"
@@ -176,28 +180,6 @@ def test_run_directory_guards(pair, tmp_path):
         train(config(pair), tmp_path / "new", resume=True, progress=False)
 
 
-def test_mismatched_vocabularies_and_tokenizers(pair, tmp_path):
-    student, _ = pair
-    big = make_checkpoint(tmp_path / "big_vocab", 2, vocab_size=120)
-    with pytest.raises(OpdError, match="vocabularies differ"):
-        train(config((student, big)), tmp_path / "run", progress=False)
-    swapped = make_checkpoint(tmp_path / "swapped", 2)
-    tok = json.loads((swapped / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
-    (swapped / "tokenizer.json").write_text(json.dumps(tok))
-    (swapped / "opd_manifest.json").unlink()  # edited on purpose
-    with pytest.raises(OpdError, match="tokenizers differ"):
-        train(config((student, swapped)), tmp_path / "run2", progress=False)
-
-
-def test_prompt_longer_than_the_context(pair, tmp_path):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "9" * 60}) + "\n")
-    with pytest.raises(OpdError, match="prompt 2 of .* exceeds the model's context"):
-        train(config(pair, prompts=str(prompts)), tmp_path / "run", progress=False)
-
-
 @pytest.mark.parametrize("text,message", [
     ("lrr: 0.1\n", "unknown config key 'lrr'.*did you mean lr"),
     ("loss: {nme: fkl}\n", "unknown config key 'loss.nme'"),
@@ -218,14 +200,6 @@ def test_overrides_parse_as_yaml_values():
         {"lr": 3e-4, "loss": {"name": "fkl"}, "exact_kl": False, "plan": "kv=fp8_e4m3"}
     with pytest.raises(OpdError, match="expected key=value"):
         parse_overrides(["lr"])
-
-
-def test_cli_train_bad_input_is_one_line(pair, tmp_path):
-    assert_one_line_error(opd("train", "--set", "lrr=1", "--run-dir", tmp_path / "r"), "unknown config key 'lrr'")
-    assert_one_line_error(opd("train", "--config", tmp_path / "missing.yaml"), "config file not found")
-    student, _ = pair
-    assert_one_line_error(opd("train", "--set", f"student={student}", "--run-dir", tmp_path / "r"),
-                          "give both student and teacher")
 
 
 def test_exact_kl_is_skipped_when_the_distributions_would_not_fit(pair, tmp_path, monkeypatch, capsys):

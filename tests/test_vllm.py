@@ -3,7 +3,6 @@
 Tests marked `vllm` need `pip install -e '.[vllm]'` (make test installs it); each engine start takes ~30-50 s here.
 """
 import json
-import os
 import subprocess
 import sys
 
@@ -19,7 +18,6 @@ from opd.sampling import SamplingParams
 from opd.trainer import train
 from opd.vllm_engine import vllm_settings
 
-from test_cli import assert_one_line_error
 from test_trainer import config, make_checkpoint
 
 # vLLM's CPU attention needs a head size it has kernels for (32 here), unlike test_trainer's TINY shape
@@ -144,22 +142,6 @@ def test_opd_generate_on_vllm(pair):
     for r in records:
         assert 0 < len(r["completion_ids"]) <= 8 and len(r["logprobs"]) == len(r["completion_ids"])
         assert all(lp <= 0 for lp in r["logprobs"]) and all(x is None for x in r["raw_logprobs"])
-
-
-def test_vllm_requested_but_not_installed(pair, tmp_path):
-    """A stand-in `vllm` package that fails to import, first on the path: one line saying how to install it."""
-    fake = tmp_path / "shadow" / "vllm"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError('No module named vllm')\n")
-    student, teacher = pair
-    env = {"PYTHONPATH": str(tmp_path / "shadow")}
-    result = subprocess.run([sys.executable, "-m", "opd.cli", "train", "--set", f"student={student}", "--set",
-                             f"teacher={teacher}", "--set", "engine=vllm", "--run-dir", str(tmp_path / "run")],
-                            capture_output=True, text=True, env=os.environ | env)
-    assert_one_line_error(result, "engine vllm was requested but vllm is not installed", "pip install -e '.[vllm]'")
-    result = subprocess.run([sys.executable, "-m", "opd.cli", "generate", "--model", str(student), "--engine", "vllm"],
-                            capture_output=True, text=True, env=os.environ | env)
-    assert_one_line_error(result, "engine vllm was requested but vllm is not installed")
 
 
 @vllm_test

@@ -1,0 +1,405 @@
+"""The bad-input suite: every way a user can hand `opd` something wrong, through the CLI as a user would.
+
+Each case builds its bad input in a fresh folder and runs one `opd` command. Every case must end with a non-zero
+exit and one line `opd: error: <problem> (<fix>)` as the last line on stderr (a run may print its directory
+first), no traceback, the fragments that name the problem in that line, and no corrupt output: nothing new in the
+folder except what the case declares (`leaves`, e.g. a run directory that `--resume` continues), and never a
+temporary file (`.name.tmp-*`) or a half-written checkpoint. Most cases run in-process (`opd.cli.main`); the ones
+that need a process of their own (a file-size limit, a shadowed package) run `python -m opd.cli`.
+"""
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from opd.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
+from opd.cli import main
+from opd.config import build_config, dump_config
+
+from test_trainer import make_checkpoint, pair  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.reliability
+
+
+@dataclass
+class Ctx:
+    dir: Path  # the case's own folder: its bad inputs and its outputs
+    student: Path
+    teacher: Path
+
+    def train(self, *sets: str, run: str = "run") -> list:
+        """`opd train` on the tiny pair, a 4-step run, plus the case's --set overrides."""
+        base = {"student": self.student, "teacher": self.teacher, "task": "add", "steps": 4, "batch_size": 4,
+                "eval_every": 0, "eval_examples": 8, "save_every": 2, "threads": 1}
+        args = [a for k, v in base.items() for a in ("--set", f"{k}={v}")]
+        return ["train", *args, *[a for s in sets for a in ("--set", s)], "--run-dir", self.dir / run, "--quiet"]
+
+    def copy(self, name: str = "student", src: Path | None = None) -> Path:
+        """A copy of a checkpoint to damage (a saved folder keeps its manifest)."""
+        return Path(shutil.copytree(src or self.student, self.dir / name))
+
+    def write(self, name: str, text: str) -> Path:
+        (path := self.dir / name).write_text(text)
+        return path
+
+
+CASES = {}
+
+
+def case(*fragments: str, leaves: tuple[str, ...] = (), process: bool = False, env: dict | None = None,
+         file_limit: int = 0):
+    """Register a case: the function builds the bad input in ctx.dir and returns the `opd` arguments.
+    leaves: glob patterns (relative to ctx.dir) of what the failed command may create or change; the inputs the
+    case builds before the command runs must stay as they were. process: run in a subprocess,
+    with extra environment `env` and, if file_limit, a limit on the size of any file it writes (a full disk)."""
+    def register(fn):
+        CASES[fn.__name__] = (fn, fragments, leaves, process or env is not None or file_limit > 0, env, file_limit)
+        return fn
+    return register
+
+
+# --- the command line and the config -------------------------------------------------------------------------------
+
+@case("invalid choice: 'fly'")
+def unknown_command(ctx):
+    return ["fly"]
+
+
+@case("unrecognized arguments: --no-such-flag")
+def unknown_option(ctx):
+    return ["pretrain", "--no-such-flag"]
+
+
+@case("pretrain: argument --family: invalid choice: 'gpt2'", "see `opd pretrain --help`")
+def bad_choice(ctx):
+    return ["pretrain", "--family", "gpt2"]
+
+
+@case("steps must be positive, got -5")
+def negative_size(ctx):
+    return ["pretrain", "--steps", "-5", "--cache-dir", ctx.dir / "cache"]
+
+
+@case("batch_size must be positive")
+def zero_batch_size(ctx):
+    return ctx.train("batch_size=0")
+
+
+@case("unknown config key 'lrr'", "did you mean lr")
+def unknown_config_key(ctx):
+    return ctx.train("lrr=0.1")
+
+
+@case("steps must be a int")
+def wrong_value_type(ctx):
+    return ctx.train("steps=ten")
+
+
+@case("not valid YAML")
+def malformed_yaml_config(ctx):
+    return ["train", "--config", ctx.write("bad.yaml", "steps: [\n"), "--run-dir", ctx.dir / "run"]
+
+
+@case("config file not found")
+def missing_config_file(ctx):
+    return ["train", "--config", ctx.dir / "missing.yaml", "--run-dir", ctx.dir / "run"]
+
+
+@case("unknown loss 'rkl'")
+def unknown_loss(ctx):
+    return ctx.train("loss.name=rkl")
+
+
+@case("--resume and --overwrite contradict each other")
+def conflicting_options(ctx):
+    return ctx.train() + ["--resume", "--overwrite"]
+
+
+@case("give both student and teacher")
+def student_without_teacher(ctx):
+    return ["train", "--set", f"student={ctx.student}", "--run-dir", ctx.dir / "run"]
+
+
+@case("already holds a run", "--resume")
+def run_dir_holds_a_run(ctx):
+    (ctx.dir / "run").mkdir()
+    ctx.write("run/config.yaml", dump_config(build_config({"student": str(ctx.student), "teacher": str(ctx.teacher),
+                                                             "task": "add", "lr": 0.5})))
+    return ctx.train()
+
+
+@case("is not empty and holds no opd run", "refusing to delete it")
+def overwrite_a_folder_that_is_not_a_run(ctx):
+    ctx.write("notes.txt", "mine")
+    (ctx.dir / "run").mkdir()
+    shutil.move(ctx.dir / "notes.txt", ctx.dir / "run" / "notes.txt")
+    return ctx.train() + ["--overwrite"]
+
+
+@case("nothing to resume")
+def resume_nothing(ctx):
+    return ctx.train() + ["--resume"]
+
+
+@case("Not a directory", "check that the path exists and is writable")
+def unwritable_run_dir(ctx):
+    ctx.write("file", "a file, not a folder")
+    return ctx.train(run="file/run")
+
+
+@case("cannot write", "File too large", "free some disk space", leaves=("run", "run/*", "run/tb/*"), file_limit=1500)
+def full_disk(ctx):
+    return ctx.train()
+
+
+@case("cannot write the checkpoint", "File too large", "the previous checkpoint is unchanged",
+      leaves=("run", "run/*", "run/tb/*"), file_limit=20_000)
+def full_disk_while_saving_a_checkpoint(ctx):
+    return ctx.train()
+
+
+# --- checkpoints ---------------------------------------------------------------------------------------------------
+
+@case("checkpoint folder not found", "nope")
+def missing_checkpoint_folder(ctx):
+    return ["eval", "--model", ctx.dir / "nope", "--task", "add"]
+
+
+@case("has no model.safetensors")
+def missing_weights_file(ctx):
+    folder = ctx.copy()
+    (folder / "model.safetensors").unlink()
+    (folder / MANIFEST).unlink()  # as a folder from elsewhere would be
+    return ["eval", "--model", folder, "--task", "add"]
+
+
+@case("model.safetensors", "truncated or corrupt")
+def truncated_weights_without_manifest(ctx):
+    folder = ctx.copy()
+    (folder / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:500])
+    (folder / MANIFEST).unlink()
+    return ["eval", "--model", folder, "--task", "add"]
+
+
+@case("is damaged or incomplete", "model.safetensors has")
+def weights_cut_short_by_a_copy(ctx):
+    folder = ctx.copy()
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
+    return ["generate", "--model", folder, "--prompt", "1+2=", "--max-new-tokens", 4]
+
+
+@case("model_type 'gpt2' is not supported")
+def unsupported_architecture(ctx):
+    (ctx.dir / "gpt2").mkdir()
+    ctx.write("gpt2/config.json", json.dumps({"model_type": "gpt2", "vocab_size": 100}))
+    return ["eval", "--model", ctx.dir / "gpt2", "--task", "add"]
+
+
+@case("config.json is not valid JSON")
+def config_json_not_json(ctx):
+    folder = ctx.copy()
+    (folder / "config.json").write_text("{not json")
+    (folder / MANIFEST).unlink()
+    return ["eval", "--model", folder, "--task", "add"]
+
+
+@case("config.json implies")
+def weights_do_not_match_config(ctx):
+    folder = ctx.copy()
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    (folder / MANIFEST).unlink()
+    return ["eval", "--model", folder, "--task", "add"]
+
+
+@case("vocabularies differ")
+def vocabulary_mismatch(ctx):
+    return ctx.train(f"teacher={make_checkpoint(ctx.dir / 'big', 2, vocab_size=120)}")
+
+
+@case("tokenizers differ")
+def tokenizer_mismatch(ctx):
+    folder = ctx.copy("teacher", ctx.teacher)
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    (folder / MANIFEST).unlink()
+    return ctx.train(f"teacher={folder}")
+
+
+@case("checkpoint", "is damaged or incomplete", "trainer_state.pt", leaves=("run", "run/config.yaml"))
+def resume_from_a_damaged_checkpoint(ctx):
+    assert main([str(a) for a in ctx.train()]) == 0
+    state = ctx.dir / "run" / "checkpoint" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    return ctx.train("steps=6") + ["--resume"]
+
+
+# --- data ----------------------------------------------------------------------------------------------------------
+
+@case("prompts.jsonl:2:")
+def malformed_jsonl(ctx):
+    prompts = ctx.write("prompts.jsonl", '{"prompt": "1+2=", "answer": "3"}\n{"prompt": "2+2=", "answer": \n')
+    return ["eval", "--model", ctx.student, "--prompts", prompts, "--max-new-tokens", 4]
+
+
+@case("prompts.jsonl", "no prompts")
+def empty_jsonl(ctx):
+    return ctx.train(f"prompts={ctx.write('prompts.jsonl', '')}")
+
+
+@case("prompt file not found")
+def missing_prompt_file(ctx):
+    return ctx.train(f"prompts={ctx.dir / 'missing.jsonl'}")
+
+
+@case("prompts.jsonl:1:", "prompt")
+def jsonl_line_without_a_prompt(ctx):
+    return ["eval", "--model", ctx.student, "--prompts", ctx.write("prompts.jsonl", '{"question": "1+2="}\n')]
+
+
+@case("prompt 2 of", "exceeds the model's context")
+def prompt_longer_than_the_context(ctx):
+    prompts = ctx.write("p.jsonl", json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "9" * 60}) + "\n")
+    return ctx.train(f"prompts={prompts}")
+
+
+# --- the engine and precision plans --------------------------------------------------------------------------------
+
+@case("unknown KV cache dtype 'fp7'")
+def unknown_precision_name(ctx):
+    return ["eval", "--model", ctx.student, "--task", "add", "--plan", "kv=fp7"]
+
+
+@case("out of range")
+def layer_index_out_of_range(ctx):
+    return ["generate", "--model", ctx.student, "--prompt", "1+2=", "--plan", "3: kv=bf16"]
+
+
+@case("does not divide")
+def group_size_does_not_divide_the_head_dim(ctx):
+    return ["generate", "--model", ctx.student, "--prompt", "1+2=", "--plan", "kv=int4 kv_group=6"]
+
+
+@case("top_p must be in (0, 1]")
+def top_p_out_of_range(ctx):
+    return ["generate", "--model", ctx.student, "--prompt", "1+2=", "--top-p", "1.5", "--max-new-tokens", 4]
+
+
+@case("exceeds the model's context")
+def max_tokens_beyond_the_context(ctx):
+    return ["generate", "--model", ctx.student, "--prompt", "1+2=", "--max-new-tokens", 1000]
+
+
+# --- at run time ---------------------------------------------------------------------------------------------------
+
+def nan_copy(ctx, src: Path, name: str) -> Path:
+    model, tok = load_checkpoint(src)
+    with torch.no_grad():
+        model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    return save_checkpoint(ctx.dir / name, model, tok)
+
+
+@case("NaN/Inf logits", "check the student checkpoint")
+def nan_logits_from_the_engine(ctx):
+    return ["generate", "--model", nan_copy(ctx, ctx.student, "nan"), "--prompt", "1+2=", "--max-new-tokens", 4]
+
+
+@case("not finite for 2 steps in a row", leaves=("run", "run/*", "run/*/*"))
+def nan_teacher_scores(ctx):
+    return ctx.train(f"teacher={nan_copy(ctx, ctx.teacher, 'nan')}", "max_bad_steps=2")
+
+
+@case("engine vllm was requested but vllm is not installed", "pip install -e '.[vllm]'", env={"PYTHONPATH": "shadow"})
+def vllm_requested_but_not_installed(ctx):
+    (ctx.dir / "shadow" / "vllm").mkdir(parents=True)  # a stand-in `vllm` that fails to import, first on the path
+    ctx.write("shadow/vllm/__init__.py", "raise ImportError('No module named vllm')\n")
+    return ctx.train("engine=vllm")
+
+
+@case("engine vllm was requested but vllm is not installed", env={"PYTHONPATH": "shadow"})
+def vllm_generate_but_not_installed(ctx):
+    vllm_requested_but_not_installed(ctx)
+    return ["generate", "--model", ctx.student, "--engine", "vllm"]
+
+
+@case("thresholds", "is not valid JSON")
+def malformed_thresholds_file(ctx):
+    return ["admit", "--set", f"student={ctx.student}", "--set", f"teacher={ctx.teacher}", "--set", "task=add",
+            "--thresholds", ctx.write("t.json", "{not json")]
+
+
+@case("is not an opd run directory")
+def report_on_a_folder_that_is_not_a_run(ctx):
+    (ctx.dir / "empty").mkdir()
+    return ["report", ctx.dir / "empty", "--out", ctx.dir / "report"]
+
+
+@case("grid.yaml")
+def malformed_sweep_grid(ctx):
+    return ["sweep", "--grid", ctx.write("grid.yaml", "families: llama\npoints: 3\n"), "--out", ctx.dir / "sweep"]
+
+
+@case("no synchronous sweep results")
+def calibrate_from_empty_results(ctx):
+    return ["calibrate", ctx.write("results.jsonl", ""), "-o", ctx.dir / "thresholds.json"]
+
+
+# --- the harness ---------------------------------------------------------------------------------------------------
+
+def snapshot(folder: Path) -> dict[str, tuple]:
+    return {str(p.relative_to(folder)): (p.is_dir(), p.stat().st_size if p.is_file() else 0, p.stat().st_mtime_ns)
+            for p in folder.rglob("*")}
+
+
+def run(argv: list, ctx: Ctx, capsys, process: bool, env: dict | None, file_limit: int) -> tuple[int, str]:
+    argv = [str(a) for a in argv]
+    if not process:
+        return main(argv), capsys.readouterr().err
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
+    extra = {k: str(ctx.dir / v) for k, v in (env or {}).items()}
+    result = subprocess.run([sys.executable, "-m", "opd.cli", *argv], capture_output=True, text=True, timeout=300,
+                            env=os.environ | extra, preexec_fn=limit_file_size if file_limit else None)
+    return result.returncode, result.stderr
+
+
+def test_the_suite_covers_at_least_25_cases():
+    assert len(CASES) >= 25
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_one_clear_line_and_leaves_nothing_corrupt(name, pair, tmp_path, capsys):
+    fn, fragments, leaves, process, env, file_limit = CASES[name]
+    ctx = Ctx(tmp_path / "case", *pair)
+    ctx.dir.mkdir()
+    argv = fn(ctx)
+    capsys.readouterr()
+    before = snapshot(ctx.dir)
+    status, err = run(argv, ctx, capsys, process, env, file_limit)
+    assert status != 0, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("opd: error: "), err
+    assert [line for line in lines if line.startswith("opd: error: ")] == lines[-1:], err
+    assert all(line.startswith("run directory: ") for line in lines[:-1]), err
+    for fragment in fragments:
+        assert fragment in lines[-1], lines[-1]
+    after = snapshot(ctx.dir)
+    changed = {p for p in after if before.get(p) != after[p]}
+    unexpected = {p for p in changed if not any(Path(p).match(pattern) for pattern in leaves)}
+    assert not unexpected, f"{name} left {sorted(unexpected)}"
+    temporary = [p for p in after if Path(p).name.startswith(".")]
+    assert not temporary, f"{name} left temporary files {temporary}"
