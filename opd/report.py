@@ -24,7 +24,7 @@ import yaml
 
 from opd.errors import OpdError, require
 from opd.figures import pyplot, save
-from opd.runlog import read_metrics, write_atomic
+from opd.runlog import read_jsonl, read_metrics, write_atomic
 
 FIGURES = ("curves.png", "mismatch.png", "quality.png")
 
@@ -49,7 +49,7 @@ def load_run(run_dir: Path) -> dict:
 
 def _guard_events(run_dir: Path) -> int:
     path = run_dir / "guard.jsonl"
-    return len(path.read_text().splitlines()) if path.is_file() else 0
+    return len(read_jsonl(path)) if path.is_file() else 0
 
 
 def mean(rows: list[dict], key: str) -> float:

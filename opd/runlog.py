@@ -109,11 +109,10 @@ class RunLog:
             writer.event_writer._closed = True  # a traceback of the same full disk
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    """The logged steps. A torn last line (the process was killed mid-write) is left out; its step is re-run on
-    resume. A malformed line anywhere else is corruption, and an error."""
-    path = Path(run_dir) / "metrics.jsonl"
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+def read_jsonl(path: Path) -> list[dict]:
+    """An append-only log's lines (metrics.jsonl, guard.jsonl). A torn last line (the process was killed mid-write)
+    is left out; on resume its step is re-run. A malformed line anywhere else is corruption, and an error."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
     rows = []
     for n, line in enumerate(lines, 1):
         try:
@@ -123,3 +122,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
                 raise OpdError(f"{path}:{n} is not a JSON line", "the run directory is damaged: start the run "
                                "again with --overwrite") from None
     return rows
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The logged steps (see read_jsonl)."""
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")

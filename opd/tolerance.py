@@ -22,6 +22,7 @@ from pathlib import Path
 from opd.admission import best_cut
 from opd.errors import require
 from opd.figures import pyplot, save
+from opd.runlog import write_atomic
 
 QUALITY, MISMATCH = "eval/rkl", "stale/total_kl_k3"
 MARKERS = {"bf16": "o", "kv": "s", "noise": "^", "staleness": "D", "weights": "v"}
@@ -147,7 +148,7 @@ def report(rows: list[dict], out: Path) -> str:
     require(bool(rows), f"no sweep results to analyse in {out}", "run `opd sweep` first")
     out.mkdir(parents=True, exist_ok=True)
     found = knees(rows)
-    (out / "knees.json").write_text(json.dumps(found, indent=2))
+    write_atomic(out / "knees.json", json.dumps(found, indent=2))
     plot_quality(rows, out / "quality_vs_mismatch.png")
     plot_curves(rows, out / "curves.png")
     lines = [table(rows), "", pivot(rows), "", "knees (total_kl_k3 averaged over training):"]

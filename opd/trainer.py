@@ -48,7 +48,7 @@ from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics
 from opd.model import Transformer
 from opd.plan import Plan
 from opd.pretrain import PretrainConfig, pretrain
-from opd.runlog import RunLog, prepare_run_dir, read_metrics, write_atomic
+from opd.runlog import RunLog, prepare_run_dir, read_jsonl, read_metrics, write_atomic
 from opd.sampling import SamplingParams
 from opd.task import get_task, held_out_examples, train_examples
 from opd.tokenizer import TextTokenizer
@@ -388,8 +388,8 @@ def _guard_window(run_dir: Path, step: int, every: int) -> list[float]:
     would have seen; and guard events of the steps to be re-run are dropped (they are logged again)."""
     path = run_dir / "guard.jsonl"
     if path.is_file():
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
-        write_atomic(path, "".join(line + "\n" for line in kept))
+        kept = [event for event in read_jsonl(path) if event["step"] < step]
+        write_atomic(path, "".join(json.dumps(event) + "\n" for event in kept))
     if not every:
         return []
     first = step - step % every
