@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 
 import yaml
-from tensorboardX import SummaryWriter
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.summary import scalar
 
 from opd.config import TrainConfig, build_config, dump_config
 from opd.errors import OpdError, require
@@ -74,6 +76,34 @@ def _finite(value):
     return value if not isinstance(value, float) or math.isfinite(value) else None
 
 
+def cannot_write(path: Path, e: OSError) -> OpdError:
+    return OpdError(f"cannot write {path}: {e.strerror or e}",
+                    "free some disk space, then --resume continues from the last checkpoint")
+
+
+class TensorBoard:
+    """Scalars to a TensorBoard event file, written and flushed in the caller's thread. (tensorboardX's SummaryWriter
+    writes from a background thread: a write error there, such as a full disk, is a traceback on stderr, the thread
+    dies, and its bounded queue can then block the trainer.) A resumed run marks its first step, so TensorBoard
+    hides the earlier file's events from that step on, as SummaryWriter's purge_step does."""
+
+    def __init__(self, folder: Path, start_step: int = 0):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self.writer = EventsWriter(str(folder / "events"), f".{os.getpid()}")
+        if start_step:
+            self.writer.write_event(Event(step=start_step, file_version="brain.Event:2"))
+            self.writer.write_event(Event(step=start_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def write(self, step: int, values: dict) -> None:
+        for key, value in values.items():
+            self.writer.write_event(Event(wall_time=time.time(), step=step, summary=scalar(key, value)))
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class RunLog:
     """metrics.jsonl + TensorBoard. `start_step` drops lines of steps >= it (a resumed run rewrites them)."""
 
@@ -83,30 +113,29 @@ class RunLog:
             if self.path.is_file() else []
         write_atomic(self.path, "".join(line + "\n" for line in kept))
         self.file = self.path.open("a")
-        self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step if start_step else None)
+        self.tb = TensorBoard(run_dir / "tb", start_step)
 
     def write(self, step: int, metrics: dict) -> None:
         row = {"step": step, "time": time.time(), **{k: _finite(v) for k, v in metrics.items()}}
+        scalars = {k: v for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         try:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
         except OSError as e:  # a full disk: at worst a torn last line, which resume drops
-            raise OpdError(f"cannot write {self.path}: {e.strerror or e}",
-                           "free some disk space, then --resume continues from the last checkpoint") from None
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                self.tb.add_scalar(key, value, step)
+            raise cannot_write(self.path, e) from None
+        try:
+            self.tb.write(step, scalars)
+        except OSError as e:
+            raise cannot_write(self.tb.folder, e) from None
 
     def close(self) -> None:
         """Close both logs; a failure to flush them (the disk that just filled up) is not raised again."""
-        writers = list((self.tb.all_writers or {}).values())
         for close in (self.file.close, self.tb.close):
             try:
                 close()
             except OSError:
                 pass
-        for writer in writers:  # else tensorboardX flushes a writer that failed to close again at exit, and prints
-            writer.event_writer._closed = True  # a traceback of the same full disk
 
 
 def read_jsonl(path: Path) -> list[dict]:
