@@ -45,7 +45,12 @@ def prepare_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool, overwrite: bo
     elif resume:
         raise OpdError(f"nothing to resume in {run_dir}", "drop --resume to start a new run")
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(saved, dump_config(cfg))
+    if not resume:  # a resumed run saves its config once its checkpoint has loaded (save_config)
+        save_config(run_dir, cfg)
+
+
+def save_config(run_dir: Path, cfg: TrainConfig) -> None:
+    write_atomic(run_dir / "config.yaml", dump_config(cfg))
 
 
 def _check_same_run(run_dir: Path, cfg: TrainConfig) -> None:

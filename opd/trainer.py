@@ -48,7 +48,7 @@ from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics
 from opd.model import Transformer
 from opd.plan import Plan
 from opd.pretrain import PretrainConfig, pretrain
-from opd.runlog import RunLog, prepare_run_dir, read_jsonl, read_metrics, write_atomic
+from opd.runlog import RunLog, prepare_run_dir, read_jsonl, read_metrics, save_config, write_atomic
 from opd.sampling import SamplingParams
 from opd.task import get_task, held_out_examples, train_examples
 from opd.tokenizer import TextTokenizer
@@ -333,6 +333,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
         saved = {}
         if resume:
             run.state, saved = load_state(run_dir, run)
+            save_config(run_dir, cfg)  # only now: a resume that fails leaves the run directory as it was
         if run.rollouts is not None:
             run.rollouts.start(run.student.state_dict(), run.state.version, saved.get("engine_scales", {}),
                                saved.get("async"))
