@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from opd.checkpoint import save_checkpoint
+from opd.checkpoint import manifest_problem, save_checkpoint
 from opd.data import IGNORE, sft_batch
 from opd.errors import require
 from opd.evaluate import greedy_accuracy
@@ -133,7 +134,10 @@ def pretrain(cfg: PretrainConfig, cache_dir: Path | None = None, force: bool = F
     """The cached checkpoint folder for cfg and its eval.json, training it first if it is not there."""
     folder = Path(cache_dir or default_cache_dir()) / cfg.cache_name()
     if (folder / "eval.json").is_file() and not force:
-        return folder, json.loads((folder / "eval.json").read_text())
+        problem = manifest_problem(folder)
+        if problem is None:
+            return folder, json.loads((folder / "eval.json").read_text())
+        print(f"pretrain: the cached {folder.name} is damaged ({problem}): training it again", file=sys.stderr)
     model, tok, stats = train(cfg, progress)
     start = time.perf_counter()
     result = {**evaluate(model, tok, cfg), "eval/seconds": time.perf_counter() - start, **stats}

@@ -41,3 +41,10 @@ def test_pretrain_caches_checkpoint_and_results(tmp_path, monkeypatch):
     assert pretrain(cfg, tmp_path) == (folder, result)
     other = PretrainConfig(family="qwen3", role="student", task="add", steps=31, eval_examples=50)
     assert other.cache_name() != cfg.cache_name()
+
+    weights = folder / "model.safetensors"  # a damaged cache entry is trained again, not loaded
+    weights.write_bytes(weights.read_bytes()[:1000])
+    monkeypatch.undo()
+    again, result_again = pretrain(cfg, tmp_path, progress=False)
+    assert again == folder and result_again["eval/accuracy"] == result["eval/accuracy"]
+    assert load_checkpoint(folder)[0].cfg.qk_norm
