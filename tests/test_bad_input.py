@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,17 +52,26 @@ class Ctx:
         return path
 
 
-CASES = {}
+@dataclass(frozen=True)
+class Case:
+    build: Callable[[Ctx], list]  # makes the bad input in ctx.dir, returns the `opd` arguments
+    fragments: tuple[str, ...]  # what the error line must name
+    leaves: tuple[str, ...]  # glob patterns (relative to ctx.dir) of what the failed command may create or change
+    env: dict | None  # extra environment: the case runs in a process of its own
+    file_limit: int  # if set, the most bytes any file it writes may hold (a full disk); also its own process
+
+    @property
+    def own_process(self) -> bool:
+        return self.env is not None or self.file_limit > 0
 
 
-def case(*fragments: str, leaves: tuple[str, ...] = (), process: bool = False, env: dict | None = None,
-         file_limit: int = 0):
-    """Register a case: the function builds the bad input in ctx.dir and returns the `opd` arguments.
-    leaves: glob patterns (relative to ctx.dir) of what the failed command may create or change; the inputs the
-    case builds before the command runs must stay as they were. process: run in a subprocess,
-    with extra environment `env` and, if file_limit, a limit on the size of any file it writes (a full disk)."""
+CASES: dict[str, Case] = {}
+
+
+def case(*fragments: str, leaves: tuple[str, ...] = (), env: dict | None = None, file_limit: int = 0):
+    """Register a case. The inputs it builds before the command runs must stay as they were."""
     def register(fn):
-        CASES[fn.__name__] = (fn, fragments, leaves, process or env is not None or file_limit > 0, env, file_limit)
+        CASES[fn.__name__] = Case(fn, fragments, leaves, env, file_limit)
         return fn
     return register
 
@@ -362,17 +372,17 @@ def snapshot(folder: Path) -> dict[str, tuple]:
             for p in folder.rglob("*")}
 
 
-def run(argv: list, ctx: Ctx, capsys, process: bool, env: dict | None, file_limit: int) -> tuple[int, str]:
+def run(argv: list, ctx: Ctx, capsys, spec: Case) -> tuple[int, str]:
     argv = [str(a) for a in argv]
-    if not process:
+    if not spec.own_process:
         return main(argv), capsys.readouterr().err
 
     def limit_file_size():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
-    extra = {k: str(ctx.dir / v) for k, v in (env or {}).items()}
+        resource.setrlimit(resource.RLIMIT_FSIZE, (spec.file_limit, spec.file_limit))
+    extra = {k: str(ctx.dir / v) for k, v in (spec.env or {}).items()}
     result = subprocess.run([sys.executable, "-m", "opd.cli", *argv], capture_output=True, text=True, timeout=300,
-                            env=os.environ | extra, preexec_fn=limit_file_size if file_limit else None)
+                            env=os.environ | extra, preexec_fn=limit_file_size if spec.file_limit else None)
     return result.returncode, result.stderr
 
 
@@ -380,27 +390,27 @@ def test_the_suite_covers_at_least_25_cases():
     assert len(CASES) >= 25
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if spec[3] else name
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if spec.own_process else name
                                   for name, spec in CASES.items()])
 def test_bad_input_is_one_clear_line_and_leaves_nothing_corrupt(name, pair, tmp_path, capsys):
-    fn, fragments, leaves, process, env, file_limit = CASES[name]
+    spec = CASES[name]
     ctx = Ctx(tmp_path / "case", *pair)
     ctx.dir.mkdir()
-    argv = fn(ctx)
+    argv = spec.build(ctx)
     capsys.readouterr()
     before = snapshot(ctx.dir)
-    status, err = run(argv, ctx, capsys, process, env, file_limit)
+    status, err = run(argv, ctx, capsys, spec)
     assert status == 2, err
     assert "Traceback" not in err, err
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert lines and lines[-1].startswith("opd: error: "), err
     assert [line for line in lines if line.startswith("opd: error: ")] == lines[-1:], err
     assert all(line.startswith("run directory: ") for line in lines[:-1]), err
-    for fragment in fragments:
+    for fragment in spec.fragments:
         assert fragment in lines[-1], lines[-1]
     after = snapshot(ctx.dir)
     changed = {p for p in after if before.get(p) != after[p]}
-    unexpected = {p for p in changed if not any(Path(p).match(pattern) for pattern in leaves)}
+    unexpected = {p for p in changed if not any(Path(p).match(pattern) for pattern in spec.leaves)}
     assert not unexpected, f"{name} left {sorted(unexpected)}"
     temporary = [p for p in after if Path(p).name.startswith(".")]
     assert not temporary, f"{name} left temporary files {temporary}"
