@@ -70,17 +70,20 @@ def distortion_metrics(teacher: torch.Tensor, mu: torch.Tensor, q: torch.Tensor,
     a_mu, a_q, delta = (_values(x, mask) for x in (teacher - mu, teacher - q, q - mu))
     if delta.numel() == 0:
         return {}
-    noise = delta.abs().mean().item()
+    noise, signal = delta.abs().mean().item(), a_q.abs().mean().item()
     return {"opd/adv_sign_flip": (torch.sign(a_mu) != torch.sign(a_q)).double().mean().item(),
-            "opd/adv_snr": a_q.abs().mean().item() / noise if noise > 0 else math.inf,
-            "opd/nsr": noise_to_signal(teacher, mu, q, mask)}
+            "opd/adv_snr": signal / noise if noise > 0 else math.inf,
+            "opd/nsr": _nsr(noise, signal)}
 
 
 def noise_to_signal(teacher: torch.Tensor, sampler: torch.Tensor, learner: torch.Tensor, mask: torch.Tensor) -> float:
     """mean |learner - sampler| / mean |teacher - learner|: the rollout mismatch next to the OPD signal it perturbs
     (the advantage T - s). A student far from its teacher has a large signal and tolerates more mismatch."""
-    noise = _values(learner - sampler, mask).abs().mean().item()
-    signal = _values(teacher - learner, mask).abs().mean().item()
+    return _nsr(_values(learner - sampler, mask).abs().mean().item(),
+                _values(teacher - learner, mask).abs().mean().item())
+
+
+def _nsr(noise: float, signal: float) -> float:
     return noise / signal if signal > 0 else (math.inf if noise > 0 else 0.0)
 
 

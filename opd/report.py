@@ -62,8 +62,8 @@ def _fmt(value, spec: str = ".3f") -> str:
 
 
 def tables(runs: list[dict]) -> str:
-    setup = ["| run | plan | schedule | loss | steps | accuracy before -> after | held-out reverse KL before -> after |",
-             "|---|---|---|---|---|---|---|"]
+    setup = ["| run | plan | schedule | loss | steps | accuracy before -> after "
+             "| held-out reverse KL before -> after |", "|---|---|---|---|---|---|---|"]
     speed = ["| run | s/step | tokens/s | generate s | teacher s | train s | sync s |", "|---|---|---|---|---|---|---|"]
     mismatch = ["| run | kl_k3 | total_kl_k3 | nsr | adv_sign_flip | ess_frac | staleness (mean gap) | guard events |",
                 "|---|---|---|---|---|---|---|---|"]

@@ -1,5 +1,5 @@
 """`opd report`: built from a short run, its PNGs exist and are non-empty, its Markdown links resolve, the HTML
-embeds every figure; bad run folders are one clear error."""
+embeds every figure. (A folder that is not a run: test_bad_input.py.)"""
 import re
 
 from opd.report import FIGURES
@@ -24,7 +24,3 @@ def test_report_from_short_runs(pair, tmp_path):
     assert "| fp8 | `kv=fp8_e5m2` | sync |" in text
     page = (out / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 3 and "<table>" in page
-
-
-def test_report_errors(tmp_path):
-    (tmp_path / "empty").mkdir()
