@@ -60,6 +60,7 @@ from opd.sampling import SamplingParams
 
 POLL = 0.2  # seconds between liveness checks while waiting
 STOP_GRACE = 5.0  # seconds a worker gets to exit after "stop" before it is terminated
+COMPILE_GRACE = 600.0  # extra seconds a starting worker gets when its engine compiles (engine.py: about a minute)
 
 
 def pack(obj) -> bytes:
@@ -91,6 +92,7 @@ class WorkerSpec:
     recompute: bool  # staleness is possible: compute q (and the exact KL) under the sampling weights
     recompute_fraction: float  # of each batch, the share (first rollouts) to recompute
     vllm_model_dir: str = ""  # set: the worker samples with vLLM (in-process) from this checkpoint folder
+    compile: bool = False  # the built-in engine's torch.compile (engine.py)
 
 
 def recompute(model: Transformer, rollouts: list[Rollout], pad_id: int, temperature: float) -> None:
@@ -135,7 +137,7 @@ def worker_main(address: str, inbox, outbox, init: bytes) -> None:
                                 in_process=True)
             engine.update_weights(model.state_dict(), version)
         else:
-            engine = Engine(model, spec.eos_id, spec.pad_id, spec.plan, version, spec.noise_seed)
+            engine = Engine(model, spec.eos_id, spec.pad_id, spec.plan, version, spec.noise_seed, spec.compile)
         engine.scales.update(scales)
         outbox.put(("ready", address, os.getpid()))
         while True:
@@ -200,7 +202,7 @@ class RolloutWorker:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        message = self.receive(self.timeout)
+        message = self.receive(self.timeout + (COMPILE_GRACE if self.spec.compile else 0))  # the engine compiles
         if message[0] == "error":
             raise OpdError(f"rollout worker {self.address} failed to start: {message[2]}")
 
@@ -214,7 +216,8 @@ class RolloutWorker:
     def receive(self, timeout: float | None = None, block: bool = True) -> tuple | None:
         """The next message; None if not block and nothing is there. Raises WorkerLost if the process exits
         or sends nothing for `timeout` seconds."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         while True:
             try:
                 return self.outbox.get(timeout=POLL) if block else self.outbox.get_nowait()
@@ -224,7 +227,7 @@ class RolloutWorker:
                 if not block:
                     return None
                 if time.monotonic() > deadline:
-                    raise WorkerLost(f"sent nothing for {self.timeout:.0f} s (hung)") from None
+                    raise WorkerLost(f"sent nothing for {limit:.0f} s (hung)") from None
 
     def stop(self, grace: float = STOP_GRACE) -> None:
         """Ask the worker to exit; kill it if it has not within `grace` seconds (0: a hung worker, kill now)."""
@@ -407,4 +410,4 @@ def worker_spec(cfg, model: Transformer, tok, plan: Plan, params: SamplingParams
                 model_dir: str = "") -> WorkerSpec:
     return WorkerSpec(asdict(model.cfg), tok.eos_id, tok.pad_id, plan, cfg.noise_seed, params, cfg.worker_threads,
                       return_dists, recompute=cfg.lookahead > 0, recompute_fraction=cfg.recompute_fraction,
-                      vllm_model_dir=str(model_dir) if cfg.engine == "vllm" else "")
+                      vllm_model_dir=str(model_dir) if cfg.engine == "vllm" else "", compile=cfg.engine_compile)

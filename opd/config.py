@@ -53,6 +53,7 @@ class TrainConfig:
     exact_kl: bool = True  # also log the exact per-position KL(p_rollout || p_train) (needs the engine's distributions)
     max_bad_steps: int = 5  # stop after this many non-finite losses/gradients in a row
     engine: str = "builtin"  # the rollout engine: "builtin" (emulated precisions) or "vllm" (vllm_engine.py)
+    engine_compile: bool = False  # builtin engine: torch.compile its forward (faster decoding, ~1 min to compile)
     schedule: str = "sync"  # "async": a rollout worker process samples while the trainer trains (async_rollouts.py)
     max_staleness: int = 1  # async: most optimizer steps a rollout's weights may lag the learner's
     prefetch: int = -1  # async: batches the worker may sample ahead of the one being trained; -1: max_staleness
@@ -86,6 +87,8 @@ class TrainConfig:
                 f"use one of {', '.join(LR_SCHEDULES)}")
         require(self.schedule in SCHEDULES, f"unknown schedule {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
         require(self.engine in ENGINES, f"unknown engine {self.engine!r}", f"use one of {', '.join(ENGINES)}")
+        require(not (self.engine_compile and self.engine == "vllm"), "engine_compile applies to the builtin engine",
+                "vLLM compiles its own model; drop engine_compile")
         require(self.stale_policy in STALE_POLICIES, f"unknown stale_policy {self.stale_policy!r}",
                 f"use one of {', '.join(STALE_POLICIES)}")
         for name in ("max_staleness", "max_worker_restarts"):

@@ -12,7 +12,6 @@ The model is a pure function of (tokens, positions, mask, cache): it never store
 object with `update(layer_idx, k, v) -> (k_all, v_all)` and `advance(T)` (see kv_cache.py); keys arrive after
 RoPE (vLLM's convention), so a quantizing cache sees exactly what a real engine would store.
 """
-import functools
 from dataclasses import asdict, dataclass
 
 import torch
@@ -74,14 +73,10 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-@functools.lru_cache(maxsize=16)
-def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-
-
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: [B, T] -> cos, sin: [B, 1, T, head_dim] in float32."""
-    freqs = positions.float()[..., None] * _inv_freq(head_dim, theta).to(positions.device)  # [B, T, D/2]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]
     return emb.cos(), emb.sin()
 

@@ -273,7 +273,8 @@ def build_engine(cfg: TrainConfig, student: Transformer, tok: TextTokenizer, pla
     if cfg.engine == "vllm":
         return VllmEngine(student_dir, tok.eos_id, tok.pad_id, plan, seed=cfg.seed,
                           max_model_len=student.cfg.max_position_embeddings, tied=student.cfg.tie_word_embeddings)
-    return Engine(copy.deepcopy(student), tok.eos_id, tok.pad_id, plan, noise_seed=cfg.noise_seed)
+    return Engine(copy.deepcopy(student), tok.eos_id, tok.pad_id, plan, noise_seed=cfg.noise_seed,
+                  compile=cfg.engine_compile)
 
 
 def parse_plan(cfg: TrainConfig, num_layers: int) -> Plan:
@@ -286,7 +287,8 @@ def probe_setup(cfg: TrainConfig, n: int) -> tuple[ProbeSetup, Plan]:
     student, teacher, tok, student_dir = load_pair(cfg)
     context = min(student.cfg.max_position_embeddings, teacher.cfg.max_position_embeddings)
     prompts = PromptSource(replace(cfg, batch_size=n), tok, context).batch(0)
-    return ProbeSetup(cfg, student, teacher, tok, lambda plan: build_engine(cfg, student, tok, plan, student_dir),
+    probe_cfg = replace(cfg, engine_compile=False)  # 16 rollouts per engine: compiling would cost more than it saves
+    return ProbeSetup(cfg, student, teacher, tok, lambda plan: build_engine(probe_cfg, student, tok, plan, student_dir),
                       prompts), parse_plan(cfg, student.cfg.num_layers)
 
 

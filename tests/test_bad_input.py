@@ -330,6 +330,13 @@ def nan_teacher_scores(ctx):
     return ctx.train(f"teacher={nan_copy(ctx, ctx.teacher, 'nan')}", "max_bad_steps=2")
 
 
+@case("torch.compile of the rollout engine failed", "No working C++ compiler", "engine_compile=false",
+      leaves=("run", "run/*", "run/*/*", "inductor", "inductor/**"),
+      env={"CXX": "/nonexistent/g++", "TORCHINDUCTOR_CACHE_DIR": "inductor"})
+def engine_compile_without_a_compiler(ctx):
+    return ctx.train("engine_compile=true")
+
+
 @case("engine vllm was requested but vllm is not installed", "pip install -e '.[vllm]'", env={"PYTHONPATH": "shadow"})
 def vllm_requested_but_not_installed(ctx):
     (ctx.dir / "shadow" / "vllm").mkdir(parents=True)  # a stand-in `vllm` that fails to import, first on the path

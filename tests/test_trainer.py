@@ -77,6 +77,25 @@ def test_bf16_rollouts_have_a_small_measured_mismatch(pair, tmp_path):
     assert 1e-7 < rows[0]["mismatch/kl_exact"] < 1e-3  # both estimates see the same small mismatch
 
 
+def test_engine_compile_reaches_the_rollout_engines_that_sample_for_training(pair, tmp_path, monkeypatch):
+    """Wiring only (test_engine checks the compiled engine's numerics): `engine_compile` compiles the sync
+    engine, the guard's fallback engine and the async worker's, and not the admission probe's short-lived ones."""
+    import opd.engine
+    compiled = []
+    monkeypatch.setattr(opd.engine, "compiled_forward", lambda model: compiled.append(model) or model)
+    cfg = config(pair, steps=2, engine_compile=True, guard_every=1, guard_action="fallback", guard_limit=1e-12,
+                 plan="kv=fp8_e4m3")
+    train(cfg, tmp_path / "run", progress=False)
+    assert [e["action"] for e in map(json.loads, (tmp_path / "run" / "guard.jsonl").open())][0] == "fallback"
+    linears = [type(model.layers[0].mlp.up_proj).__name__ for model in compiled]  # a weight plan's copy: per update
+    assert linears[0] == "Linear" and len(linears) >= 2 and set(linears[1:]) == {"QuantLinear"}  # the fallback's
+    compiled.clear()
+    setup, plan = trainer.probe_setup(cfg, 4)
+    setup.make_engine(plan)
+    assert not compiled
+    assert trainer.setup(config(pair, engine_compile=True, schedule="async", threads=2)).rollouts.spec.compile
+
+
 def test_trainer_q_equals_engine_mu_at_full_precision(pair):
     """The learner's recomputation (right-padded, one forward) matches the engine's sampled log-probs."""
     student, _ = pair
