@@ -249,6 +249,9 @@ def setup(cfg: TrainConfig) -> Run:
     student, teacher, tok, student_dir = load_pair(cfg)
     context = min(student.cfg.max_position_embeddings, teacher.cfg.max_position_embeddings)
     plan = parse_plan(cfg, student.cfg.num_layers)
+    if cfg.engine_compile:
+        print("opd: engine_compile: the rollout engine compiles before step 0 (about a minute on a cold cache)",
+              file=sys.stderr)
     engine = None if asynchronous else build_engine(cfg, student, tok, plan, student_dir)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     floats = cfg.batch_size * cfg.new_tokens * student.cfg.vocab_size
