@@ -39,7 +39,7 @@ live training metrics every `guard_every` steps.
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -48,7 +48,7 @@ from opd.errors import OpdError, require
 from opd.learner import collate, completion_logprobs, token_logprobs
 from opd.losses import LossConfig
 from opd.metrics import distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics
-from opd.plan import Plan, describe_layer
+from opd.plan import LayerPrecision, Plan, describe_layer
 
 FLOOR_PLAN = "kv=bf16 w=bf16"
 CLASSES = ("full", "sampler", "learner", "corrected")
@@ -264,9 +264,26 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, p
     return out
 
 
+def calibrated(plan: Plan) -> Plan | None:
+    """The plan with its fixed-scale FP8 KV layers calibrated instead (None if it has none). A fixed scale of 1.0
+    (vLLM's default) saturates keys beyond the format's range (448 for e4m3); calibrated scales keep all of the KV
+    memory saving (README, "Outlier keys")."""
+    def fix(layer: LayerPrecision) -> LayerPrecision:
+        fixed_fp8 = layer.kv.dtype.startswith("fp8") and layer.kv.scale_mode == "fixed"
+        return replace(layer, kv=replace(layer.kv, scale_mode="calibrate")) if fixed_fp8 else layer
+    layers = tuple(map(fix, plan.layers))
+    return Plan(layers) if layers != plan.layers else None
+
+
 def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, limit: float, floor: dict) -> dict:
-    """Keep the most sensitive layers at BF16, one more at a time, until the probe passes."""
+    """First the same plan with calibrated FP8 KV scales, if it has fixed ones; then keep the most sensitive layers
+    at BF16, one more at a time, until the probe passes."""
     n = len(plan.layers)
+    if (scaled := calibrated(plan)) is not None:
+        decision = decide(probe(setup, scaled, floor), thresholds, cls, 0, limit)
+        if decision.admit:
+            return {"plan": str(scaled), "bf16_layers": [], "layer_kl": [], METRIC: decision.value,
+                    "limit": decision.limit, "note": "calibrated KV scales instead of the fixed 1.0"}
     sensitivity = []
     for i in range(n):  # the candidate setting on layer i alone, BF16 elsewhere
         alone = Plan.parse(f"{KEEP}; {i}: {describe_layer(plan.layers[i])}", n)

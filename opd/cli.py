@@ -175,7 +175,8 @@ def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit:
             print(f"  - {reason}")
         proposal = result.get("proposal")
         if proposal:
-            print(f"  proposed plan: {proposal['plan']}" if proposal["plan"]
+            note = f" ({proposal['note']})" if proposal.get("note") else ""
+            print(f"  proposed plan: {proposal['plan']}{note}" if proposal["plan"]
                   else f"  no plan proposed: {proposal['note']}")
         if proposal and proposal["layer_kl"]:
             print("  KL of the candidate setting on one layer alone (BF16 elsewhere): "

@@ -207,3 +207,46 @@ def test_admission_benchmark_quick_mode():
     assert out.returncode == 0, out.stderr
     result = dict(kv.split("=") for kv in out.stdout.strip().splitlines()[-1].split()[1:])
     assert float(result["accuracy"]) >= 0.9 and float(result["cost_fraction"]) <= 0.02  # the README's numbers
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_outlier_keys_keep_the_function_and_break_fixed_scale_fp8_kv(pair, tmp_path, arch):
+    """A function-preserving outlier (stress.py): the same logits at full precision, keys past FP8 e4m3's largest
+    value (448) in the cache. The probe must see what that does: FP8 with vLLM's fixed scale 1.0 saturates and its
+    mismatch jumps; calibrated FP8 scales keep it where it was without the outlier; int8's uniform grid, calibrated
+    on the outlier, loses the other channels. (The decisions on the built-in pairs: benchmarks/outlier_keys.py.)"""
+    import copy
+    import torch
+    from opd.kv_cache import KVCache
+    from opd.stress import add_outlier_keys
+    from test_trainer import make_checkpoint
+    models = pair if arch == "llama" else (make_checkpoint(tmp_path / "s", 0, arch="qwen3", qk_norm=True),
+                                           make_checkpoint(tmp_path / "t", 1, arch="qwen3", qk_norm=True))
+    setup, _ = probe_setup(config(models, plan=""), 8)
+    plain = copy.deepcopy(setup.student)
+    ids = torch.tensor([setup.prompts[0]])
+    causal = torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
+
+    def logits_and_key_amax(model):
+        cache = KVCache(model.cfg, 1, ids.shape[1])
+        return model(ids, mask=causal, cache=cache), cache.layers[0].deq[0].abs().amax().item()
+
+    plans = ("kv=fp8_e4m3", "kv=fp8_e4m3 kv_scale=calibrate", "kv=int8 kv_scale=calibrate")
+    n = plain.cfg.num_layers
+    before = {plan: measure(setup, Plan.parse(plan, n))["kl_exact"] for plan in plans}
+    add_outlier_keys(setup.student, 1000.0)
+    (reference, amax), (logits, outlier_amax) = map(logits_and_key_amax, (plain, setup.student))
+    assert torch.allclose(logits, reference, atol=1e-4 * reference.abs().max().item())
+    assert amax < 20 and outlier_amax > 448
+    numbers = {plan: measure(setup, Plan.parse(plan, n)) for plan in plans}
+    after = {plan: m["kl_exact"] for plan, m in numbers.items()}
+    assert after["kv=fp8_e4m3"] > 10 * before["kv=fp8_e4m3"], (before, after)
+    assert after["kv=int8 kv_scale=calibrate"] > 10 * before["kv=int8 kv_scale=calibrate"], (before, after)
+    calibrated = after["kv=fp8_e4m3 kv_scale=calibrate"] / before["kv=fp8_e4m3 kv_scale=calibrate"]
+    assert 0.5 < calibrated < 2, (before, after)
+    # rejected at a limit between the two, the fixed-scale plan gets the calibrated one proposed, no layer in BF16
+    nsr = {plan: numbers[plan]["nsr"] for plan in plans[:2]}
+    limit = (nsr["kv=fp8_e4m3"] * nsr["kv=fp8_e4m3 kv_scale=calibrate"]) ** 0.5
+    floor = measure(setup, Plan.parse("kv=bf16 w=bf16", n))
+    proposal = propose_plan(setup, Plan.parse("kv=fp8_e4m3", n), None, "full", limit, floor)
+    assert proposal["plan"] == str(Plan.parse("kv=fp8_e4m3 kv_scale=calibrate", n)) and not proposal["bf16_layers"]
