@@ -28,11 +28,17 @@ largest staleness the sweep saw train fine with its estimator.
 where no run of a class degraded, the cut is the largest mismatch seen to train fine, so the check never
 extrapolates past what was observed. `max_staleness` comes from the same rule applied to the staleness levels of the
 runs whose only mismatch was staleness. A candidate within 2x of the BF16 floor always passes the mismatch test.
+A probe whose effective sample size fraction (`ess_frac`, importance weights q/mu) is under 0.5 is rejected
+whatever its nsr. For rollouts that broken, the teacher also rejects the sampled tokens, which inflates nsr's
+denominator, so nsr understates them (dev/LOG.md: an FP8 cache saturating outlier keys had kl_k3 3.0, ess_frac
+0.075 and nsr only 0.42). In the study every run that trained fine had ess_frac >= 0.947, and the two under 0.5
+had degraded and were already rejected by nsr, so the rule changes none of the study's decisions.
 The result is a small JSON file (`opd calibrate`); the package ships one calibrated on the built-in pairs
 (thresholds.json), and users can pass their own or override the limit.
 
-**When it rejects**, `propose_plan` measures the candidate setting on one layer at a time (the sensitivity map) and
-keeps the most sensitive layers in BF16, one more at a time, until the probe is admitted: the cheapest per-layer plan
+**When it rejects**, `propose_plan` first tries the same plan with calibrated FP8 KV scales if it had fixed ones
+(they keep all of the memory saving). Otherwise it measures the candidate setting on one layer at a time (the
+sensitivity map) and keeps the most sensitive layers in BF16, one more at a time, until the probe is admitted: the cheapest per-layer plan
 that passes, in layers kept at BF16. `decide` is a pure predicate; the runtime guard (trainer.py) applies it to the
 live training metrics every `guard_every` steps.
 """
@@ -56,6 +62,7 @@ METRIC = "nsr"
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.json")
 KEEP = "kv=bf16 w=bf16 noise=0"  # what a layer kept "in BF16" by a proposed plan runs at
 FLOOR_FACTOR = 2.0  # a candidate within this factor of the BF16 engine's own mismatch is at the floor: admitted
+MIN_ESS_FRAC = 0.5  # below this effective sample size fraction the rollouts are not the student's: rejected
 
 
 def estimator_class(loss: LossConfig) -> str:
@@ -140,6 +147,11 @@ def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0,
     if floor is not None and "kl_k3" in numbers:
         reasons.append(f"kl_k3 {numbers['kl_k3']:.3g} vs the BF16 engine's {numbers['floor_kl_k3']:.3g}; nsr "
                        f"{value / max(floor, 1e-12):.2g}x the BF16 engine's")
+    ess = numbers.get("ess_frac")
+    if ess is not None and ess < MIN_ESS_FRAC:
+        admit = False
+        reasons.append(f"ess_frac {ess:.3f} < {MIN_ESS_FRAC}: the rollouts are so far from the trainer's policy that "
+                       "nsr understates it (broken rollouts also inflate its denominator)")
     if "adv_sign_flip" in numbers:
         reasons.append(f"adv_sign_flip {numbers['adv_sign_flip']:.4f}, ess_frac {numbers.get('ess_frac', 1):.3f}")
     return Decision(admit, reasons, limit, value)

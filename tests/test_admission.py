@@ -250,3 +250,12 @@ def test_outlier_keys_keep_the_function_and_break_fixed_scale_fp8_kv(pair, tmp_p
     floor = measure(setup, Plan.parse("kv=bf16 w=bf16", n))
     proposal = propose_plan(setup, Plan.parse("kv=fp8_e4m3", n), None, "full", limit, floor)
     assert proposal["plan"] == str(Plan.parse("kv=fp8_e4m3 kv_scale=calibrate", n)) and not proposal["bf16_layers"]
+
+
+def test_a_broken_rollout_engine_is_rejected_by_its_ess_whatever_its_nsr():
+    """nsr understates rollouts that are garbage (the teacher disagrees with them too); the ESS floor catches them."""
+    from opd.admission import MIN_ESS_FRAC
+    assert decide({"nsr": 0.01, "ess_frac": MIN_ESS_FRAC}, LIMITS, "full").admit
+    broken = decide({"nsr": 0.01, "ess_frac": 0.075}, LIMITS, "full")
+    assert not broken.admit and "ess_frac 0.075 < 0.5" in broken.reasons[-1]
+    assert decide({"nsr": 0.01}, LIMITS, "full").admit  # the live guard has no ess: nsr alone
