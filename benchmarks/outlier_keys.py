@@ -4,7 +4,8 @@ Each built-in student gets a function-preserving outlier (opd/stress.py: one RoP
 by alpha, the matching queries by 1/alpha, in every layer): its full-precision logits stay the same, but the keys
 in its cache grow alpha times in that pair. For each alpha and KV plan the admission probe runs as `opd admit`
 does (the run's own 16 training prompts, the BF16 floor, the shipped thresholds, the default full_rkl estimator),
-and the table gives the keys' largest magnitude, the exact KL(rollout || train), nsr and the decision.
+and the table gives the keys' largest magnitude, the share of keys the cache saturated, the exact KL(rollout ||
+train), nsr and the decision.
 
     python benchmarks/outlier_keys.py          # both families, alpha 1 / 30 / 100 / 300 (~1 minute here)
     python benchmarks/outlier_keys.py --quick  # llama, alpha 1 / 300, two plans (seconds)
@@ -48,8 +49,8 @@ def main():
     families, alphas, plans = (["llama"], [1, 300], ["fp8 fixed", "fp8 calibrated"]) if args.quick else \
         (["llama", "qwen3"], [1, 30, 100, 300], list(PLANS))
     thresholds = load_thresholds("")
-    print(f"{'family':7} {'alpha':>6} {'key amax':>9} {'fp32 logit diff':>16}  {'plan':16} {'kl_exact':>9} "
-          f"{'nsr':>6}  decision")
+    print(f"{'family':7} {'alpha':>6} {'key amax':>9} {'fp32 logit diff':>16}  {'plan':16} {'keys clipped':>12} "
+          f"{'kl_exact':>9} {'nsr':>6}  decision")
     rejected_from = {}
     for family in families:
         setup, _ = probe_setup(build_config({"family": family, "threads": args.threads}), PROBE_ROLLOUTS)
@@ -70,8 +71,8 @@ def main():
                 if out["decision"] == "REJECT":
                     rejected_from.setdefault(f"{family}_{name.replace(' ', '_')}", alpha)
                 numbers = out["probe"]
-                print(f"{family:7} {alpha:>6} {amax:>9.1f} {diff:>16.1e}  {name:16} {numbers['kl_exact']:>9.2e} "
-                      f"{numbers['nsr']:>6.3f}  {out['decision']}", flush=True)
+                print(f"{family:7} {alpha:>6} {amax:>9.1f} {diff:>16.1e}  {name:16} {numbers['kv_clipped_k']:>12.3%} "
+                      f"{numbers['kl_exact']:>9.2e} {numbers['nsr']:>6.3f}  {out['decision']}", flush=True)
     keys = [f"{family}_{name.replace(' ', '_')}" for family in families for name in plans]
     print("RESULT " + " ".join(f"{key}_rejected_from_alpha={rejected_from.get(key, 0)}" for key in keys))
 

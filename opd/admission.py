@@ -154,6 +154,10 @@ def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0,
                        "nsr understates it (broken rollouts also inflate its denominator)")
     if "adv_sign_flip" in numbers:
         reasons.append(f"adv_sign_flip {numbers['adv_sign_flip']:.4f}, ess_frac {numbers.get('ess_frac', 1):.3f}")
+    if numbers.get("kv_clipped_k", 0) > 0 or numbers.get("kv_clipped_v", 0) > 0:
+        reasons.append(f"the KV cache saturated {numbers['kv_clipped_k']:.3%} of the keys and "
+                       f"{numbers['kv_clipped_v']:.3%} of the values at its format's largest value (a larger or "
+                       "calibrated scale, kv_scale=calibrate, avoids it)")
     return Decision(admit, reasons, limit, value)
 
 
@@ -231,20 +235,22 @@ def _rollouts(setup: ProbeSetup, plan: Plan):
     from opd.sampling import SamplingParams
     cfg = setup.cfg
     engine = setup.make_engine(plan)
+    builtin = not hasattr(engine, "close")  # the built-in engine: whole distributions and saturation counts
+    if builtin:
+        engine.count_clipped = True
     try:
-        exact = not hasattr(engine, "close")  # the built-in engine returns whole distributions, vLLM does not
         rollouts = engine.generate(setup.prompts, SamplingParams(cfg.new_tokens, temperature=cfg.temperature),
-                                   torch.Generator().manual_seed(sampler_seed(cfg.seed, 0)), return_dists=exact)
+                                   torch.Generator().manual_seed(sampler_seed(cfg.seed, 0)), return_dists=builtin)
     finally:
-        if hasattr(engine, "close"):
+        if not builtin:
             engine.close()
-    return collate(rollouts, setup.tok.pad_id)
+    return collate(rollouts, setup.tok.pad_id), engine.kv_clipped if builtin else None
 
 
 @torch.no_grad()
 def measure(setup: ProbeSetup, plan: Plan) -> dict:
     cfg = setup.cfg
-    batch = _rollouts(setup, plan)
+    batch, clipped = _rollouts(setup, plan)
     logp = completion_logprobs(setup.student, batch, cfg.temperature)
     teacher_logp = completion_logprobs(setup.teacher, batch)
     q, t_y, mask = token_logprobs(logp, batch.tokens), token_logprobs(teacher_logp, batch.tokens), batch.mask
@@ -252,6 +258,8 @@ def measure(setup: ProbeSetup, plan: Plan) -> dict:
            **distortion_metrics(t_y, batch.mu, q, mask)}
     if batch.rollout_logp is not None:
         out |= exact_kl_metric(batch.rollout_logp, logp, mask)
+    if clipped is not None:
+        out |= {"kv_clipped_k": clipped[0], "kv_clipped_v": clipped[1]}
     return {k.split("/")[-1]: v for k, v in out.items()}
 
 

@@ -55,6 +55,8 @@ class Engine:
         require(len(plan.layers) == n, f"precision plan has {len(plan.layers)} layers, the model has {n}")
         self.base, self.plan, self.eos_id, self.pad_id, self.version = model.eval(), plan, eos_id, pad_id, version
         self.kv_plan, self.noise_seed, self.compile = plan.kv_specs, noise_seed, compile
+        self.count_clipped = False  # set: each generate leaves (keys, values) saturated fractions in kv_clipped
+        self.kv_clipped: tuple[float, float] | None = None
         self.scales: dict = {}  # layer -> [k_scale, v_scale], shared by every batch
         self._use(self._rollout_copy())
         self.new_cache(1, 1)  # fail now, not mid-run, if the plan does not fit the model's shapes
@@ -99,7 +101,8 @@ class Engine:
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         dtype = next(self.model.parameters()).dtype
-        return KVCache(self.model.cfg, batch_size, max_len, dtype, specs=self.kv_plan, scales=self._scales_for_batch())
+        return KVCache(self.model.cfg, batch_size, max_len, dtype, specs=self.kv_plan, scales=self._scales_for_batch(),
+                       count_clipped=self.count_clipped)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
@@ -133,6 +136,7 @@ class Engine:
             if done.all() or t == N - 1:
                 break
             logits = self.forward(tok[:, None], next_pos + t, key_valid[:, None, None, :P + t + 1], cache)[:, -1]
+        self.kv_clipped = cache.clipped_fractions() if self.count_clipped else None
         dists = torch.stack(dists, 1) if return_dists else None  # [B, steps, V]
         return [Rollout(prompts[b], tokens[b, :lengths[b]].tolist(), mu[b, :lengths[b]].tolist(),
                         raw[b, :lengths[b]].tolist(), "stop" if done[b] else "length", self.version,

@@ -26,7 +26,7 @@ import torch
 
 from opd.errors import require
 from opd.model import ModelConfig
-from opd.quant import (FP8_DTYPES, dequantize_fp8, dequantize_int4, dequantize_int8, quantize_fp8,
+from opd.quant import (FP8_DTYPES, dequantize_fp8, dequantize_int4, dequantize_int8, fp8_max, quantize_fp8,
                        quantize_int4, quantize_int8, safe_scale)
 
 KV_DTYPES = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
@@ -110,7 +110,7 @@ def calibrate_scale(x: torch.Tensor, spec: KVSpec, which: int) -> torch.Tensor:
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype=torch.float32, device="cpu",
-                 specs: list[KVSpec] | None = None, scales: dict | None = None):
+                 specs: list[KVSpec] | None = None, scales: dict | None = None, count_clipped: bool = False):
         specs = specs or [KVSpec("bf16" if dtype == torch.bfloat16 else "fp32")] * cfg.num_layers
         require(len(specs) == cfg.num_layers, f"KV plan has {len(specs)} layers, the model {cfg.num_layers}")
         for i, spec in enumerate(specs):
@@ -121,14 +121,36 @@ class KVCache:
         self.layers = [LayerKV(spec, shape, dtype, device) for spec in specs]
         self.scales = {} if scales is None else scales  # layer_idx -> (k_scale, v_scale)
         self.length, self.max_len = 0, max_len
+        # count_clipped: how many keys and values the fp8/int8 layers saturated at their format's largest value, and
+        # how many were stored in all (an extra comparison per write: for probes, not for every rollout)
+        self.clipped = torch.zeros(2, dtype=torch.long) if count_clipped else None
+        self.stored = torch.zeros(2, dtype=torch.long) if count_clipped else None
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[2]
         assert end <= self.max_len, f"KV cache overflow: {end} > {self.max_len}"
         layer = self.layers[layer_idx]
         for which, x in enumerate((k, v)):
-            layer.write(which, x, self.length, self._scale(layer_idx, which, x))
+            scale = self._scale(layer_idx, which, x)
+            layer.write(which, x, self.length, scale)
+            if self.clipped is not None:
+                self._count(layer.spec, which, x, scale)
         return layer.deq[0][:, :, :end], layer.deq[1][:, :, :end]
+
+    def _count(self, spec: KVSpec, which: int, x: torch.Tensor, scale) -> None:
+        if spec.dtype in FP8_DTYPES:
+            limit = fp8_max(FP8_DTYPES[spec.dtype])
+        elif spec.dtype == "int8":
+            limit = 127.5  # rounds to a code past 127
+        else:  # float formats and int4 (its per-group range always covers the group) do not saturate
+            limit = None
+        if limit is not None:
+            self.clipped[which] += int(((x.float() / scale).abs() > limit).sum())
+        self.stored[which] += x.numel()
+
+    def clipped_fractions(self) -> tuple[float, float]:
+        """(keys, values): the share of everything stored that a fp8/int8 layer saturated (needs count_clipped)."""
+        return tuple(float(c) / max(int(n), 1) for c, n in zip(self.clipped, self.stored))
 
     def _scale(self, layer_idx: int, which: int, x: torch.Tensor):
         spec = self.layers[layer_idx].spec

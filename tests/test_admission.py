@@ -240,6 +240,9 @@ def test_outlier_keys_keep_the_function_and_break_fixed_scale_fp8_kv(pair, tmp_p
     assert amax < 20 and outlier_amax > 448
     numbers = {plan: measure(setup, Plan.parse(plan, n)) for plan in plans}
     after = {plan: m["kl_exact"] for plan, m in numbers.items()}
+    clipped = {plan: (m["kv_clipped_k"], m["kv_clipped_v"]) for plan, m in numbers.items()}
+    assert clipped["kv=fp8_e4m3"][0] > 0 and clipped["kv=fp8_e4m3"][1] == 0  # the keys saturate, not the values
+    assert clipped["kv=fp8_e4m3 kv_scale=calibrate"] == (0, 0)
     assert after["kv=fp8_e4m3"] > 10 * before["kv=fp8_e4m3"], (before, after)
     assert after["kv=int8 kv_scale=calibrate"] > 10 * before["kv=int8 kv_scale=calibrate"], (before, after)
     calibrated = after["kv=fp8_e4m3 kv_scale=calibrate"] / before["kv=fp8_e4m3 kv_scale=calibrate"]

@@ -95,6 +95,26 @@ def test_calibrated_scales_follow_vllm_rule_and_are_kept(model):
     assert per_head[0][0].shape == (CFG.num_kv_heads, 1, 1)
 
 
+@pytest.mark.parametrize("dtype, scale_mode, big, clipped", [
+    ("fp8_e4m3", "fixed", 500.0, 2),  # past e4m3's 448 at scale 1.0
+    ("fp8_e4m3", "fixed", 440.0, 0),
+    ("fp8_e5m2", "fixed", 500.0, 0),  # e5m2 reaches 57344
+    ("int8", "calibrate", 500.0, 0),  # calibrated on this very batch: nothing past 127 steps
+    ("bf16", "fixed", 1e6, 0),
+])
+def test_saturated_keys_and_values_are_counted(dtype, scale_mode, big, clipped):
+    """Hand-made K/V: two of the 64 keys at +-big, the values small; the count is of keys past the format's range."""
+    cfg = ModelConfig(arch="llama", vocab_size=10, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
+                      num_kv_heads=1, head_dim=8)
+    cache = KVCache(cfg, 2, 4, specs=[KVSpec(dtype, scale_mode=scale_mode)], count_clipped=True)
+    k = torch.ones(2, 1, 4, 8)
+    k[0, 0, 0, 0], k[1, 0, 3, 7] = big, -big
+    cache.update(0, k, torch.full((2, 1, 4, 8), 0.5))
+    assert cache.clipped.tolist() == [clipped, 0] and cache.stored.tolist() == [64, 64]
+    assert cache.clipped_fractions() == (clipped / 64, 0.0)
+    assert KVCache(cfg, 2, 4).clipped is None  # off unless asked: no extra work per write
+
+
 def test_plan_quantizing_one_layer_changes_only_what_follows(model):
     x = ids()
     _, ref = cached_logits(model, x)
