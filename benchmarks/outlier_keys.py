@@ -26,7 +26,8 @@ from opd.sweep import PROBE_ROLLOUTS
 from opd.trainer import probe_setup
 
 PLANS = {"fp8 fixed": "kv=fp8_e4m3", "fp8 calibrated": "kv=fp8_e4m3 kv_scale=calibrate",
-         "int8 calibrated": "kv=int8 kv_scale=calibrate", "int8 per head": "kv=int8 kv_scale=calibrate kv_per_head=true"}
+         "int8 calibrated": "kv=int8 kv_scale=calibrate",
+         "int8 per head": "kv=int8 kv_scale=calibrate kv_per_head=true"}
 
 
 @torch.no_grad()

@@ -38,9 +38,9 @@ The result is a small JSON file (`opd calibrate`); the package ships one calibra
 
 **When it rejects**, `propose_plan` first tries the same plan with calibrated FP8 KV scales if it had fixed ones
 (they keep all of the memory saving). Otherwise it measures the candidate setting on one layer at a time (the
-sensitivity map) and keeps the most sensitive layers in BF16, one more at a time, until the probe is admitted: the cheapest per-layer plan
-that passes, in layers kept at BF16. `decide` is a pure predicate; the runtime guard (trainer.py) applies it to the
-live training metrics every `guard_every` steps.
+sensitivity map) and keeps the most sensitive layers in BF16, one more at a time, until the probe is admitted: the
+cheapest per-layer plan that passes, in layers kept at BF16. `decide` is a pure predicate; the runtime guard
+(trainer.py) applies it to the live training metrics every `guard_every` steps.
 """
 import json
 import math

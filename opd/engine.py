@@ -15,11 +15,12 @@ weights that sampled it.
 
 `compile=True` runs the rollout copy's forward through `torch.compile` (inductor, dynamic shapes): one graph for the
 prefill and one for every decode step, whatever the prompt lengths, kept across weight updates (the weights are
-graph inputs, not constants), compiled when the engine is built. It fuses the few hundred small ops of a decode step into a few kernels, which is
-where a small model's time goes (README: ~1.5x the eager engine on this CPU). Building it compiles (about a
-minute here; inductor's on-disk cache makes later processes faster). Inductor is told to round to bfloat16 where
-eager PyTorch rounds (`emulate_precision_casts`), so a compiled bf16 plan keeps the eager plan's numerics instead
-of computing its fused intermediates in float32; only the order of some float reductions differs (tested).
+graph inputs, not constants), compiled when the engine is built. It fuses the few hundred small ops of a decode step
+into a few kernels, which is where a small model's time goes (README: ~1.5x the eager engine on this CPU). Building
+it compiles (about a minute here; inductor's on-disk cache makes later processes faster). Inductor is told to round
+to bfloat16 where eager PyTorch rounds (`emulate_precision_casts`), so a compiled bf16 plan keeps the eager plan's
+numerics instead of computing its fused intermediates in float32; only the order of some float reductions differs
+(tested).
 """
 from dataclasses import dataclass
 

@@ -1,11 +1,11 @@
 """The bad-input suite: every way a user can hand `opd` something wrong, through the CLI as a user would.
 
 Each case builds its bad input in a fresh folder and runs one `opd` command. Every case must end with exit code 2
-and one line `opd: error: <problem> (<fix>)` as the last line on stderr (a run may print its directory and opd's
-own one-line notes first), no traceback, the fragments that name the problem in that line, and no corrupt output: nothing new in the
-folder except what the case declares (`leaves`, e.g. a run directory that `--resume` continues), and never a
-temporary file (`.name.tmp-*`) or a half-written checkpoint. Most cases run in-process (`opd.cli.main`); the ones
-that need a process of their own (a file-size limit, a shadowed package) run `python -m opd.cli`.
+and one line `opd: error: <problem> (<fix>)` as the last line on stderr (a run may print its directory and opd's own
+one-line notes first), no traceback, the fragments that name the problem in that line, and no corrupt output:
+nothing new in the folder except what the case declares (`leaves`, e.g. a run directory that `--resume` continues),
+and never a temporary file (`.name.tmp-*`) or a half-written checkpoint. Most cases run in-process (`opd.cli.main`);
+the ones that need a process of their own (a file-size limit, a shadowed package) run `python -m opd.cli`.
 """
 import json
 import os
