@@ -125,6 +125,11 @@ def worker_main(address: str, inbox, outbox, init: bytes) -> None:
     """The rollout worker process: build the engine, then serve the inbox until "stop" or the trainer is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer owns Ctrl-C and stops us cleanly
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
+    # No named semaphores here: a worker may be killed (the guard's fallback, a hang), and a semaphore it registered
+    # would end the trainer with the resource tracker's "leaked semaphore" warning. torch.compile's FX interpreter
+    # opens a (disabled) tqdm bar, whose interprocess lock is one; the thread lock is enough in this process.
+    from tqdm.std import TqdmDefaultWriteLock
+    TqdmDefaultWriteLock.mp_lock = None
     try:
         spec, weights, version, scales = unpack(init)
         torch.set_num_threads(spec.threads)

@@ -68,6 +68,7 @@ class Engine:
         """Compile now on dummy batches, so that the first real batch is not the one that waits, and a compiler
         failure shows at start. Sizes of 2 or more stay symbolic: other batch, prompt and completion sizes reuse the
         graphs. Twice: a calibrated KV cache's prefill has one graph that calibrates and one that reuses scales."""
+        from torch._inductor.async_compile import shutdown_compile_workers
         saved, eos = {i: list(pair) for i, pair in self.scales.items()}, self.eos_id
         self.eos_id = -1  # every step is decoded, whatever the dummy batch samples
         try:
@@ -77,6 +78,9 @@ class Engine:
             self.eos_id = eos
             self.scales.clear()  # the dummy batch must not calibrate anything
             self.scales.update(saved)
+            # inductor's compiler processes are done: stop them now rather than leave them idle (and, in a rollout
+            # worker that gets terminated, leave their semaphores to the resource tracker's leak warning)
+            shutdown_compile_workers()
 
     def _rollout_copy(self) -> Transformer:
         if not self.plan.changes_weights:
