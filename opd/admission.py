@@ -55,6 +55,7 @@ from opd.learner import collate, completion_logprobs, token_logprobs
 from opd.losses import LossConfig
 from opd.metrics import distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics
 from opd.plan import LayerPrecision, Plan, describe_layer
+from opd.quant import FP8_DTYPES
 
 FLOOR_PLAN = "kv=bf16 w=bf16"
 CLASSES = ("full", "sampler", "learner", "corrected")
@@ -289,7 +290,7 @@ def calibrated(plan: Plan) -> Plan | None:
     (vLLM's default) saturates keys beyond the format's range (448 for e4m3); calibrated scales keep all of the KV
     memory saving (README, "Outlier keys")."""
     def fix(layer: LayerPrecision) -> LayerPrecision:
-        fixed_fp8 = layer.kv.dtype.startswith("fp8") and layer.kv.scale_mode == "fixed"
+        fixed_fp8 = layer.kv.dtype in FP8_DTYPES and layer.kv.scale_mode == "fixed"
         return replace(layer, kv=replace(layer.kv, scale_mode="calibrate")) if fixed_fp8 else layer
     layers = tuple(map(fix, plan.layers))
     return Plan(layers) if layers != plan.layers else None

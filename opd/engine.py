@@ -59,6 +59,7 @@ class Engine:
         self.count_clipped = False  # set: each generate leaves (keys, values) saturated fractions in kv_clipped
         self.kv_clipped: tuple[float, float] | None = None
         self.scales: dict = {}  # layer -> [k_scale, v_scale], shared by every batch
+        self.model = None
         self._use(self._rollout_copy())
         self.new_cache(1, 1)  # fail now, not mid-run, if the plan does not fit the model's shapes
         if compile:
@@ -95,7 +96,7 @@ class Engine:
         self.version = version
 
     def _use(self, model: Transformer) -> None:
-        if model is not getattr(self, "model", None):  # the same module updated in place keeps its forward
+        if model is not self.model:  # the same module updated in place keeps its forward
             self.model, self.forward = model, compiled_forward(model) if self.compile else model
 
     def _scales_for_batch(self) -> dict:
