@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from opd.admission import FLOOR_PLAN, METRIC, ProbeSetup, decide, estimator_class, load_thresholds
+from opd.admission import FLOOR_PLAN, METRIC, MIN_ESS_FRAC, ProbeSetup, decide, estimator_class, load_thresholds
 from opd.async_rollouts import AsyncRollouts, sampler_seed, worker_spec
 from opd.checkpoint import load_checkpoint, recover_checkpoint, save_checkpoint
 from opd.config import TrainConfig
@@ -362,36 +362,44 @@ def fall_back(run: Run) -> None:
     run.engine.update_weights(run.student.state_dict(), run.state.version)
 
 
-def guard(run: Run, window: list[float], step: int, run_dir: Path) -> dict:
-    """The admission check on the live rollouts: the rollout-vs-learner noise-to-signal ratio (`stale/total_nsr`,
-    numerics and staleness together) averaged over the steps since the last check, against the estimator's limit.
-    On REJECT the event goes to guard.jsonl and stderr, and `guard_action` is taken."""
+GUARD_KEYS = ("stale/total_nsr", "stale/total_ess_frac")  # what the guard reads from each step's metrics
+
+
+def guard(run: Run, window: list[dict], step: int, run_dir: Path) -> dict:
+    """The admission check on the live rollouts, rollout engine vs the current learner (numerics and staleness
+    together), averaged over the steps since the last check: the noise-to-signal ratio `stale/total_nsr` against
+    the estimator's limit, and the effective sample size fraction `stale/total_ess_frac` against MIN_ESS_FRAC, as
+    in the probe. On REJECT the event goes to guard.jsonl and stderr, and `guard_action` is taken."""
     cfg = run.cfg
-    value = sum(window) / len(window) if window else math.nan
+    nsr, ess = (sum(row.get(key, math.nan) for row in window) / len(window) if window else math.nan
+                for key in GUARD_KEYS)
     window.clear()
-    decision = decide({METRIC: value}, run.guard_thresholds, estimator_class(cfg.loss), 0, cfg.guard_limit)
-    out = {"guard/nsr": value, "guard/limit": decision.limit, "guard/triggered": float(not decision.admit)}
+    decision = decide({METRIC: nsr, "ess_frac": ess}, run.guard_thresholds, estimator_class(cfg.loss), 0,
+                      cfg.guard_limit)
+    out = {"guard/nsr": nsr, "guard/ess_frac": ess, "guard/limit": decision.limit,
+           "guard/triggered": float(not decision.admit)}
     if decision.admit:
         return out
     action = "warn" if cfg.guard_action == "fallback" and run.state.fallback else cfg.guard_action
-    event = {"step": step, "action": action, "nsr": value, "limit": decision.limit, "plan": str(run.plan),
-             "reasons": decision.reasons}
+    event = {"step": step, "action": action, "nsr": nsr, "ess_frac": ess, "limit": decision.limit,
+             "plan": str(run.plan), "reasons": decision.reasons}
     with open(run_dir / "guard.jsonl", "a") as f:
         f.write(json.dumps(event) + "\n")
-    print(f"opd: guard: step {step}: rollout-vs-learner nsr {value:.3g} > limit {decision.limit:.3g} "
-          f"(plan {run.plan}): {action}", file=sys.stderr)
+    what = f"nsr {nsr:.3g} {'>' if nsr > decision.limit else '<='} limit {decision.limit:.3g}, " \
+           f"ess_frac {ess:.3g}{' < ' if ess < MIN_ESS_FRAC else ' >= '}{MIN_ESS_FRAC}"
+    print(f"opd: guard: step {step}: rollout-vs-learner {what} (plan {run.plan}): {action}", file=sys.stderr)
     if action == "stop":
-        raise OpdError(f"guard: the rollouts' mismatch (nsr {value:.3g}) exceeded the limit {decision.limit:.3g} "
-                       f"at step {step}", "use a safer plan (`opd admit` proposes one), guard_action=fallback, or "
-                       "a higher guard_limit")
+        raise OpdError(f"guard: the rollouts' mismatch exceeded what the admission check allows at step {step} "
+                       f"({what})", "use a safer plan (`opd admit` proposes one), guard_action=fallback, or a higher "
+                       "guard_limit")
     if action == "fallback":
         fall_back(run)
     return out
 
 
-def _guard_window(run_dir: Path, step: int, every: int) -> list[float]:
-    """On resume: the live ratios of the steps since the last check (from metrics.jsonl), so the checks see what they
-    would have seen; and guard events of the steps to be re-run are dropped (they are logged again)."""
+def _guard_window(run_dir: Path, step: int, every: int) -> list[dict]:
+    """On resume: the live numbers of the steps since the last check (from metrics.jsonl), so the checks see what
+    they would have seen; and guard events of the steps to be re-run are dropped (they are logged again)."""
     path = run_dir / "guard.jsonl"
     if path.is_file():
         kept = [event for event in read_jsonl(path) if event["step"] < step]
@@ -399,7 +407,8 @@ def _guard_window(run_dir: Path, step: int, every: int) -> list[float]:
     if not every:
         return []
     first = step - step % every
-    return [row.get("stale/total_nsr", math.nan) for row in read_metrics(run_dir) if first <= row["step"] < step]
+    return [{key: row.get(key, math.nan) for key in GUARD_KEYS} for row in read_metrics(run_dir)
+            if first <= row["step"] < step]
 
 
 def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step) -> dict:
@@ -415,7 +424,7 @@ def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step) -
                 metrics |= (last_eval := evaluate(run, cfg))
             metrics |= run_step(run)
             if cfg.guard_every:
-                window.append(metrics.get("stale/total_nsr", math.nan))
+                window.append({key: metrics.get(key, math.nan) for key in GUARD_KEYS})
                 if (step + 1) % cfg.guard_every == 0:
                     metrics |= guard(run, window, step, run_dir)
             log.write(step, metrics)

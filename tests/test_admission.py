@@ -153,6 +153,25 @@ def test_guard_falls_back_to_bf16_on_an_injected_mismatch(pair, tmp_path):
     assert summary["guard_fallback"] and "noise" not in summary["plan"] and "kv=bf16" in summary["plan"]
 
 
+def test_guard_rejects_on_the_live_ess_even_when_nsr_is_under_its_limit(pair, tmp_path):
+    """The probe's ESS floor holds live too: noise=0.5 on the tiny pair has total_ess_frac ~0.3-0.5, and a limit of
+    100 on nsr would admit it."""
+    from opd.admission import MIN_ESS_FRAC
+    from opd.runlog import read_metrics
+    from opd.trainer import train
+    cfg = config(pair, plan="noise=0.5", steps=4, guard_every=2, guard_action="fallback", guard_limit=100.0,
+                 max_new_tokens=12, save_every=0)
+    summary = train(cfg, tmp_path / "run", progress=False)
+    events = [json.loads(line) for line in (tmp_path / "run" / "guard.jsonl").read_text().splitlines()]
+    assert len(events) == 1 and events[0]["step"] == 1 and events[0]["action"] == "fallback"
+    assert events[0]["nsr"] < 100 and events[0]["ess_frac"] < MIN_ESS_FRAC
+    assert any(reason.startswith("ess_frac") for reason in events[0]["reasons"])
+    rows = read_metrics(tmp_path / "run")
+    assert rows[1]["guard/ess_frac"] == pytest.approx((rows[0]["stale/total_ess_frac"] +
+                                                       rows[1]["stale/total_ess_frac"]) / 2)
+    assert rows[3]["guard/triggered"] == 0.0 and rows[3]["guard/ess_frac"] > 0.9 and summary["guard_fallback"]
+
+
 def test_guard_stop_and_warn(pair, tmp_path):
     from opd.trainer import train
     cfg = config(pair, plan="noise=0.5", steps=4, guard_every=1, guard_action="stop", guard_limit=GUARD_LIMIT,
@@ -261,4 +280,4 @@ def test_a_broken_rollout_engine_is_rejected_by_its_ess_whatever_its_nsr():
     assert decide({"nsr": 0.01, "ess_frac": MIN_ESS_FRAC}, LIMITS, "full").admit
     broken = decide({"nsr": 0.01, "ess_frac": 0.075}, LIMITS, "full")
     assert not broken.admit and "ess_frac 0.075 < 0.5" in broken.reasons[-1]
-    assert decide({"nsr": 0.01}, LIMITS, "full").admit  # the live guard has no ess: nsr alone
+    assert decide({"nsr": 0.01}, LIMITS, "full").admit  # without an ess_frac: nsr alone
