@@ -162,6 +162,11 @@ def compiled_forward(model: Transformer):
     """model.forward through torch.compile; a new copy of the same shape reuses the graphs already compiled."""
     import torch._inductor.config
     import torch.fx.experimental._config
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    try:  # inductor finds out only after tracing the model (~25 s here); asking it first takes milliseconds
+        get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 (InvalidCxxCompiler, or anything else that means "no compiler")
+        _compile_failed(e)
     torch._inductor.config.emulate_precision_casts = True  # round to bf16 where eager does (see the docstring)
     torch.fx.experimental._config.use_duck_shape = False  # a batch of 64 must not be tied to a dimension of 64
     compiled = torch.compile(model.forward, dynamic=True)
@@ -169,12 +174,15 @@ def compiled_forward(model: Transformer):
     def forward(*args):
         try:
             return compiled(*args)
-        except torch._dynamo.exc.TorchDynamoException as e:  # e.g. no working C++ compiler for inductor
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise OpdError(f"torch.compile of the rollout engine failed: {reason}",
-                           "set engine_compile=false, or install a working C++ compiler (inductor builds its "
-                           "CPU kernels with it)") from None
+        except torch._dynamo.exc.TorchDynamoException as e:  # e.g. inductor could not build a kernel
+            _compile_failed(e)
     return forward
+
+
+def _compile_failed(e: Exception):
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise OpdError(f"torch.compile of the rollout engine failed: {reason}", "set engine_compile=false, or install a "
+                   "working C++ compiler (inductor builds its CPU kernels with it)") from None
 
 
 def check_finite(logits: torch.Tensor, step: int) -> None:
