@@ -11,8 +11,8 @@ next to the OPD learning signal it perturbs (the sampled-token advantage). The s
 already close to its teacher (small signal) more than one far from it; in the tolerance study, `kl_k3` alone put
 runs of the two built-in families that trained fine above ones that degraded, and `nsr` ordered them better
 (dev/LOG.md has both). The runtime guard compares the trainer's live `stale/total_nsr` (with the current learner
-`pi` in place of `q`: numerics and staleness together) with the same limit, and its live `stale/total_ess_frac`
-(weights pi/mu) with the same ESS floor as the probe's (below). Staleness cannot be probed before
+`pi` in place of `q`: numerics and staleness together) with the same limit, and its live `is/ess_frac` (weights
+q/mu, as in the probe) with the same ESS floor (below). Staleness cannot be probed before
 training: an optimizer step on a probe batch from a fresh optimizer is a sign step of size lr on every weight, and
 overstated the real per-step drift 20-100x (dev/LOG.md). So the configuration's `max_staleness` is compared with the
 largest staleness the sweep saw train fine with its estimator.

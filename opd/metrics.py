@@ -16,8 +16,7 @@ it, `pi` = under the current learner, `T` = under the teacher; `delta = q - mu`.
 - `stale/`: the policy-version gap of each rollout, the update-edge mismatch `upd_kl_k3` with `l = pi - q`, and
   `total_kl_k3` with `l = pi - mu`: the rollout engine vs the current learner, numerics and staleness together,
   which is the gap a sampled-token advantage built on `mu` sees (equal to `mismatch/kl_k3` when nothing is stale),
-  `total_ess_frac`, the `ess_frac` of the weights `exp(pi - mu)`, and `total_nsr = mean |pi - mu| / mean |T - pi|`
-  (trainer.py; `opd/nsr` when nothing is stale). The runtime guard reads the last two.
+  and `total_nsr = mean |pi - mu| / mean |T - pi|` (trainer.py; `opd/nsr` when nothing is stale).
 - `rollout/`: completion lengths and the truncation rate.
 """
 import math
@@ -56,16 +55,11 @@ def exact_kl_metric(rollout_logp: torch.Tensor, train_logp: torch.Tensor, mask: 
     return {"mismatch/kl_exact": masked_mean(kl(rollout_logp.double(), train_logp.double()), mask).item()}
 
 
-def ess_fraction(w: torch.Tensor) -> float:
-    """(sum w)^2 / (N sum w^2) of N > 0 importance weights: 1 when all are equal, 1/N when one dominates."""
-    return (w.sum() ** 2 / (w ** 2).sum()).item() / w.numel()
-
-
 def importance_metrics(mu: torch.Tensor, q: torch.Tensor, mask: torch.Tensor, cap: float = 2.0) -> dict:
     w = torch.exp(_values(q - mu, mask))
     if w.numel() == 0:
         return {}
-    ess = ess_fraction(w) * w.numel()
+    ess = (w.sum() ** 2 / (w ** 2).sum()).item()
     return {"is/w_mean": w.mean().item(), "is/w_min": w.min().item(), "is/w_max": w.max().item(),
             "is/frac_outside": ((w < 1 / cap) | (w > cap)).double().mean().item(),
             "is/ess": ess, "is/ess_frac": ess / w.numel()}
@@ -97,12 +91,11 @@ def staleness_metrics(versions: list[int], current: int, q: torch.Tensor, pi: to
                       mask: torch.Tensor, mu: torch.Tensor | None = None,
                       token_mask: torch.Tensor | None = None) -> dict:
     """versions: the (token-weighted) policy version of each rollout; current: the learner's version.
-    mask: the tokens whose q is known; token_mask: all generated tokens (for the total_ metrics, which need only mu)."""
+    mask: the tokens whose q is known; token_mask: all generated tokens (for total_kl_k3, which needs only mu)."""
     gaps = [current - v for v in versions]
     out = {"stale/version_gap_mean": sum(gaps) / len(gaps), "stale/version_gap_max": float(max(gaps))}
     if mu is not None and token_mask is not None and token_mask.any():
         out["stale/total_kl_k3"] = kl_estimates(pi - mu, token_mask)[1]
-        out["stale/total_ess_frac"] = ess_fraction(torch.exp(_values(pi - mu, token_mask)))
     if mask.any():  # no tokens with a known q: the update's KL is unknown, not zero
         out["stale/upd_kl_k3"] = kl_estimates(pi - q, mask)[1]
     return out

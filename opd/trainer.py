@@ -362,22 +362,27 @@ def fall_back(run: Run) -> None:
     run.engine.update_weights(run.student.state_dict(), run.state.version)
 
 
-GUARD_KEYS = ("stale/total_nsr", "stale/total_ess_frac")  # what the guard reads from each step's metrics
+GUARD_KEYS = ("stale/total_nsr", "is/ess_frac")  # what the guard reads from each step's metrics
 
 
 def guard(run: Run, window: list[dict], step: int, run_dir: Path) -> dict:
-    """The admission check on the live rollouts, rollout engine vs the current learner (numerics and staleness
-    together), averaged over the steps since the last check: the noise-to-signal ratio `stale/total_nsr` against
-    the estimator's limit, and the effective sample size fraction `stale/total_ess_frac` against MIN_ESS_FRAC, as
-    in the probe. On REJECT the event goes to guard.jsonl and stderr, and `guard_action` is taken."""
+    """The admission check on the live rollouts, averaged over the steps since the last check: the noise-to-signal
+    ratio `stale/total_nsr` (rollout engine vs the current learner: numerics and staleness together) against the
+    estimator's limit, and, as in the probe, the numerics' effective sample size fraction `is/ess_frac` (weights
+    q/mu) against MIN_ESS_FRAC. Not the ESS of pi/mu: one token whose probability an update moved a lot collapses it
+    (0.005 in one step of a healthy max_staleness 4 run, dev/LOG.md), and staleness is what nsr and max_staleness
+    judge. Steps without q (async, recompute_fraction 0) have no ESS; a window without any skips that test.
+    On REJECT the event goes to guard.jsonl and stderr, and `guard_action` is taken."""
     cfg = run.cfg
-    nsr, ess = (sum(row.get(key, math.nan) for row in window) / len(window) if window else math.nan
-                for key in GUARD_KEYS)
+    nsr = sum(row[GUARD_KEYS[0]] for row in window) / len(window) if window else math.nan
+    known = [row[GUARD_KEYS[1]] for row in window if math.isfinite(row[GUARD_KEYS[1]])]
+    ess = sum(known) / len(known) if known else None
     window.clear()
     decision = decide({METRIC: nsr, "ess_frac": ess}, run.guard_thresholds, estimator_class(cfg.loss), 0,
                       cfg.guard_limit)
-    out = {"guard/nsr": nsr, "guard/ess_frac": ess, "guard/limit": decision.limit,
-           "guard/triggered": float(not decision.admit)}
+    out = {"guard/nsr": nsr, "guard/limit": decision.limit, "guard/triggered": float(not decision.admit)}
+    if ess is not None:
+        out["guard/ess_frac"] = ess
     if decision.admit:
         return out
     action = "warn" if cfg.guard_action == "fallback" and run.state.fallback else cfg.guard_action
@@ -385,8 +390,8 @@ def guard(run: Run, window: list[dict], step: int, run_dir: Path) -> dict:
              "plan": str(run.plan), "reasons": decision.reasons}
     with open(run_dir / "guard.jsonl", "a") as f:
         f.write(json.dumps(event) + "\n")
-    what = f"nsr {nsr:.3g} {'>' if nsr > decision.limit else '<='} limit {decision.limit:.3g}, " \
-           f"ess_frac {ess:.3g}{' < ' if ess < MIN_ESS_FRAC else ' >= '}{MIN_ESS_FRAC}"
+    what = f"nsr {nsr:.3g} {'>' if nsr > decision.limit else '<='} limit {decision.limit:.3g}" + (
+        "" if ess is None else f", ess_frac {ess:.3g} {'<' if ess < MIN_ESS_FRAC else '>='} {MIN_ESS_FRAC}")
     print(f"opd: guard: step {step}: rollout-vs-learner {what} (plan {run.plan}): {action}", file=sys.stderr)
     if action == "stop":
         raise OpdError(f"guard: the rollouts' mismatch exceeded what the admission check allows at step {step} "

@@ -154,8 +154,8 @@ def test_guard_falls_back_to_bf16_on_an_injected_mismatch(pair, tmp_path):
 
 
 def test_guard_rejects_on_the_live_ess_even_when_nsr_is_under_its_limit(pair, tmp_path):
-    """The probe's ESS floor holds live too: noise=0.5 on the tiny pair has total_ess_frac ~0.3-0.5, and a limit of
-    100 on nsr would admit it."""
+    """The probe's ESS floor holds live too: noise=0.5 on the tiny pair has is/ess_frac ~0.3-0.5, and a limit of 100
+    on nsr would admit it."""
     from opd.admission import MIN_ESS_FRAC
     from opd.runlog import read_metrics
     from opd.trainer import train
@@ -167,8 +167,7 @@ def test_guard_rejects_on_the_live_ess_even_when_nsr_is_under_its_limit(pair, tm
     assert events[0]["nsr"] < 100 and events[0]["ess_frac"] < MIN_ESS_FRAC
     assert any(reason.startswith("ess_frac") for reason in events[0]["reasons"])
     rows = read_metrics(tmp_path / "run")
-    assert rows[1]["guard/ess_frac"] == pytest.approx((rows[0]["stale/total_ess_frac"] +
-                                                       rows[1]["stale/total_ess_frac"]) / 2)
+    assert rows[1]["guard/ess_frac"] == pytest.approx((rows[0]["is/ess_frac"] + rows[1]["is/ess_frac"]) / 2)
     assert rows[3]["guard/triggered"] == 0.0 and rows[3]["guard/ess_frac"] > 0.9 and summary["guard_fallback"]
 
 

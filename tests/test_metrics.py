@@ -99,11 +99,5 @@ def test_staleness_and_rollout_metrics():
     m = staleness_metrics([3, 5, 4.5], current=5, q=q, pi=pi, mask=torch.ones(1, 2, dtype=torch.bool))
     assert m["stale/version_gap_mean"] == pytest.approx(2.5 / 3) and m["stale/version_gap_max"] == 2
     assert m["stale/upd_kl_k3"] == pytest.approx((math.exp(0.2) - 1.2 + math.exp(-0.2) - 0.8) / 2)
-    assert "stale/total_ess_frac" not in m  # no mu: the rollout engine's side is unknown
-    mu, tokens = torch.log(torch.tensor([[1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)), torch.ones(1, 4, dtype=torch.bool)
-    pi4 = torch.log(torch.tensor([[1.0, 1.0, 1.0, 3.0]], dtype=torch.float64))
-    m = staleness_metrics([5], 5, q=pi4, pi=pi4, mask=tokens, mu=mu, token_mask=tokens)
-    assert m["stale/total_ess_frac"] == pytest.approx(36 / 12 / 4)  # w = pi/mu = (1, 1, 1, 3): (sum w)^2 / (N sum w^2)
-    assert staleness_metrics([5], 5, q=mu, pi=mu, mask=tokens, mu=mu, token_mask=tokens)["stale/total_ess_frac"] == 1
     r = rollout_metrics([10, 20, 30], [False, False, True])
     assert r == {"rollout/length_mean": 20, "rollout/length_max": 30, "rollout/truncated": pytest.approx(1 / 3)}
