@@ -88,7 +88,7 @@ class Engine:
             return self.base
         layers = self.plan.layers
         return apply_weight_precision(self.base, [p.weights for p in layers], [p.noise for p in layers],
-                                      self.noise_seed)
+                                      self.noise_seed, [p.key_outlier for p in layers])
 
     def update_weights(self, state_dict: dict, version: int) -> None:
         self.base.load_state_dict(state_dict)

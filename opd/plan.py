@@ -12,16 +12,18 @@ to settings, `{"*": "kv=fp8_e4m3", "0,3": "kv=bf16"}` (`Plan.from_mapping`).
     kv=bf16 w=bf16                            BF16 rollouts: what a bf16 engine computes, against a float32 trainer
 
 Keys: `kv` (fp32, bf16, fp8_e4m3, fp8_e5m2, int8, int4), `kv_scale` (fixed, calibrate, dynamic), `kv_per_head`
-(true/false), `kv_group` (int4 group size), `w` (none, bf16, fp8, fp8_block, int8, int4), `noise` (relative std).
+(true/false), `kv_group` (int4 group size), `w` (none, bf16, fp8, fp8_block, int8, int4), `noise` (relative std),
+`key_outlier` (a stress setting, not a precision: the engine's copy gets outlier keys of this factor, stress.py).
 The empty string is the full-precision plan (fp32 KV, original weights).
 """
+import math
 from dataclasses import dataclass, replace
 
 from opd.errors import OpdError, require
 from opd.kv_cache import KVSpec
 from opd.weight_quant import WEIGHT_SCHEMES
 
-KEYS = ("kv", "kv_scale", "kv_per_head", "kv_group", "w", "noise")
+KEYS = ("kv", "kv_scale", "kv_per_head", "kv_group", "w", "noise", "key_outlier")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class LayerPrecision:
     kv: KVSpec = KVSpec()
     weights: str = "none"
     noise: float = 0.0
+    key_outlier: float = 1.0  # stress: one key channel pair x this, its queries / this (stress.py); 1 is none
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class Plan:
 
     @property
     def changes_weights(self) -> bool:
-        return any(layer.weights != "none" or layer.noise > 0 for layer in self.layers)
+        return any(layer.weights != "none" or layer.noise > 0 or layer.key_outlier != 1 for layer in self.layers)
 
     def __str__(self) -> str:
         """Canonical form: one clause per distinct layer setting, e.g. `0,3: kv=bf16; 1,2: kv=fp8_e4m3`."""
@@ -77,6 +80,7 @@ def describe_layer(layer: LayerPrecision) -> str:
     parts += ["kv_per_head=true"] if kv.per_head else []
     parts += [f"kv_group={kv.group}"] if kv.dtype == "int4" else []
     parts += [f"noise={layer.noise:g}"] if layer.noise else []
+    parts += [f"key_outlier={layer.key_outlier:g}"] if layer.key_outlier != 1 else []
     return " ".join(parts)
 
 
@@ -106,6 +110,8 @@ def _apply(layer: LayerPrecision, settings: list[str], clause: str) -> LayerPrec
             layer = replace(layer, weights=value)
         elif key == "noise":
             layer = replace(layer, noise=_number(value, float, setting))
+        elif key == "key_outlier":
+            layer = replace(layer, key_outlier=_number(value, float, setting))
         else:
             kv[key] = value
     if kv:
@@ -113,7 +119,9 @@ def _apply(layer: LayerPrecision, settings: list[str], clause: str) -> LayerPrec
                   "per_head": _bool(kv["kv_per_head"]) if "kv_per_head" in kv else layer.kv.per_head,
                   "group": _number(kv["kv_group"], int, "kv_group") if "kv_group" in kv else layer.kv.group}
         layer = replace(layer, kv=KVSpec(**fields))
-    require(layer.noise >= 0, f"plan: noise must be >= 0 in {clause!r}")
+    require(0 <= layer.noise < math.inf, f"plan: noise must be >= 0 and finite in {clause!r}")
+    require(0 < layer.key_outlier < math.inf, f"plan: key_outlier must be > 0 and finite in {clause!r}",
+            "1 means no outlier")
     return layer
 
 

@@ -46,9 +46,10 @@ def vllm_settings(plan: Plan) -> tuple[str, str]:
     require(all(layer == first for layer in plan.layers),
             f"the vllm engine runs one precision for the whole model, not the per-layer plan {plan}",
             "use a plan without layer selectors, or engine builtin")
-    require(first.noise == 0 and first.weights in ("none", "bf16"),
-            f"the vllm engine has no switch for weights={first.weights} noise={first.noise}",
-            "use w=bf16 or full precision weights with engine vllm, or engine builtin")
+    require(first.noise == 0 and first.key_outlier == 1 and first.weights in ("none", "bf16"),
+            f"the vllm engine has no switch for weights={first.weights} noise={first.noise:g} "
+            f"key_outlier={first.key_outlier:g}", "use w=bf16 or full precision weights with engine vllm, or engine "
+            "builtin")
     require(first.kv.scale_mode == "fixed", f"the vllm engine uses fixed KV scales (1.0), not {first.kv.scale_mode}",
             "drop kv_scale, or use engine builtin")
     dtype = "bfloat16" if first.weights == "bf16" else "float32"

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from opd.errors import require
 from opd.model import Transformer
 from opd.quant import dequantize_fp8, dequantize_int4, fp8_max, quantize_fp8, quantize_int4, safe_scale
+from opd.stress import add_outlier_keys_to_layer
 
 WEIGHT_SCHEMES = ("none", "bf16", "fp8", "fp8_block", "int8", "int4")
 E4M3 = torch.float8_e4m3fn
@@ -105,18 +106,25 @@ def linears(block: nn.Module) -> list[tuple[nn.Module, str]]:
             if isinstance(child, nn.Linear)]
 
 
-def apply_weight_precision(model: Transformer, schemes: list[str], noise: list[float], seed: int = 0) -> Transformer:
-    """A copy of model whose layer i uses weight scheme schemes[i] after relative noise noise[i]."""
+def apply_weight_precision(model: Transformer, schemes: list[str], noise: list[float], seed: int = 0,
+                           key_outliers: list[float] | None = None) -> Transformer:
+    """A copy of model whose layer i uses weight scheme schemes[i] after relative noise noise[i] and, between the
+    two, outlier keys of factor key_outliers[i] (stress.py; 1: none): the noise is relative to the model's weights,
+    and the quantizer sees the weights of the model with outliers, as it would a real one."""
     n = model.cfg.num_layers
-    require(len(schemes) == n and len(noise) == n, f"weight plan must name {n} layers")
+    key_outliers = key_outliers or [1.0] * n
+    require(len(schemes) == n and len(noise) == n and len(key_outliers) == n, f"weight plan must name {n} layers")
     out = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(seed)
-    for block, scheme, sigma in zip(out.layers, schemes, noise):
+    for block, scheme, sigma, alpha in zip(out.layers, schemes, noise, key_outliers):
         require(scheme in WEIGHT_SCHEMES, f"unknown weight scheme {scheme!r}", f"use one of {', '.join(WEIGHT_SCHEMES)}")
         require(sigma >= 0, f"weight noise must be >= 0, got {sigma}")
-        for parent, name in linears(block):
-            if sigma > 0:
+        if sigma > 0:
+            for parent, name in linears(block):
                 add_noise(getattr(parent, name), sigma, generator)
-            if scheme != "none":
+        if alpha != 1:
+            add_outlier_keys_to_layer(block, model.cfg, alpha)
+        if scheme != "none":
+            for parent, name in linears(block):
                 setattr(parent, name, quantize_linear(getattr(parent, name), scheme))
     return out.eval()

@@ -273,6 +273,58 @@ def test_outlier_keys_keep_the_function_and_break_fixed_scale_fp8_kv(pair, tmp_p
     assert proposal["plan"] == str(Plan.parse("kv=fp8_e4m3 kv_scale=calibrate", n)) and not proposal["bf16_layers"]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_key_outlier_plan_setting_is_the_stressed_model_in_the_engine(tmp_path, arch):
+    """`key_outlier=alpha` in a plan: the engine's copy is the stressed model (stress.py), re-made from every
+    published weight update, before weight quantization: the same tokens and log-probs, bit for bit, as an engine
+    given the stressed weights themselves."""
+    import copy
+    import torch
+    from opd.engine import Engine
+    from opd.sampling import SamplingParams
+    from opd.stress import add_outlier_keys
+    from test_trainer import make_checkpoint
+    from opd.checkpoint import load_checkpoint
+    model, tok = load_checkpoint(make_checkpoint(tmp_path / "s", 0, arch=arch, qk_norm=arch == "qwen3"))
+    update, _ = load_checkpoint(make_checkpoint(tmp_path / "u", 1, arch=arch, qk_norm=arch == "qwen3"))
+    prompts, params = [[1, 5, 6, 7], [1, 8, 9]], SamplingParams(12)
+    for plan in ("kv=fp8_e4m3", "kv=fp8_e4m3 kv_scale=calibrate w=int8"):
+        by_plan = Engine(copy.deepcopy(model), tok.eos_id, tok.pad_id, f"{plan} key_outlier=1000")
+        stressed = Engine(add_outlier_keys(copy.deepcopy(model), 1000.0), tok.eos_id, tok.pad_id, plan)
+        for step in range(2):
+            a, b = (e.generate(prompts, params, torch.Generator().manual_seed(step)) for e in (by_plan, stressed))
+            assert [r.completion_ids for r in a] == [r.completion_ids for r in b], plan
+            assert [r.logprobs for r in a] == [r.logprobs for r in b], plan
+            by_plan.update_weights(update.state_dict(), 1)
+            stressed.update_weights(add_outlier_keys(copy.deepcopy(update), 1000.0).state_dict(), 1)
+    assert by_plan.model.layers[0].self_attn is not update.layers[0].self_attn  # the learner's weights stay as given
+    assert torch.equal(update.layers[0].self_attn.k_proj.weight, load_checkpoint(tmp_path / "u")[0].layers[0]
+                       .self_attn.k_proj.weight)
+
+
+def test_training_under_a_key_outlier_plan_trains_the_original_parametrization(pair, tmp_path):
+    """The learner never sees the outlier: with full-precision rollouts, `key_outlier=300` changes the run by float
+    rounding only (the stressed engine computes the same function), unlike a stressed checkpoint, whose 1/alpha query
+    rows AdamW would move alpha times faster (stress.py)."""
+    from opd.checkpoint import load_checkpoint, save_checkpoint
+    from opd.runlog import read_metrics
+    from opd.stress import add_outlier_keys
+    from opd.trainer import train
+    student, tok = load_checkpoint(pair[0])
+    save_checkpoint(tmp_path / "stressed", add_outlier_keys(student, 300.0), tok)
+    runs = {}
+    for name, models, plan in (("plain", pair, ""), ("outlier", pair, "key_outlier=300"),
+                               ("checkpoint", (tmp_path / "stressed", pair[1]), "")):
+        train(config(models, plan=plan, steps=4, max_new_tokens=12, save_every=0), tmp_path / name, progress=False)
+        runs[name] = [r for r in read_metrics(tmp_path / name) if "loss/value" in r]
+    assert len(runs["plain"]) == 4
+    for plain, outlier in zip(runs["plain"], runs["outlier"]):
+        assert outlier["loss/value"] == pytest.approx(plain["loss/value"], rel=1e-4)
+        assert outlier["mismatch/kl_k3"] < 1e-8  # rollouts and learner: the same function
+    first, second = (run[1]["loss/value"] for run in (runs["plain"], runs["checkpoint"]))
+    assert abs(second - first) > 1e-2 * first  # the stressed checkpoint: same step 0, a different update
+
+
 def test_a_broken_rollout_engine_is_rejected_by_its_ess_whatever_its_nsr():
     """nsr understates rollouts that are garbage (the teacher disagrees with them too); the ESS floor catches them."""
     from opd.admission import MIN_ESS_FRAC

@@ -36,6 +36,9 @@ def test_parse_ranges_weights_noise_and_round_trip():
     assert plan.layers[1] == plan.layers[2] == LayerPrecision(KVSpec("int4", group=16), "int4", 0.01)
     assert plan.layers[3].kv == KVSpec("int8", "dynamic", per_head=True)
     assert Plan.parse(str(plan), 4) == plan and plan.changes_weights and not Plan.full(4).changes_weights
+    stress = Plan.parse("kv=fp8_e4m3 key_outlier=300; 0: key_outlier=1", 4)
+    assert [l.key_outlier for l in stress.layers] == [1, 300, 300, 300] and stress.changes_weights
+    assert Plan.parse(str(stress), 4) == stress and "key_outlier=300" in str(stress)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -46,6 +49,9 @@ def test_parse_ranges_weights_noise_and_round_trip():
     ("w=int3", "unknown weight scheme"),
     ("noise=lots", "not a number"),
     ("noise=-1", "noise must be >= 0"),
+    ("noise=inf", "noise must be >= 0 and finite"),
+    ("key_outlier=0", "key_outlier must be > 0"),
+    ("key_outlier=nan", "key_outlier must be > 0 and finite"),
     ("kv=int8", "fixed scale"),
 ])
 def test_bad_plans_are_clear_errors(text, message):
