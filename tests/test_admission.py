@@ -227,6 +227,18 @@ def test_admission_benchmark_quick_mode():
     assert float(result["accuracy"]) >= 0.9 and float(result["cost_fraction"]) <= 0.02  # the README's numbers
 
 
+def test_outlier_training_benchmark_quick_mode():
+    """The stored runs under outlier keys (benchmarks/outlier_training.py): the shipped thresholds, which never saw
+    them, admit none of the degraded ones (the README's table)."""
+    import subprocess
+    import sys
+    script = Path(__file__).parents[1] / "benchmarks" / "outlier_training.py"
+    out = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = dict(kv.split("=") for kv in out.stdout.strip().splitlines()[-1].split()[1:])
+    assert result["runs"] == "20" and result["admitted_degraded"] == "0" and float(result["agreement"]) >= 0.9
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_outlier_keys_keep_the_function_and_break_fixed_scale_fp8_kv(pair, tmp_path, arch):
     """A function-preserving outlier (stress.py): the same logits at full precision, keys past FP8 e4m3's largest

@@ -1,0 +1,92 @@
+"""Outlier keys, trained: does OPD degrade where the admission check rejects? Ground truth for benchmarks/outlier_keys.py.
+
+The tolerance study's short runs (opd/sweep.py's built-in grid: 60 steps of batch 32, `full_rkl` at lr 3e-4 and
+`sampled_mu` at lr 1e-4, 100 held-out prompts) with rollouts from an engine whose copy of the student has outlier
+keys (the plan setting `key_outlier=alpha`, opd/stress.py). The learner trains the original weights; only the
+engine's KV cache holds keys alpha times larger in one RoPE channel pair, as a real outlier model's engine would.
+Points: BF16 rollouts with the outlier (a control: it must train like plain BF16), FP8-e4m3 KV with vLLM's fixed
+scale 1.0 at alpha 100 and 300, calibrated FP8 scales at alpha 300, and calibrated INT8 at alpha 300. Each run is
+labelled as in the study (opd/tolerance.py: degraded when its final reverse KL to the teacher is above the worst
+of the study's 5 BF16 seeds by more than their spread), and its probe is decided with the *shipped* thresholds
+(opd/thresholds.json, calibrated on the study, which has no outlier runs), so every decision here is out of sample.
+
+    mkdir -p runs/outlier_study && cp benchmarks/data/admission_results.jsonl runs/outlier_study/results.jsonl
+    python benchmarks/outlier_training.py --out runs/outlier_study --family llama   # and qwen3, side by side
+    python benchmarks/outlier_training.py --quick   # the stored results (benchmarks/data/outlier_results.jsonl)
+
+The full mode runs what `<out>/results.jsonl` lacks (10 runs per family, ~18 minutes here) and appends them; the
+copy above gives it the study's BF16 seeds, which it would otherwise run too. The last line is `RESULT agreement=... runs=... admitted_degraded=... rejected_fine=...`.
+"""
+import argparse
+import json
+from pathlib import Path
+
+import yaml
+
+from opd.admission import decide, load_thresholds
+from opd.runlog import write_atomic
+from opd.sweep import read_results, run_sweep
+from opd.tolerance import QUALITY, band, groups, label
+
+STORED = Path(__file__).parent / "data" / "outlier_results.jsonl"
+GRID = """
+families: [llama, qwen3]
+base: {steps: 60, batch_size: 32, warmup_steps: 5, lr_schedule: constant, eval_every: 0, eval_examples: 100,
+       save_every: 0, threads: 1}
+estimators:
+  full_rkl: {loss: {name: full_rkl}, lr: 3.0e-4}
+  sampled_mu: {loss: {name: sampled_rkl, student_term: sampler}, lr: 1.0e-4}
+seeds: [0]
+points:
+  - {source: bf16, level: 0, set: {}, seeds: [0, 1, 2, 3, 4]}
+  - {source: key_outlier, level: bf16_a300, set: {plan: "kv=bf16 w=bf16 key_outlier=300"}}
+  - {source: key_outlier, level: fp8_a100, set: {plan: "kv=fp8_e4m3 w=bf16 key_outlier=100"}}
+  - {source: key_outlier, level: fp8_a300, set: {plan: "kv=fp8_e4m3 w=bf16 key_outlier=300"}}
+  - {source: key_outlier, level: fp8cal_a300, set: {plan: "kv=fp8_e4m3 kv_scale=calibrate w=bf16 key_outlier=300"}}
+  - {source: key_outlier, level: int8cal_a300, set: {plan: "kv=int8 kv_scale=calibrate w=bf16 key_outlier=300"}}
+"""
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the stored results (benchmarks/data/outlier_results.jsonl)")
+    ap.add_argument("--out", type=Path, default=Path("runs/outlier_study"), help="the sweep's folder (full mode)")
+    ap.add_argument("--family", action="append", choices=["llama", "qwen3"], help="full mode: only these families")
+    ap.add_argument("--store", type=Path, help="write the grid's results here, e.g. the --quick data file")
+    args = ap.parse_args()
+    grid = yaml.safe_load(GRID)
+    if args.quick:
+        rows = read_results(STORED)
+    else:
+        run_sweep(grid, args.out, args.family)
+        rows = read_results(args.out / "results.jsonl")
+    levels = {str(point["level"]) for point in grid["points"]}
+    rows = [r for r in label(rows) if r["source"] in ("bf16", "key_outlier") and str(r["level"]) in levels]
+    if args.store:
+        write_atomic(args.store, "".join(json.dumps({k: v for k, v in r.items() if k not in ("degraded", "mismatch")})
+                                         + "\n" for r in rows))
+    thresholds = load_thresholds("")
+    print(f"{'family':6} {'estimator':10} {'point':13} {'kl_k3':>8} {'nsr':>6} {'ess':>5} {'clipped':>8}  "
+          f"{'decision':8} {'final rkl':>9} {'limit':>6}  outcome   agree")
+    table = {"admitted & fine": 0, "admitted & degraded": 0, "rejected & fine": 0, "rejected & degraded": 0}
+    for (family, estimator), group in sorted(groups(rows).items()):
+        limit = band(group)["limit"]
+        for row in sorted((r for r in group if r["source"] == "key_outlier"), key=lambda r: str(r["level"])):
+            p = row["probe"]
+            admitted = decide(p, thresholds, row["class"], row["staleness"]).admit
+            table[f"{'admitted' if admitted else 'rejected'} & {'degraded' if row['degraded'] else 'fine'}"] += 1
+            print(f"{family:6} {estimator:10} {row['level']:13} {p['kl_k3']:>8.2e} {p['nsr']:>6.3f} "
+                  f"{p['ess_frac']:>5.3f} {p.get('kv_clipped_k', 0):>8.3%}  {'ADMIT' if admitted else 'REJECT':8} "
+                  f"{row['after'][QUALITY]:>9.3f} {limit:>6.3f}  {'degraded' if row['degraded'] else 'fine':8}  "
+                  f"{'yes' if admitted != row['degraded'] else 'NO'}")
+    print()
+    for key, n in table.items():
+        print(f"  {key:22} {n:3d}")
+    runs = sum(table.values())
+    agreement = (table["admitted & fine"] + table["rejected & degraded"]) / max(1, runs)
+    print(f"RESULT agreement={agreement:.3f} runs={runs} admitted_degraded={table['admitted & degraded']} "
+          f"rejected_fine={table['rejected & fine']}")
+
+
+if __name__ == "__main__":
+    main()
