@@ -18,7 +18,9 @@ is skipped and counted; `max_bad_steps` in a row stop the run. A checkpoint (HF 
 scales and step) is written every `save_every` steps, at the end, on Ctrl-C and when the run stops with an error
 (non-finite steps, a lost rollout worker); `resume` continues from it (exactly, from a periodic checkpoint).
 With `guard_every` > 0 the runtime guard (admission.py's decision on the live rollout mismatch) runs every that
-many steps and warns, falls back to BF16 rollouts or stops (`guard_action`); its events go to guard.jsonl.
+many steps and warns, falls back to a safer plan or stops (`guard_action`); its events go to guard.jsonl. The
+fallback ladder: a plan with fixed-scale FP8 KV layers first gets calibrated scales (which keep the memory saving and
+fix saturated outlier keys), anything else BF16 rollouts; a plan already at BF16 only warns.
 """
 import copy
 import io
@@ -33,7 +35,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from opd.admission import FLOOR_PLAN, METRIC, MIN_ESS_FRAC, ProbeSetup, decide, estimator_class, load_thresholds
+from opd.admission import (FLOOR_PLAN, METRIC, MIN_ESS_FRAC, ProbeSetup, calibrated, decide, estimator_class,
+                           load_thresholds)
 from opd.async_rollouts import AsyncRollouts, sampler_seed, worker_spec
 from opd.checkpoint import load_checkpoint, recover_checkpoint, save_checkpoint
 from opd.config import TrainConfig
@@ -114,7 +117,8 @@ class State:
     version: int = 0  # policy version of the engine's weights: optimizer steps actually taken
     bad_steps: int = 0  # non-finite steps in a row
     skipped: int = 0  # non-finite steps in total
-    fallback: bool = False  # the runtime guard switched the rollouts to BF16 (kept on resume)
+    fallback: bool = False  # the runtime guard switched the rollouts to a safer plan (kept on resume)
+    fallback_plan: str = ""  # the plan it switched to last ("" with fallback: BF16, as before this field existed)
 
 
 @dataclass
@@ -183,7 +187,7 @@ def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
     state = State(**json.loads((folder / "trainer_state.json").read_text()))
     run.state = state
     if state.fallback:
-        fall_back(run)
+        use_plan(run, Plan.parse(state.fallback_plan or FLOOR_PLAN, run.student.cfg.num_layers))
     if run.engine is not None:
         run.engine.update_weights(run.student.state_dict(), state.version)
         run.engine.scales.update(blob["engine_scales"])
@@ -350,9 +354,22 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
             run.engine.close()
 
 
+def safer_plan(plan: Plan) -> Plan | None:
+    """The guard's next rung down from plan: its fixed-scale FP8 KV layers calibrated (they keep all of the memory
+    saving, and fix saturated outlier keys: README, "Outlier keys"), else BF16 rollouts; None when already at BF16."""
+    floor = Plan.parse(FLOOR_PLAN, len(plan.layers))
+    return None if plan == floor else calibrated(plan) or floor
+
+
 def fall_back(run: Run) -> None:
-    """The guard's `fallback`: BF16 rollouts from now on (recorded in the state, so a resumed run keeps them)."""
-    run.plan, run.state.fallback = Plan.parse(FLOOR_PLAN, run.student.cfg.num_layers), True
+    """The guard's `fallback`: the next safer plan from now on (recorded in the state, so a resumed run keeps it)."""
+    plan = safer_plan(run.plan)
+    run.state.fallback, run.state.fallback_plan = True, str(plan)
+    use_plan(run, plan)
+
+
+def use_plan(run: Run, plan: Plan) -> None:
+    run.plan = plan
     if run.rollouts is not None:
         run.rollouts.set_plan(run.plan)
         return
@@ -385,14 +402,17 @@ def guard(run: Run, window: list[dict], step: int, run_dir: Path) -> dict:
         out["guard/ess_frac"] = ess
     if decision.admit:
         return out
-    action = "warn" if cfg.guard_action == "fallback" and run.state.fallback else cfg.guard_action
+    action = "warn" if cfg.guard_action == "fallback" and safer_plan(run.plan) is None else cfg.guard_action
     event = {"step": step, "action": action, "nsr": nsr, "ess_frac": ess, "limit": decision.limit,
              "plan": str(run.plan), "reasons": decision.reasons}
+    if action == "fallback":
+        event["to"] = str(safer_plan(run.plan))
     with open(run_dir / "guard.jsonl", "a") as f:
         f.write(json.dumps(event) + "\n")
     what = f"nsr {nsr:.3g} {'>' if nsr > decision.limit else '<='} limit {decision.limit:.3g}" + (
         "" if ess is None else f", ess_frac {ess:.3g} {'<' if ess < MIN_ESS_FRAC else '>='} {MIN_ESS_FRAC}")
-    print(f"opd: guard: step {step}: rollout-vs-learner {what} (plan {run.plan}): {action}", file=sys.stderr)
+    print(f"opd: guard: step {step}: rollout-vs-learner {what} (plan {run.plan}): {action}"
+          + (f" to {event['to']}" if "to" in event else ""), file=sys.stderr)
     if action == "stop":
         raise OpdError(f"guard: the rollouts' mismatch exceeded what the admission check allows at step {step} "
                        f"({what})", "use a safer plan (`opd admit` proposes one), guard_action=fallback, or a higher "

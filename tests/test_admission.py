@@ -197,6 +197,36 @@ def test_guard_fallback_survives_resume(pair, tmp_path):
     assert (tmp_path / "resumed" / "guard.jsonl").read_text() == (tmp_path / "full" / "guard.jsonl").read_text()
 
 
+def test_the_guards_fallback_ladder():
+    from opd.trainer import safer_plan
+    n, floor = 4, Plan.parse("kv=bf16 w=bf16", 4)
+    fixed = Plan.parse("kv=fp8_e4m3 w=bf16 key_outlier=300; 0: kv=bf16", n)
+    assert safer_plan(fixed) == Plan.parse("kv=fp8_e4m3 kv_scale=calibrate w=bf16 key_outlier=300; 0: kv=bf16 kv_scale=fixed",
+                                           n)
+    assert safer_plan(safer_plan(fixed)) == floor and safer_plan(floor) is None
+    assert safer_plan(Plan.parse("noise=0.5", n)) == floor == safer_plan(Plan.parse("kv=fp8_e5m2 kv_scale=dynamic", n))
+
+
+def test_guard_falls_back_to_calibrated_fp8_scales_first_and_keeps_them_on_resume(pair, tmp_path):
+    """Outlier keys saturate a fixed-scale FP8 cache (nsr 0.13-0.20 per step on the tiny pair); calibrated scales
+    fix it (0.03-0.04), so the run keeps its FP8 cache instead of dropping to BF16. A resumed run does the same."""
+    from opd.runlog import read_metrics
+    from opd.trainer import train
+    cfg = config(pair, plan="kv=fp8_e4m3 key_outlier=1000", steps=6, save_every=3, guard_every=2,
+                 guard_action="fallback", guard_limit=0.08, max_new_tokens=12)
+    summary = train(cfg, tmp_path / "full", progress=False)
+    events = [json.loads(line) for line in (tmp_path / "full" / "guard.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["action"]) for e in events] == [(1, "fallback")]
+    assert "kv_scale=fixed" in events[0]["plan"] and "kv=fp8_e4m3 kv_scale=calibrate" in events[0]["to"]
+    rows = read_metrics(tmp_path / "full")
+    assert [r.get("guard/triggered") for r in rows[:6]] == [None, 1.0, None, 0.0, None, 0.0]
+    assert summary["guard_fallback"] and summary["plan"] == events[0]["to"]
+    with pytest.raises(RuntimeError):
+        train(cfg, tmp_path / "resumed", progress=False, on_step=crash_at(4))
+    resumed = train(cfg, tmp_path / "resumed", resume=True, progress=False)
+    assert comparable(read_metrics(tmp_path / "resumed")) == comparable(rows) and resumed["plan"] == summary["plan"]
+
+
 @pytest.mark.slow
 def test_guard_fallback_in_the_async_schedule(pair, tmp_path):
     from opd.runlog import read_metrics

@@ -84,7 +84,7 @@ def test_engine_compile_reaches_the_rollout_engines_that_sample_for_training(pai
     compiled = []
     monkeypatch.setattr(opd.engine, "compiled_forward", lambda model: compiled.append(model) or model)
     cfg = config(pair, steps=2, engine_compile=True, guard_every=1, guard_action="fallback", guard_limit=1e-12,
-                 plan="kv=fp8_e4m3")
+                 plan="kv=int8 kv_scale=calibrate")
     train(cfg, tmp_path / "run", progress=False)
     assert [e["action"] for e in map(json.loads, (tmp_path / "run" / "guard.jsonl").open())][0] == "fallback"
     linears = [type(model.layers[0].mlp.up_proj).__name__ for model in compiled]  # a weight plan's copy: per update
