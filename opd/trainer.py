@@ -354,16 +354,16 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
             run.engine.close()
 
 
-def safer_plan(plan: Plan) -> Plan | None:
+def safer_plan(plan: Plan, engine: str = "builtin") -> Plan | None:
     """The guard's next rung down from plan: its fixed-scale FP8 KV layers calibrated (they keep all of the memory
-    saving, and fix saturated outlier keys: README, "Outlier keys"), else BF16 rollouts; None when already at BF16."""
+    saving, and fix saturated outlier keys: README, "Outlier keys"; the vllm engine has fixed scales only), else
+    BF16 rollouts; None when already at BF16."""
     floor = Plan.parse(FLOOR_PLAN, len(plan.layers))
-    return None if plan == floor else calibrated(plan) or floor
+    return None if plan == floor else (calibrated(plan) if engine == "builtin" else None) or floor
 
 
-def fall_back(run: Run) -> None:
-    """The guard's `fallback`: the next safer plan from now on (recorded in the state, so a resumed run keeps it)."""
-    plan = safer_plan(run.plan)
+def fall_back(run: Run, plan: Plan) -> None:
+    """The guard's `fallback`: plan from now on (recorded in the state, so a resumed run keeps it)."""
     run.state.fallback, run.state.fallback_plan = True, str(plan)
     use_plan(run, plan)
 
@@ -402,11 +402,12 @@ def guard(run: Run, window: list[dict], step: int, run_dir: Path) -> dict:
         out["guard/ess_frac"] = ess
     if decision.admit:
         return out
-    action = "warn" if cfg.guard_action == "fallback" and safer_plan(run.plan) is None else cfg.guard_action
+    safer = safer_plan(run.plan, cfg.engine)
+    action = "warn" if cfg.guard_action == "fallback" and safer is None else cfg.guard_action
     event = {"step": step, "action": action, "nsr": nsr, "ess_frac": ess, "limit": decision.limit,
              "plan": str(run.plan), "reasons": decision.reasons}
     if action == "fallback":
-        event["to"] = str(safer_plan(run.plan))
+        event["to"] = str(safer)
     with open(run_dir / "guard.jsonl", "a") as f:
         f.write(json.dumps(event) + "\n")
     what = f"nsr {nsr:.3g} {'>' if nsr > decision.limit else '<='} limit {decision.limit:.3g}" + (
@@ -418,7 +419,7 @@ def guard(run: Run, window: list[dict], step: int, run_dir: Path) -> dict:
                        f"({what})", "use a safer plan (`opd admit` proposes one), guard_action=fallback, or a higher "
                        "guard_limit")
     if action == "fallback":
-        fall_back(run)
+        fall_back(run, safer)
     return out
 
 

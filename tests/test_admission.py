@@ -204,6 +204,7 @@ def test_the_guards_fallback_ladder():
     assert safer_plan(fixed) == Plan.parse("kv=fp8_e4m3 kv_scale=calibrate w=bf16 key_outlier=300; 0: kv=bf16 kv_scale=fixed",
                                            n)
     assert safer_plan(safer_plan(fixed)) == floor and safer_plan(floor) is None
+    assert safer_plan(fixed, "vllm") == floor  # vLLM's KV scales are fixed
     assert safer_plan(Plan.parse("noise=0.5", n)) == floor == safer_plan(Plan.parse("kv=fp8_e5m2 kv_scale=dynamic", n))
 
 
