@@ -1,4 +1,4 @@
-"""Outlier keys, trained: does OPD degrade where the admission check rejects? Ground truth for benchmarks/outlier_keys.py.
+"""Outlier keys, trained: does OPD degrade where the admission check rejects? (benchmarks/outlier_keys.py, trained)
 
 The tolerance study's short runs (opd/sweep.py's built-in grid: 60 steps of batch 32, `full_rkl` at lr 3e-4 and
 `sampled_mu` at lr 1e-4, 100 held-out prompts) with rollouts from an engine whose copy of the student has outlier
@@ -15,7 +15,8 @@ of the study's 5 BF16 seeds by more than their spread), and its probe is decided
     python benchmarks/outlier_training.py --quick   # the stored results (benchmarks/data/outlier_results.jsonl)
 
 The full mode runs what `<out>/results.jsonl` lacks (10 runs per family, ~18 minutes here) and appends them; the
-copy above gives it the study's BF16 seeds, which it would otherwise run too. The last line is `RESULT agreement=... runs=... admitted_degraded=... rejected_fine=...`.
+copy above gives it the study's BF16 seeds, which it would otherwise run too. The last line is
+`RESULT agreement=... runs=... admitted_degraded=... rejected_fine=...`.
 """
 import argparse
 import json
