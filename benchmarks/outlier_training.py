@@ -26,26 +26,24 @@ import yaml
 
 from opd.admission import decide, load_thresholds
 from opd.runlog import write_atomic
-from opd.sweep import read_results, run_sweep
+from opd.sweep import DEFAULT_GRID, read_results, run_sweep
 from opd.tolerance import QUALITY, band, groups, label
 
 STORED = Path(__file__).parent / "data" / "outlier_results.jsonl"
-GRID = """
-families: [llama, qwen3]
-base: {steps: 60, batch_size: 32, warmup_steps: 5, lr_schedule: constant, eval_every: 0, eval_examples: 100,
-       save_every: 0, threads: 1}
-estimators:
-  full_rkl: {loss: {name: full_rkl}, lr: 3.0e-4}
-  sampled_mu: {loss: {name: sampled_rkl, student_term: sampler}, lr: 1.0e-4}
-seeds: [0]
-points:
-  - {source: bf16, level: 0, set: {}, seeds: [0, 1, 2, 3, 4]}
-  - {source: key_outlier, level: bf16_a300, set: {plan: "kv=bf16 w=bf16 key_outlier=300"}}
-  - {source: key_outlier, level: fp8_a100, set: {plan: "kv=fp8_e4m3 w=bf16 key_outlier=100"}}
-  - {source: key_outlier, level: fp8_a300, set: {plan: "kv=fp8_e4m3 w=bf16 key_outlier=300"}}
-  - {source: key_outlier, level: fp8cal_a300, set: {plan: "kv=fp8_e4m3 kv_scale=calibrate w=bf16 key_outlier=300"}}
-  - {source: key_outlier, level: int8cal_a300, set: {plan: "kv=int8 kv_scale=calibrate w=bf16 key_outlier=300"}}
+POINTS = """
+- {source: key_outlier, level: bf16_a300, set: {plan: "kv=bf16 w=bf16 key_outlier=300"}}
+- {source: key_outlier, level: fp8_a100, set: {plan: "kv=fp8_e4m3 w=bf16 key_outlier=100"}}
+- {source: key_outlier, level: fp8_a300, set: {plan: "kv=fp8_e4m3 w=bf16 key_outlier=300"}}
+- {source: key_outlier, level: fp8cal_a300, set: {plan: "kv=fp8_e4m3 kv_scale=calibrate w=bf16 key_outlier=300"}}
+- {source: key_outlier, level: int8cal_a300, set: {plan: "kv=int8 kv_scale=calibrate w=bf16 key_outlier=300"}}
 """
+
+
+def outlier_grid() -> dict:
+    """The study's grid (families, base, estimators, its BF16 seeds) with the outlier points instead of its others."""
+    grid = yaml.safe_load(DEFAULT_GRID)
+    grid["points"] = [p for p in grid["points"] if p["source"] == "bf16"] + yaml.safe_load(POINTS)
+    return grid
 
 
 def main():
@@ -55,7 +53,7 @@ def main():
     ap.add_argument("--family", action="append", choices=["llama", "qwen3"], help="full mode: only these families")
     ap.add_argument("--store", type=Path, help="write the grid's results here, e.g. the --quick data file")
     args = ap.parse_args()
-    grid = yaml.safe_load(GRID)
+    grid = outlier_grid()
     if args.quick:
         rows = read_results(STORED)
     else:
