@@ -379,7 +379,8 @@ def use_plan(run: Run, plan: Plan) -> None:
     run.engine.update_weights(run.student.state_dict(), run.state.version)
 
 
-GUARD_KEYS = ("stale/total_nsr", "is/ess_frac")  # what the guard reads from each step's metrics
+GUARD_NSR, GUARD_ESS = "stale/total_nsr", "is/ess_frac"  # what the guard reads from each step's metrics
+GUARD_KEYS = (GUARD_NSR, GUARD_ESS)
 
 
 def guard(run: Run, window: list[dict], step: int, run_dir: Path) -> dict:
@@ -391,8 +392,8 @@ def guard(run: Run, window: list[dict], step: int, run_dir: Path) -> dict:
     judge. Steps without q (async, recompute_fraction 0) have no ESS; a window without any skips that test.
     On REJECT the event goes to guard.jsonl and stderr, and `guard_action` is taken."""
     cfg = run.cfg
-    nsr = sum(row[GUARD_KEYS[0]] for row in window) / len(window) if window else math.nan
-    known = [row[GUARD_KEYS[1]] for row in window if math.isfinite(row[GUARD_KEYS[1]])]
+    nsr = sum(row[GUARD_NSR] for row in window) / len(window) if window else math.nan
+    known = [row[GUARD_ESS] for row in window if math.isfinite(row[GUARD_ESS])]
     ess = sum(known) / len(known) if known else None
     window.clear()
     decision = decide({METRIC: nsr, "ess_frac": ess}, run.guard_thresholds, estimator_class(cfg.loss), 0,
