@@ -10,9 +10,9 @@ mismatch that an ordinary BF16 engine already has, reported beside the candidate
 next to the OPD learning signal it perturbs (the sampled-token advantage). The same KL hurts a student that is
 already close to its teacher (small signal) more than one far from it; in the tolerance study, `kl_k3` alone put
 runs of the two built-in families that trained fine above ones that degraded, and `nsr` ordered them better
-(dev/LOG.md has both). The runtime guard compares the trainer's live `stale/total_nsr` (with the current learner
-`pi` in place of `q`: numerics and staleness together) with the same limit, and its live `is/ess_frac` (weights
-q/mu, as in the probe) with the same ESS floor (below). Staleness cannot be probed before
+(dev/LOG.md has both). The runtime guard compares the trainer's live `opd/nsr` and `is/ess_frac` (the same
+numbers on each training batch: q vs mu, the numerics alone) with the same limit and ESS floor (below); the
+staleness drift it reports beside them decides nothing (trainer.guard). Staleness cannot be probed before
 training: an optimizer step on a probe batch from a fresh optimizer is a sign step of size lr on every weight, and
 overstated the real per-step drift 20-100x (dev/LOG.md). So the configuration's `max_staleness` is compared with the
 largest staleness the sweep saw train fine with its estimator.
@@ -80,7 +80,7 @@ class Decision:
     admit: bool
     reasons: list[str]
     limit: float  # the limit on nsr that applied
-    value: float  # the measured nsr (live: stale/total_nsr)
+    value: float  # the measured nsr (live: the window mean of opd/nsr)
 
     def to_dict(self) -> dict:
         return {"decision": "ADMIT" if self.admit else "REJECT", "reasons": self.reasons, "limit": self.limit,

@@ -379,28 +379,37 @@ def use_plan(run: Run, plan: Plan) -> None:
     run.engine.update_weights(run.student.state_dict(), run.state.version)
 
 
-GUARD_NSR, GUARD_ESS = "stale/total_nsr", "is/ess_frac"  # what the guard reads from each step's metrics
-GUARD_KEYS = (GUARD_NSR, GUARD_ESS)
+GUARD_NSR, GUARD_ESS, GUARD_TOTAL = "opd/nsr", "is/ess_frac", "stale/total_nsr"  # read from each step's metrics
+GUARD_KEYS = (GUARD_NSR, GUARD_ESS, GUARD_TOTAL)
+
+
+def _window_mean(window: list[dict], key: str) -> float | None:
+    known = [row[key] for row in window if math.isfinite(row.get(key, math.nan))]
+    return sum(known) / len(known) if known else None
 
 
 def guard(run: Run, window: list[dict], step: int, run_dir: Path) -> dict:
-    """The admission check on the live rollouts, averaged over the steps since the last check: the noise-to-signal
-    ratio `stale/total_nsr` (rollout engine vs the current learner: numerics and staleness together) against the
-    estimator's limit, and, as in the probe, the numerics' effective sample size fraction `is/ess_frac` (weights
-    q/mu) against MIN_ESS_FRAC. Not the ESS of pi/mu: one token whose probability an update moved a lot collapses it
-    (0.005 in one step of a healthy max_staleness 4 run, dev/LOG.md), and staleness is what nsr and max_staleness
-    judge. Steps without q (async, recompute_fraction 0) have no ESS; a window without any skips that test.
-    On REJECT the event goes to guard.jsonl and stderr, and `guard_action` is taken."""
+    """The admission check on the live rollouts, averaged over the steps since the last check: the numerics'
+    noise-to-signal ratio `opd/nsr` (mean |q - mu| / mean |T - q|: the rollout engine vs the trainer's forward with
+    the weights that sampled, the probe's metric, on which the limit was calibrated) against the estimator's limit,
+    and the numerics' effective sample size fraction `is/ess_frac` (weights q/mu) against MIN_ESS_FRAC.
+    Staleness is not judged here: the admission check's max_staleness does that, and no plan fallback can fix it.
+    `stale/total_nsr` (pi in place of q: numerics and staleness together) is reported beside it (`guard/total_nsr`)
+    but decides nothing: healthy async runs at lr 1e-3 averaged 0.3-0.5 over some windows (dev/LOG.md, 2026-12-01).
+    Not the ESS of pi/mu either: one token whose probability an update moved a lot collapses it (0.005 in one step
+    of a healthy max_staleness 4 run). A window without q (async, recompute_fraction 0: refused by the config)
+    cannot be judged. On REJECT the event goes to guard.jsonl and stderr, and `guard_action` is taken."""
     cfg = run.cfg
-    nsr = sum(row[GUARD_NSR] for row in window) / len(window) if window else math.nan
-    known = [row[GUARD_ESS] for row in window if math.isfinite(row[GUARD_ESS])]
-    ess = sum(known) / len(known) if known else None
+    nsr, ess, total = (_window_mean(window, key) for key in GUARD_KEYS)
     window.clear()
+    nsr = math.nan if nsr is None else nsr
     decision = decide({METRIC: nsr, "ess_frac": ess}, run.guard_thresholds, estimator_class(cfg.loss), 0,
                       cfg.guard_limit)
     out = {"guard/nsr": nsr, "guard/limit": decision.limit, "guard/triggered": float(not decision.admit)}
     if ess is not None:
         out["guard/ess_frac"] = ess
+    if total is not None and cfg.schedule == "async":
+        out["guard/total_nsr"] = total
     if decision.admit:
         return out
     safer = safer_plan(run.plan, cfg.engine)

@@ -240,6 +240,22 @@ def test_guard_fallback_in_the_async_schedule(pair, tmp_path):
     assert all(r["mismatch/kl_k3"] < 1e-3 for r in rows[2:6])  # batches in flight were re-sampled at BF16
 
 
+@pytest.mark.slow
+def test_the_guard_judges_the_numerics_not_the_staleness(pair, tmp_path):
+    """Full-precision rollouts two versions stale: the numerics' nsr (q vs mu, ~3e-7 here) is what the limit was
+    calibrated on and passes; the staleness drift (pi vs mu, 0.016-0.04 by step 3) is reported as guard/total_nsr
+    and stops nothing, although it is over the limit. Staleness is max_staleness's call, and no plan can fix it."""
+    from opd.runlog import read_metrics
+    from opd.trainer import train
+    cfg = config(pair, plan="", steps=8, guard_every=2, guard_action="stop", guard_limit=1e-3, max_new_tokens=12,
+                 schedule="async", max_staleness=2, threads=2, save_every=0)
+    summary = train(cfg, tmp_path / "run", progress=False)
+    checks = [r for r in read_metrics(tmp_path / "run") if "guard/nsr" in r]
+    assert summary["steps"] == 8 and len(checks) == 4 and not (tmp_path / "run" / "guard.jsonl").exists()
+    assert all(r["guard/triggered"] == 0.0 and r["guard/nsr"] < 1e-5 for r in checks)
+    assert max(r["guard/total_nsr"] for r in checks) > 1e-3  # what the guard used to compare with the limit
+
+
 def test_the_shipped_thresholds_are_the_calibration_of_the_stored_study():
     from opd.sweep import read_results
     from opd.tolerance import label

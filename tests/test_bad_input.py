@@ -123,6 +123,11 @@ def missing_config_file(ctx):
     return ["train", "--config", ctx.dir / "missing.yaml", "--run-dir", ctx.dir / "run"]
 
 
+@case("the runtime guard reads the rollouts' numerics mismatch", "set recompute_fraction")
+def guard_without_numerics(ctx):
+    return ctx.train("schedule=async", "threads=2", "recompute_fraction=0", "guard_every=5")
+
+
 @case("unknown loss 'rkl'")
 def unknown_loss(ctx):
     return ctx.train("loss.name=rkl")
