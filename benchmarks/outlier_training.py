@@ -24,10 +24,10 @@ from pathlib import Path
 
 import yaml
 
-from opd.admission import decide, load_thresholds
+from opd.admission import load_thresholds
 from opd.runlog import write_atomic
 from opd.sweep import DEFAULT_GRID, read_results, run_sweep
-from opd.tolerance import QUALITY, band, groups, label
+from opd.tolerance import QUALITY, label, out_of_sample, result_line
 
 STORED = Path(__file__).parent / "data" / "outlier_results.jsonl"
 POINTS = """
@@ -64,28 +64,19 @@ def main():
     if args.store:
         write_atomic(args.store, "".join(json.dumps({k: v for k, v in r.items() if k not in ("degraded", "mismatch")})
                                          + "\n" for r in rows))
-    thresholds = load_thresholds("")
+    decided, counts = out_of_sample(rows, load_thresholds(""), ("key_outlier",))
     print(f"{'family':6} {'estimator':10} {'point':13} {'kl_k3':>8} {'nsr':>6} {'ess':>5} {'clipped':>8}  "
           f"{'decision':8} {'final rkl':>9} {'limit':>6}  outcome   agree")
-    table = {"admitted & fine": 0, "admitted & degraded": 0, "rejected & fine": 0, "rejected & degraded": 0}
-    for (family, estimator), group in sorted(groups(rows).items()):
-        limit = band(group)["limit"]
-        for row in sorted((r for r in group if r["source"] == "key_outlier"), key=lambda r: str(r["level"])):
-            p = row["probe"]
-            admitted = decide(p, thresholds, row["class"], row["staleness"]).admit
-            table[f"{'admitted' if admitted else 'rejected'} & {'degraded' if row['degraded'] else 'fine'}"] += 1
-            print(f"{family:6} {estimator:10} {row['level']:13} {p['kl_k3']:>8.2e} {p['nsr']:>6.3f} "
-                  f"{p['ess_frac']:>5.3f} {p.get('kv_clipped_k', 0):>8.3%}  {'ADMIT' if admitted else 'REJECT':8} "
-                  f"{row['after'][QUALITY]:>9.3f} {limit:>6.3f}  {'degraded' if row['degraded'] else 'fine':8}  "
-                  f"{'yes' if admitted != row['degraded'] else 'NO'}")
+    for row in sorted(decided, key=lambda r: (r["family"], r["estimator"], str(r["level"]))):
+        p = row["probe"]
+        print(f"{row['family']:6} {row['estimator']:10} {row['level']:13} {p['kl_k3']:>8.2e} {p['nsr']:>6.3f} "
+              f"{p['ess_frac']:>5.3f} {p.get('kv_clipped_k', 0):>8.3%}  {'ADMIT' if row['admitted'] else 'REJECT':8} "
+              f"{row['after'][QUALITY]:>9.3f} {row['limit']:>6.3f}  {'degraded' if row['degraded'] else 'fine':8}  "
+              f"{'yes' if row['admitted'] != row['degraded'] else 'NO'}")
     print()
-    for key, n in table.items():
+    for key, n in counts.items():
         print(f"  {key:22} {n:3d}")
-    runs = sum(table.values())
-    agreement = (table["admitted & fine"] + table["rejected & degraded"]) / max(1, runs)
-    print(f"RESULT agreement={agreement:.3f} runs={runs} admitted_degraded={table['admitted & degraded']} "
-          f"rejected_fine={table['rejected & fine']}")
-
+    print(result_line(counts))
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,7 @@ import json
 import math
 from pathlib import Path
 
-from opd.admission import best_cut
+from opd.admission import best_cut, decide
 from opd.errors import require
 from opd.figures import pyplot, save
 from opd.runlog import write_atomic
@@ -141,6 +141,31 @@ def fp8_answer(rows: list[dict]) -> list[str]:
                 out.append(f"{family}/{estimator} seed {r['seed']}: FP8-e4m3 KV rkl {q:.3f} is {where} the BF16 seeds' "
                            f"[{b['lo']:.3f}, {b['hi']:.3f}]")
     return out
+
+
+def out_of_sample(rows: list[dict], thresholds: dict, sources: tuple[str, ...]) -> tuple[list[dict], dict]:
+    """The admission check's decision on each labelled run of `sources`, from the probe and max_staleness the run
+    stored -> (the runs with `admitted` and `limit`, the BF16 band's line on final quality; the four counts
+    "admitted & fine", ...). The benchmarks that test thresholds on runs they were not calibrated on use it."""
+    counts = {"admitted & fine": 0, "admitted & degraded": 0, "rejected & fine": 0, "rejected & degraded": 0}
+    decided = []
+    for group in groups(label(rows)).values():
+        b = band(group)
+        for row in group:
+            if row["source"] not in sources or b is None:
+                continue
+            admitted = decide(row["probe"], thresholds, row["class"], row["staleness"]).admit
+            counts[f"{'admitted' if admitted else 'rejected'} & {'degraded' if row['degraded'] else 'fine'}"] += 1
+            decided.append(row | {"admitted": admitted, "limit": b["limit"]})
+    return decided, counts
+
+
+def result_line(counts: dict) -> str:
+    """`RESULT agreement=... runs=... admitted_degraded=... rejected_fine=...` of out_of_sample's counts."""
+    runs = sum(counts.values())
+    agreement = (counts["admitted & fine"] + counts["rejected & degraded"]) / max(1, runs)
+    return (f"RESULT agreement={agreement:.3f} runs={runs} admitted_degraded={counts['admitted & degraded']} "
+            f"rejected_fine={counts['rejected & fine']}")
 
 
 def report(rows: list[dict], out: Path) -> str:

@@ -286,6 +286,25 @@ def test_outlier_training_benchmark_quick_mode():
     assert result["runs"] == "20" and result["admitted_degraded"] == "0" and float(result["agreement"]) >= 0.9
 
 
+def test_staleness_training_benchmark_quick_mode():
+    """The stored staleness runs at lr 1e-3 (benchmarks/staleness_training.py), decided with the shipped thresholds:
+    the README's counts. The runs whose old guard windows were over the limit trained fine, and the guard's own
+    metric (the numerics' opd/nsr) stayed at the BF16 floor in all of them."""
+    import subprocess
+    import sys
+    from opd.sweep import read_results
+    root = Path(__file__).parents[1]
+    out = subprocess.run([sys.executable, root / "benchmarks" / "staleness_training.py", "--quick"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = dict(kv.split("=") for kv in out.stdout.strip().splitlines()[-1].split()[1:])
+    assert result == {"agreement": "0.800", "runs": "20", "admitted_degraded": "2", "rejected_fine": "2"}
+    stale = [r for r in read_results(root / "benchmarks" / "data" / "staleness_results.jsonl")
+             if r["source"] == "staleness"]
+    assert len(stale) == 20 and all(r["train"]["opd/nsr"] < 0.01 for r in stale)
+    assert max(r["train"]["stale/total_nsr"] for r in stale) > 0.3
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_outlier_keys_keep_the_function_and_break_fixed_scale_fp8_kv(pair, tmp_path, arch):
     """A function-preserving outlier (stress.py): the same logits at full precision, keys past FP8 e4m3's largest
