@@ -29,7 +29,7 @@ from pathlib import Path
 from opd.admission import calibrate, decide, probe
 from opd.runlog import write_atomic
 from opd.sweep import PROBE_ROLLOUTS, load_grid, read_results, run_sweep, stored_config
-from opd.tolerance import label
+from opd.tolerance import accuracy, confusion, label
 
 STORED = Path(__file__).parent / "data" / "admission_results.jsonl"
 
@@ -55,17 +55,6 @@ def cross_family(rows: list[dict]) -> list[tuple[dict, bool]]:
         out += [(r, decide(r["probe"], thresholds, r["class"], r["staleness"]).admit)
                 for r in rows if r["family"] == family]
     return out
-
-
-def confusion(decisions: list[tuple[dict, bool]]) -> dict:
-    table = {"admitted & fine": 0, "admitted & degraded": 0, "rejected & fine": 0, "rejected & degraded": 0}
-    for row, admitted in decisions:
-        table[f"{'admitted' if admitted else 'rejected'} & {'degraded' if row['degraded'] else 'fine'}"] += 1
-    return table
-
-
-def accuracy(table: dict) -> float:
-    return (table["admitted & fine"] + table["rejected & degraded"]) / max(1, sum(table.values()))
 
 
 def recheck(rows: list[dict]) -> list[float]:

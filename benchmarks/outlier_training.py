@@ -40,8 +40,10 @@ POINTS = """
 
 
 def outlier_grid() -> dict:
-    """The study's grid (families, base, estimators, its BF16 seeds) with the outlier points instead of its others."""
+    """The study's grid (families, base, the two estimators these runs used, its BF16 seeds) with the outlier points
+    instead of its others."""
     grid = yaml.safe_load(DEFAULT_GRID)
+    grid["estimators"] = {name: grid["estimators"][name] for name in ("full_rkl", "sampled_mu")}
     grid["points"] = [p for p in grid["points"] if p["source"] == "bf16"] + yaml.safe_load(POINTS)
     return grid
 

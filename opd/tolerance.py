@@ -143,29 +143,36 @@ def fp8_answer(rows: list[dict]) -> list[str]:
     return out
 
 
+def confusion(decisions: list[tuple[dict, bool]]) -> dict:
+    """(labelled run, admitted) pairs -> the four counts "admitted & fine", "admitted & degraded", ..."""
+    counts = {"admitted & fine": 0, "admitted & degraded": 0, "rejected & fine": 0, "rejected & degraded": 0}
+    for row, admitted in decisions:
+        counts[f"{'admitted' if admitted else 'rejected'} & {'degraded' if row['degraded'] else 'fine'}"] += 1
+    return counts
+
+
+def accuracy(counts: dict) -> float:
+    return (counts["admitted & fine"] + counts["rejected & degraded"]) / max(1, sum(counts.values()))
+
+
 def out_of_sample(rows: list[dict], thresholds: dict, sources: tuple[str, ...]) -> tuple[list[dict], dict]:
     """The admission check's decision on each labelled run of `sources`, from the probe and max_staleness the run
-    stored -> (the runs with `admitted` and `limit`, the BF16 band's line on final quality; the four counts
-    "admitted & fine", ...). The benchmarks that test thresholds on runs they were not calibrated on use it."""
-    counts = {"admitted & fine": 0, "admitted & degraded": 0, "rejected & fine": 0, "rejected & degraded": 0}
+    stored -> (the runs with `admitted` and `limit`, the BF16 band's line on final quality; confusion's counts).
+    The benchmarks that test thresholds on runs they were not calibrated on use it."""
     decided = []
     for group in groups(label(rows)).values():
         b = band(group)
         for row in group:
-            if row["source"] not in sources or b is None:
-                continue
-            admitted = decide(row["probe"], thresholds, row["class"], row["staleness"]).admit
-            counts[f"{'admitted' if admitted else 'rejected'} & {'degraded' if row['degraded'] else 'fine'}"] += 1
-            decided.append(row | {"admitted": admitted, "limit": b["limit"]})
-    return decided, counts
+            if row["source"] in sources and b is not None:
+                admitted = decide(row["probe"], thresholds, row["class"], row["staleness"]).admit
+                decided.append(row | {"admitted": admitted, "limit": b["limit"]})
+    return decided, confusion([(row, row["admitted"]) for row in decided])
 
 
 def result_line(counts: dict) -> str:
-    """`RESULT agreement=... runs=... admitted_degraded=... rejected_fine=...` of out_of_sample's counts."""
-    runs = sum(counts.values())
-    agreement = (counts["admitted & fine"] + counts["rejected & degraded"]) / max(1, runs)
-    return (f"RESULT agreement={agreement:.3f} runs={runs} admitted_degraded={counts['admitted & degraded']} "
-            f"rejected_fine={counts['rejected & fine']}")
+    """`RESULT agreement=... runs=... admitted_degraded=... rejected_fine=...` of confusion's counts."""
+    return (f"RESULT agreement={accuracy(counts):.3f} runs={sum(counts.values())} "
+            f"admitted_degraded={counts['admitted & degraded']} rejected_fine={counts['rejected & fine']}")
 
 
 def report(rows: list[dict], out: Path) -> str:
