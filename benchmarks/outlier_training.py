@@ -18,16 +18,14 @@ The full mode runs what `<out>/results.jsonl` lacks (10 runs per family, ~18 min
 copy above gives it the study's BF16 seeds, which it would otherwise run too. The last line is
 `RESULT agreement=... runs=... admitted_degraded=... rejected_fine=...`.
 """
-import argparse
-import json
 from pathlib import Path
 
 import yaml
 
 from opd.admission import load_thresholds
-from opd.runlog import write_atomic
-from opd.sweep import DEFAULT_GRID, read_results, run_sweep
-from opd.tolerance import QUALITY, label, out_of_sample, result_line
+from opd.sweep import DEFAULT_GRID
+from opd.tolerance import QUALITY, out_of_sample
+from studies import grid_rows, parse_args, print_counts
 
 STORED = Path(__file__).parent / "data" / "outlier_results.jsonl"
 POINTS = """
@@ -49,23 +47,10 @@ def outlier_grid() -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="the stored results (benchmarks/data/outlier_results.jsonl)")
-    ap.add_argument("--out", type=Path, default=Path("runs/outlier_study"), help="the sweep's folder (full mode)")
-    ap.add_argument("--family", action="append", choices=["llama", "qwen3"], help="full mode: only these families")
-    ap.add_argument("--store", type=Path, help="write the grid's results here, e.g. the --quick data file")
-    args = ap.parse_args()
+    args = parse_args(__doc__, STORED, "runs/outlier_study")
     grid = outlier_grid()
-    if args.quick:
-        rows = read_results(STORED)
-    else:
-        run_sweep(grid, args.out, args.family)
-        rows = read_results(args.out / "results.jsonl")
     levels = {str(point["level"]) for point in grid["points"]}
-    rows = [r for r in label(rows) if r["source"] in ("bf16", "key_outlier") and str(r["level"]) in levels]
-    if args.store:
-        write_atomic(args.store, "".join(json.dumps({k: v for k, v in r.items() if k not in ("degraded", "mismatch")})
-                                         + "\n" for r in rows))
+    rows = grid_rows(grid, args, STORED, lambda r: r["source"] in ("bf16", "key_outlier") and str(r["level"]) in levels)
     decided, counts = out_of_sample(rows, load_thresholds(""), ("key_outlier",))
     print(f"{'family':6} {'estimator':10} {'point':13} {'kl_k3':>8} {'nsr':>6} {'ess':>5} {'clipped':>8}  "
           f"{'decision':8} {'final rkl':>9} {'limit':>6}  outcome   agree")
@@ -75,10 +60,7 @@ def main():
               f"{p['ess_frac']:>5.3f} {p.get('kv_clipped_k', 0):>8.3%}  {'ADMIT' if row['admitted'] else 'REJECT':8} "
               f"{row['after'][QUALITY]:>9.3f} {row['limit']:>6.3f}  {'degraded' if row['degraded'] else 'fine':8}  "
               f"{'yes' if row['admitted'] != row['degraded'] else 'NO'}")
-    print()
-    for key, n in counts.items():
-        print(f"  {key:22} {n:3d}")
-    print(result_line(counts))
+    print_counts(counts)
 
 if __name__ == "__main__":
     main()

@@ -16,51 +16,39 @@ used to judge, before it switched to the numerics alone; dev/LOG.md, 2026-12-01)
 The full mode runs what `<out>/results.jsonl` lacks (15 runs per family, ~45 minutes here with both families side
 by side) and appends them. The last line is `RESULT agreement=... runs=... admitted_degraded=... rejected_fine=...`.
 """
-import argparse
-import json
 from pathlib import Path
 
 import yaml
 
 from opd.admission import load_thresholds
-from opd.runlog import write_atomic
-from opd.sweep import read_results, run_sweep
-from opd.tolerance import QUALITY, label, out_of_sample, pivot, result_line
+from opd.sweep import DEFAULT_GRID
+from opd.tolerance import QUALITY, out_of_sample, pivot
+from studies import grid_rows, parse_args, print_counts
 
 STORED = Path(__file__).parent / "data" / "staleness_results.jsonl"
-GRID = """
-families: [llama, qwen3]
-base: {steps: 60, batch_size: 64, warmup_steps: 10, lr_schedule: cosine, eval_every: 0, eval_examples: 100,
-       save_every: 0, threads: 1}
-estimators:
-  full_rkl_demo: {loss: {name: full_rkl}, lr: 1.0e-3}
-seeds: [0]
-points:
-  - {source: bf16, level: 0, set: {}, seeds: [0, 1, 2, 3, 4]}
-  - {source: staleness, level: 1, set: {schedule: async, max_staleness: 1, threads: 2}, seeds: [0, 1, 2]}
-  - {source: staleness, level: 2, set: {schedule: async, max_staleness: 2, threads: 2}, seeds: [0, 1, 2]}
-  - {source: staleness, level: 4, set: {schedule: async, max_staleness: 4, threads: 2}, seeds: [0, 1, 2]}
-  - {source: staleness, level: 8, set: {schedule: async, max_staleness: 8, threads: 2}}
+DEMO = {"batch_size": 64, "warmup_steps": 10, "lr_schedule": "cosine"}  # the demo's recipe, the study's 60 steps
+POINTS = """
+- {source: bf16, level: 0, set: {}, seeds: [0, 1, 2, 3, 4]}
+- {source: staleness, level: 1, set: {schedule: async, max_staleness: 1, threads: 2}, seeds: [0, 1, 2]}
+- {source: staleness, level: 2, set: {schedule: async, max_staleness: 2, threads: 2}, seeds: [0, 1, 2]}
+- {source: staleness, level: 4, set: {schedule: async, max_staleness: 4, threads: 2}, seeds: [0, 1, 2]}
+- {source: staleness, level: 8, set: {schedule: async, max_staleness: 8, threads: 2}}
 """
 
 
+def staleness_grid() -> dict:
+    """The study's grid (families, base) with the demo's batch and schedule, full_rkl at lr 1e-3, staleness points."""
+    grid = yaml.safe_load(DEFAULT_GRID)
+    grid["base"] |= DEMO
+    grid["estimators"] = {"full_rkl_demo": {"loss": {"name": "full_rkl"}, "lr": 1.0e-3}}
+    grid["points"] = yaml.safe_load(POINTS)
+    return grid
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="the stored results (benchmarks/data/staleness_results.jsonl)")
-    ap.add_argument("--out", type=Path, default=Path("runs/staleness"), help="the sweep's folder (full mode)")
-    ap.add_argument("--family", action="append", choices=["llama", "qwen3"], help="full mode: only these families")
-    ap.add_argument("--store", type=Path, help="write the grid's results here, e.g. the --quick data file")
-    args = ap.parse_args()
-    grid = yaml.safe_load(GRID)
-    if args.quick:
-        rows = read_results(STORED)
-    else:
-        run_sweep(grid, args.out, args.family)
-        rows = read_results(args.out / "results.jsonl")
-    rows = [r for r in label(rows) if r["estimator"] in grid["estimators"]]
-    if args.store:
-        write_atomic(args.store, "".join(json.dumps({k: v for k, v in r.items() if k not in ("degraded", "mismatch")})
-                                         + "\n" for r in rows))
+    args = parse_args(__doc__, STORED, "runs/staleness")
+    grid = staleness_grid()
+    rows = grid_rows(grid, args, STORED, lambda r: r["estimator"] in grid["estimators"])
     print(pivot(rows))
     print()
     decided, counts = out_of_sample(rows, load_thresholds(""), ("staleness",))
@@ -72,10 +60,7 @@ def main():
               f"{t['stale/total_kl_k3']:>11.4f} {t['stale/total_nsr']:>9.3f}  "
               f"{'ADMIT' if row['admitted'] else 'REJECT':8} {row['after'][QUALITY]:>9.3f} {row['limit']:>6.3f}  "
               f"{'degraded' if row['degraded'] else 'fine':8}  {'yes' if row['admitted'] != row['degraded'] else 'NO'}")
-    print()
-    for key, n in counts.items():
-        print(f"  {key:22} {n:3d}")
-    print(result_line(counts))
+    print_counts(counts)
 
 
 if __name__ == "__main__":
