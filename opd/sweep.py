@@ -45,6 +45,8 @@ base: {steps: 60, batch_size: 32, warmup_steps: 5, lr_schedule: constant, eval_e
 estimators:
   full_rkl: {loss: {name: full_rkl}, lr: 3.0e-4}
   sampled_mu: {loss: {name: sampled_rkl, student_term: sampler}, lr: 1.0e-4}
+  sampled_pi: {loss: {name: sampled_rkl, student_term: learner}, lr: 1.0e-4}
+  sampled_tis: {loss: {name: sampled_rkl, student_term: learner, correction: tis, cap: 2.0}, lr: 1.0e-4}
 seeds: [0]
 points:
   - {source: bf16, level: 0, set: {}, seeds: [0, 1, 2, 3, 4]}
