@@ -102,8 +102,8 @@ class TrainConfig:
         require(self.guard_limit >= 0, f"config: guard_limit must be >= 0, got {self.guard_limit}",
                 "0 uses the calibrated limit")
         require(not (self.guard_every and self.schedule == "async" and self.recompute_fraction == 0),
-                "config: the runtime guard reads the rollouts' numerics mismatch (q vs mu), which an async run only has "
-                "with recompute_fraction > 0", "set recompute_fraction (e.g. 0.25) or guard_every=0")
+                "config: the runtime guard reads the rollouts' numerics mismatch (q vs mu), which an async run "
+                "only has with recompute_fraction > 0", "set recompute_fraction (e.g. 0.25) or guard_every=0")
         require(self.worker_threads > 0, f"config: worker_threads must be positive, got {self.worker_threads}")
         require(self.worker_timeout > 0, f"config: worker_timeout must be positive, got {self.worker_timeout}")
         require(self.schedule != "async" or self.threads > self.worker_threads,

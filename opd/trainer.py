@@ -383,9 +383,11 @@ GUARD_NSR, GUARD_ESS, GUARD_TOTAL = "opd/nsr", "is/ess_frac", "stale/total_nsr" 
 GUARD_KEYS = (GUARD_NSR, GUARD_ESS, GUARD_TOTAL)
 
 
-def _window_mean(window: list[dict], key: str) -> float | None:
-    known = [row[key] for row in window if math.isfinite(row.get(key, math.nan))]
-    return sum(known) / len(known) if known else None
+def _window_mean(window: list[dict], key: str, finite_only: bool) -> float | None:
+    """The mean over the window's steps that have `key` (None when none has it); NaN if one is NaN, unless
+    finite_only (then non-finite values are skipped as unknown)."""
+    values = [row[key] for row in window if key in row and (not finite_only or math.isfinite(row[key]))]
+    return sum(values) / len(values) if values else None
 
 
 def guard(run: Run, window: list[dict], step: int, run_dir: Path) -> dict:
@@ -397,10 +399,12 @@ def guard(run: Run, window: list[dict], step: int, run_dir: Path) -> dict:
     `stale/total_nsr` (pi in place of q: numerics and staleness together) is reported beside it (`guard/total_nsr`)
     but decides nothing: healthy async runs at lr 1e-3 averaged 0.3-0.5 over some windows (dev/LOG.md, 2026-12-01).
     Not the ESS of pi/mu either: one token whose probability an update moved a lot collapses it (0.005 in one step
-    of a healthy max_staleness 4 run). A window without q (async, recompute_fraction 0: refused by the config)
-    cannot be judged. On REJECT the event goes to guard.jsonl and stderr, and `guard_action` is taken."""
+    of a healthy max_staleness 4 run). A non-finite nsr (broken rollouts) is a REJECT; so is a window without any
+    (async with recompute_fraction 0 has no q, which is why the config refuses the guard there). On REJECT the event
+    goes to guard.jsonl and stderr, and `guard_action` is taken."""
     cfg = run.cfg
-    nsr, ess, total = (_window_mean(window, key) for key in GUARD_KEYS)
+    nsr = _window_mean(window, GUARD_NSR, finite_only=False)  # NaN: broken rollouts, a REJECT
+    ess, total = _window_mean(window, GUARD_ESS, True), _window_mean(window, GUARD_TOTAL, True)
     window.clear()
     nsr = math.nan if nsr is None else nsr
     decision = decide({METRIC: nsr, "ess_frac": ess}, run.guard_thresholds, estimator_class(cfg.loss), 0,
@@ -443,7 +447,7 @@ def _guard_window(run_dir: Path, step: int, every: int) -> list[dict]:
     if not every:
         return []
     first = step - step % every
-    return [{key: row.get(key, math.nan) for key in GUARD_KEYS} for row in read_metrics(run_dir)
+    return [{key: row[key] for key in GUARD_KEYS if key in row} for row in read_metrics(run_dir)
             if first <= row["step"] < step]
 
 
@@ -460,7 +464,7 @@ def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step) -
                 metrics |= (last_eval := evaluate(run, cfg))
             metrics |= run_step(run)
             if cfg.guard_every:
-                window.append({key: metrics.get(key, math.nan) for key in GUARD_KEYS})
+                window.append({key: metrics[key] for key in GUARD_KEYS if key in metrics})
                 if (step + 1) % cfg.guard_every == 0:
                     metrics |= guard(run, window, step, run_dir)
             log.write(step, metrics)

@@ -197,6 +197,18 @@ def test_guard_fallback_survives_resume(pair, tmp_path):
     assert (tmp_path / "resumed" / "guard.jsonl").read_text() == (tmp_path / "full" / "guard.jsonl").read_text()
 
 
+def test_the_guards_window_means():
+    """A NaN nsr (broken rollouts) makes the window's nsr NaN, which decide() rejects; a NaN or missing ESS (no q
+    for that step) is skipped as unknown; a window that never had the key has no mean."""
+    import math
+    from opd.trainer import GUARD_ESS, GUARD_NSR, _window_mean
+    window = [{GUARD_NSR: 0.1, GUARD_ESS: 0.9}, {GUARD_NSR: math.nan, GUARD_ESS: math.nan}, {GUARD_ESS: 0.7}]
+    assert math.isnan(_window_mean(window, GUARD_NSR, finite_only=False))
+    assert _window_mean(window[:1] + window[2:], GUARD_NSR, finite_only=False) == pytest.approx(0.1)
+    assert _window_mean(window, GUARD_ESS, finite_only=True) == pytest.approx(0.8)
+    assert _window_mean(window[2:], GUARD_NSR, finite_only=False) is None
+
+
 def test_the_guards_fallback_ladder():
     from opd.trainer import safer_plan
     n, floor = 4, Plan.parse("kv=bf16 w=bf16", 4)
