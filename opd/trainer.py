@@ -397,7 +397,7 @@ def guard(run: Run, window: list[dict], step: int, run_dir: Path) -> dict:
     and the numerics' effective sample size fraction `is/ess_frac` (weights q/mu) against MIN_ESS_FRAC.
     Staleness is not judged here: the admission check's max_staleness does that, and no plan fallback can fix it.
     `stale/total_nsr` (pi in place of q: numerics and staleness together) is reported beside it (`guard/total_nsr`)
-    but decides nothing: healthy async runs at lr 1e-3 averaged 0.3-0.5 over some windows (dev/LOG.md, 2026-12-01).
+    but decides nothing: in healthy async runs at lr 1e-3 it reached 0.52 over 5-step windows (dev/LOG.md, 2026-12-01).
     Not the ESS of pi/mu either: one token whose probability an update moved a lot collapses it (0.005 in one step
     of a healthy max_staleness 4 run). A non-finite nsr (broken rollouts) is a REJECT; so is a window without any
     (async with recompute_fraction 0 has no q, which is why the config refuses the guard there). On REJECT the event
