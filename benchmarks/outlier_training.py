@@ -62,5 +62,6 @@ def main():
               f"{'yes' if row['admitted'] != row['degraded'] else 'NO'}")
     print_counts(counts)
 
+
 if __name__ == "__main__":
     main()

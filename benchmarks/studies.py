@@ -7,7 +7,7 @@ from pathlib import Path
 
 from opd.runlog import write_atomic
 from opd.sweep import read_results, run_sweep
-from opd.tolerance import label, result_line
+from opd.tolerance import latest, result_line
 
 
 def parse_args(doc: str, stored: Path, default_out: str) -> argparse.Namespace:
@@ -20,16 +20,16 @@ def parse_args(doc: str, stored: Path, default_out: str) -> argparse.Namespace:
 
 
 def grid_rows(grid: dict, args: argparse.Namespace, stored: Path, keep) -> list[dict]:
-    """The labelled runs of the grid that keep(row) accepts: stored (--quick), or run and read from --out."""
+    """The runs of the grid that keep(row) accepts (the latest line of each): stored (--quick), or run and read from
+    --out. The analysis (tolerance.label, pivot, out_of_sample) labels them."""
     if args.quick:
         rows = read_results(stored)
     else:
         run_sweep(grid, args.out, args.family)
         rows = read_results(args.out / "results.jsonl")
-    rows = [r for r in label(rows) if keep(r)]
+    rows = [r for r in latest(rows) if keep(r)]
     if args.store:
-        write_atomic(args.store, "".join(json.dumps({k: v for k, v in r.items() if k not in ("degraded", "mismatch")})
-                                         + "\n" for r in rows))
+        write_atomic(args.store, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
 
