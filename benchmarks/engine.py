@@ -11,6 +11,7 @@ printed apart; the plan table gives it for three plans. --quick and --no-compile
 
     python benchmarks/engine.py            # what the README quotes
     python benchmarks/engine.py --quick    # < 1 minute
+    python benchmarks/engine.py --device cuda   # on a GPU (no vLLM row there)
 
 The last line is `RESULT key=value ...`.
 """
@@ -43,6 +44,8 @@ def timed(fn, repeats: int) -> float:
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -57,6 +60,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM even when it is installed")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled engine (implied by --quick)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (benchmarks/gpu.sh)")
     args = ap.parse_args()
     if args.quick:
         args.batch, args.new_tokens, args.repeats, args.no_compile = 16, 48, 1, True
@@ -67,17 +71,17 @@ def main():
         cfg = ModelConfig(arch="qwen3", vocab_size=100, qk_norm=True, **MODEL_SIZE)
         save_checkpoint(folder, Transformer(cfg).init_weights(torch.Generator().manual_seed(0)),
                         TextTokenizer.builtin())
-    ours, tok = load_checkpoint(folder)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours, tok = load_checkpoint(folder, device=args.device)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().to(args.device)
     prompts = [encode_prompt(tok, ex.prompt) for ex in held_out_examples(get_task("chain"), args.batch)]
     params = SamplingParams(args.new_tokens, temperature=0.0)
     tokens = args.batch * args.new_tokens
 
     def run_ours(engine=None):
         engine = engine or Engine(ours, eos_id=-1, pad_id=tok.pad_id)
-        return lambda: engine.generate(prompts, params, torch.Generator())
+        return lambda: engine.generate(prompts, params, 0)
 
-    ids, valid = left_pad(prompts, tok.pad_id)
+    ids, valid = (t.to(args.device) for t in left_pad(prompts, tok.pad_id))
     mask = valid.long()
 
     def run_hf():
@@ -103,7 +107,7 @@ def main():
     fast_tps = tokens / statistics.median(t_fast) if fast else None
     # vLLM's engine processes stay alive (and poll) while it exists, so it is timed in its own block, interleaved
     # with ours again under the same conditions
-    vllm = None if args.no_vllm else start_vllm(folder, tok, ours.cfg.tie_word_embeddings)
+    vllm = None if args.no_vllm or args.device != "cpu" else start_vllm(folder, tok, ours.cfg.tie_word_embeddings)
     vllm_tokens, t_vllm, t_ours_v = [], [], []
 
     def run_vllm():
@@ -119,7 +123,7 @@ def main():
     vllm_tps = statistics.median(n / t for n, t in zip(vllm_tokens[1:], t_vllm)) if vllm else None
     ours_v_tps = tokens / statistics.median(t_ours_v) if vllm else None
     print(f"batch {args.batch}, prompt ~{len(prompts[0])} tokens, {args.new_tokens} new tokens, "
-          f"{args.threads} threads, {ours.num_params()} params")
+          f"{args.threads} threads, {ours.num_params()} params, device {args.device}")
     print(f"{'engine':24} {'tokens/s':>10}")
     print(f"{'opd (fp32)':24} {ours_tps:>10.0f}")
     print(f"{'transformers.generate':24} {hf_tps:>10.0f}")

@@ -43,6 +43,7 @@ sensitivity map) and keeps the most sensitive layers in BF16, one more at a time
 cheapest per-layer plan that passes, in layers kept at BF16. `decide` is a pure predicate; the runtime guard
 (trainer.py) applies it to the live training metrics every `guard_every` steps.
 """
+import functools
 import json
 import math
 import time
@@ -52,7 +53,8 @@ from pathlib import Path
 import torch
 
 from opd.errors import OpdError, require
-from opd.learner import collate, completion_logprobs, token_logprobs
+from opd.engine import Engine
+from opd.learner import collate, score_batch
 from opd.losses import LossConfig
 from opd.metrics import distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics
 from opd.plan import LayerPrecision, Plan, describe_layer
@@ -232,36 +234,34 @@ def staleness(cfg) -> int:
 
 
 @torch.no_grad()
-def _rollouts(setup: ProbeSetup, plan: Plan):
+def measure(setup: ProbeSetup, plan: Plan) -> dict:
+    """The probe's metrics for one plan: the engine samples the probe prompts; the student (at full precision, the
+    training temperature) and the teacher score the tokens, a micro-batch and a chunk of tokens at a time; the
+    built-in engine also gives its hidden states (for the exact KL) and KV saturation counts."""
     from opd.async_rollouts import sampler_seed
     from opd.sampling import SamplingParams
     cfg = setup.cfg
     engine = setup.make_engine(plan)
-    builtin = not hasattr(engine, "close")  # the built-in engine: whole distributions and saturation counts
+    builtin = isinstance(engine, Engine)
+    params = SamplingParams(cfg.new_tokens, temperature=cfg.temperature)
     if builtin:
         engine.count_clipped = True
     try:
-        rollouts = engine.generate(setup.prompts, SamplingParams(cfg.new_tokens, temperature=cfg.temperature),
-                                   torch.Generator().manual_seed(sampler_seed(cfg.seed, 0)), return_dists=builtin)
+        rollouts = engine.generate(setup.prompts, params, sampler_seed(cfg.seed, 0), return_hidden=builtin)
     finally:
         if not builtin:
             engine.close()
-    return collate(rollouts, setup.tok.pad_id), engine.kv_clipped if builtin else None
-
-
-@torch.no_grad()
-def measure(setup: ProbeSetup, plan: Plan) -> dict:
-    cfg = setup.cfg
-    batch, clipped = _rollouts(setup, plan)
-    logp = completion_logprobs(setup.student, batch, cfg.temperature)
-    teacher_logp = completion_logprobs(setup.teacher, batch)
-    q, t_y, mask = token_logprobs(logp, batch.tokens), token_logprobs(teacher_logp, batch.tokens), batch.mask
+    batch = collate(rollouts, setup.tok.pad_id)
+    scores = score_batch(setup.student, batch, setup.teacher, temperature=cfg.temperature,
+                         micro_batch_size=cfg.micro_batch_size, chunk_tokens=cfg.chunk_tokens,
+                         rollout=functools.partial(engine.logprobs, params=params) if builtin else None)
+    q, t_y, mask = scores.pi, scores.teacher, batch.mask
     out = {**mismatch_metrics(batch.mu, q, mask), **importance_metrics(batch.mu, q, mask, cfg.loss.cap),
            **distortion_metrics(t_y, batch.mu, q, mask)}
-    if batch.rollout_logp is not None:
-        out |= exact_kl_metric(batch.rollout_logp, logp, mask)
-    if clipped is not None:
-        out |= {"kv_clipped_k": clipped[0], "kv_clipped_v": clipped[1]}
+    if scores.kl_exact is not None:
+        out |= exact_kl_metric(scores.kl_exact, mask)
+    if builtin:
+        out |= {"kv_clipped_k": engine.kv_clipped[0], "kv_clipped_v": engine.kv_clipped[1]}
     return {k.split("/")[-1]: v for k, v in out.items()}
 
 

@@ -22,6 +22,9 @@ A batch whose gap still exceeds `max_staleness` (`prefetch` set above it) is re-
 the same prompts and the newest weights (`stale_policy: requeue`) or discarded (`drop`); both are counted.
 Weights change only between batches, so every token of a rollout has the rollout's version (no token weighting).
 
+Without staleness (lookahead 0) the worker sends the engine's hidden states back with the tokens, and the trainer
+computes the exact KL as in the sync schedule (its output layer is the sampling weights' then).
+
 **The worker also recomputes `q`** when staleness is possible (lookahead > 0): the full-precision log-prob of each
 sampled token under the weights that sampled it (the rollout copy's unquantized weights), and the exact per-token
 KL(p_rollout || p_q). The trainer no longer has those weights; with them the numerics mismatch (mu vs q) and the
@@ -36,6 +39,7 @@ inside the worker is reported as one line and stops the run (it would recur). Th
 trainer can shut it down cleanly and save; a watchdog thread in it exits the process within 0.2 s of the trainer
 process disappearing (even while it is blocked on a pipe).
 """
+import functools
 import io
 import math
 import multiprocessing
@@ -52,9 +56,8 @@ import torch
 
 from opd.engine import Engine, Rollout
 from opd.errors import OpdError
-from opd.learner import collate, completion_logprobs, token_logprobs
-from opd.losses import kl
-from opd.model import ModelConfig, Transformer
+from opd.learner import collate, score_batch
+from opd.model import ModelConfig, Transformer, empty_model
 from opd.plan import Plan
 from opd.sampling import SamplingParams
 
@@ -69,8 +72,8 @@ def pack(obj) -> bytes:
     return buffer.getvalue()
 
 
-def unpack(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=False)
+def unpack(data: bytes, device: str | torch.device = "cpu"):
+    return torch.load(io.BytesIO(data), weights_only=False, map_location=device)
 
 
 def sampler_seed(seed: int, index: int, attempt: int = 0) -> int:
@@ -88,28 +91,28 @@ class WorkerSpec:
     noise_seed: int
     params: SamplingParams
     threads: int
-    return_dists: bool  # the engine's full distributions (for the exact KL)
+    return_hidden: bool  # the engine's hidden states (for the exact KL)
     recompute: bool  # staleness is possible: compute q (and the exact KL) under the sampling weights
     recompute_fraction: float  # of each batch, the share (first rollouts) to recompute
     vllm_model_dir: str = ""  # set: the worker samples with vLLM (in-process) from this checkpoint folder
     compile: bool = False  # the built-in engine's torch.compile (engine.py)
+    device: str = "cpu"  # where the worker's model, engine and recompute run
+    chunk_tokens: int = 0  # the recompute's chunk of full-vocabulary work (chunked.py)
 
 
-def recompute(model: Transformer, rollouts: list[Rollout], pad_id: int, temperature: float) -> None:
+def recompute(model: Transformer, rollouts: list[Rollout], pad_id: int, params: SamplingParams, chunk_tokens: int,
+              rollout=None) -> None:
     """Attach q and the exact per-token KL(p_rollout || p_q) to each rollout, from the sampling weights at full
-    precision (`model`: the engine's unquantized copy)."""
+    precision (`model`: the engine's base model; rollout: the engine's hidden rows -> log-probs)."""
     if not rollouts:
         return
     batch = collate(rollouts, pad_id)
-    with torch.no_grad():
-        logp = completion_logprobs(model, batch, temperature)
-    q = token_logprobs(logp, batch.tokens)
-    exact = kl(batch.rollout_logp.double(), logp.double()) if batch.rollout_logp is not None else None
+    scores = score_batch(model, batch, temperature=params.temperature, chunk_tokens=chunk_tokens, rollout=rollout)
     for b, r in enumerate(rollouts):
         n = len(r.completion_ids)
-        r.q = q[b, :n].tolist()
-        r.kl_exact = exact[b, :n].tolist() if exact is not None else None
-        r.dists = None  # the trainer needs only the per-token numbers
+        r.q = scores.pi[b, :n].tolist()
+        r.kl_exact = scores.kl_exact[b, :n].tolist() if scores.kl_exact is not None else None
+        r.hidden = None  # the trainer needs only the per-token numbers
 
 
 def _exit_with(parent: int) -> None:
@@ -133,8 +136,11 @@ def worker_main(address: str, inbox, outbox, init: bytes) -> None:
     try:
         spec, weights, version, scales = unpack(init)
         torch.set_num_threads(spec.threads)
-        model = Transformer(ModelConfig(**spec.model_config))
-        model.load_state_dict(unpack(weights))
+        model = empty_model(ModelConfig(**spec.model_config))
+        model.load_state_dict(unpack(weights, spec.device), assign=True)
+        if model.cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.requires_grad_(False)
         if spec.vllm_model_dir:  # in this process (env set at spawn); the published weights are loaded into it
             from opd.vllm_engine import VllmEngine
             engine = VllmEngine(spec.vllm_model_dir, spec.eos_id, spec.pad_id, spec.plan, version,
@@ -151,21 +157,21 @@ def worker_main(address: str, inbox, outbox, init: bytes) -> None:
                 return
             if message[0] == "weights":
                 _, version, blob = message
-                state = unpack(blob)
+                state = unpack(blob, spec.device)
                 engine.update_weights(state, version)
                 if spec.vllm_model_dir:  # the built-in engine's base *is* `model`; vLLM keeps its own copy
                     model.load_state_dict(state)
             elif message[0] == "generate":
                 _, key, prompts, seed = message
                 start = time.perf_counter()
-                rollouts = engine.generate(prompts, spec.params, torch.Generator().manual_seed(seed),
-                                           return_dists=spec.return_dists)
+                rollouts = engine.generate(prompts, spec.params, seed, return_hidden=spec.return_hidden)
                 generated = time.perf_counter()
                 if spec.recompute:
                     n = math.ceil(spec.recompute_fraction * len(rollouts))
-                    recompute(model, rollouts[:n], spec.pad_id, spec.params.temperature)
+                    exact = functools.partial(engine.logprobs, params=spec.params) if spec.return_hidden else None
+                    recompute(model, rollouts[:n], spec.pad_id, spec.params, spec.chunk_tokens, exact)
                     for r in rollouts[n:]:
-                        r.dists = None  # stale: the trainer could not use them
+                        r.hidden = None  # stale: the trainer could not use them
                 result = pack({"rollouts": rollouts, "scales": engine.scales})
                 seconds = (generated - start, time.perf_counter() - generated)
                 outbox.put(("rollouts", key, result, seconds, time.time()))
@@ -411,8 +417,9 @@ class AsyncRollouts:
                 self._send_generate(key)
 
 
-def worker_spec(cfg, model: Transformer, tok, plan: Plan, params: SamplingParams, return_dists: bool,
+def worker_spec(cfg, model: Transformer, tok, plan: Plan, params: SamplingParams, return_hidden: bool,
                 model_dir: str = "") -> WorkerSpec:
     return WorkerSpec(asdict(model.cfg), tok.eos_id, tok.pad_id, plan, cfg.noise_seed, params, cfg.worker_threads,
-                      return_dists, recompute=cfg.lookahead > 0, recompute_fraction=cfg.recompute_fraction,
-                      vllm_model_dir=str(model_dir) if cfg.engine == "vllm" else "", compile=cfg.engine_compile)
+                      return_hidden, recompute=cfg.lookahead > 0, recompute_fraction=cfg.recompute_fraction,
+                      vllm_model_dir=str(model_dir) if cfg.engine == "vllm" else "", compile=cfg.engine_compile,
+                      device=str(model.embed_tokens.weight.device), chunk_tokens=cfg.chunk_tokens)

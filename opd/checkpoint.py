@@ -18,11 +18,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from opd.errors import OpdError, require
-from opd.model import ModelConfig, Transformer
+from opd.model import ModelConfig, Transformer, empty_model
 from opd.tokenizer import TextTokenizer
 
 MANIFEST = "opd_manifest.json"
@@ -101,7 +101,9 @@ def read_json(path: Path, what: str) -> dict:
         raise OpdError(f"{path} is not valid JSON ({e})", "re-create the file") from None
 
 
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(folder: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors file(s), read one at a time and converted to dtype on device, so that
+    loading holds one model's worth plus one tensor, never two copies of the model."""
     index = folder / "model.safetensors.index.json"
     files = sorted(set(read_json(index, "index").get("weight_map", {}).values())) if index.is_file() \
         else ["model.safetensors"]
@@ -110,7 +112,9 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
         path = folder / name
         require(path.is_file(), f"checkpoint {folder} has no {name}", "save the weights next to config.json")
         try:
-            tensors.update(load_file(str(path)))
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key).to(device=device, dtype=dtype)
         except (SafetensorError, OSError, ValueError) as e:
             raise OpdError(f"cannot read {path}: {e}", "the file is truncated or corrupt; re-save it") from None
     return tensors
@@ -153,13 +157,15 @@ def verify_checkpoint(folder: Path) -> None:
             "on purpose")
 
 
-def load_model(folder, dtype: torch.dtype = torch.float32) -> Transformer:
+def load_model(folder, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Transformer:
+    """The checkpoint's model, in dtype on device. It is built on the meta device (no memory, no random init) and
+    the file's tensors become its parameters, so loading never holds a second copy of the weights."""
     folder = Path(folder)
     require(folder.is_dir(), f"checkpoint folder not found: {folder}", "check the path, or run `opd pretrain`")
     verify_checkpoint(folder)
     cfg = from_hf_config(read_json(folder / "config.json", "config.json"), str(folder / "config.json"))
-    model = Transformer(cfg)
-    state = {k.removeprefix("model."): v for k, v in _read_tensors(folder).items()}
+    model = empty_model(cfg)
+    state = {k.removeprefix("model."): v for k, v in _read_tensors(folder, dtype, torch.device(device)).items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
@@ -171,16 +177,19 @@ def load_model(folder, dtype: torch.dtype = torch.float32) -> Transformer:
         if k in state:
             require(state[k].shape == v.shape, f"checkpoint {folder}: tensor {k} has shape {tuple(state[k].shape)}, "
                     f"config.json implies {tuple(v.shape)}", "the weights and config.json disagree")
-    model.load_state_dict(state, strict=False)
-    return model.to(dtype).eval()
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
 
 
 def load_tokenizer(folder, cfg: ModelConfig) -> TextTokenizer:
     return TextTokenizer.load(Path(folder), cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
 
 
-def load_checkpoint(folder, dtype: torch.dtype = torch.float32) -> tuple[Transformer, TextTokenizer]:
-    model = load_model(folder, dtype)
+def load_checkpoint(folder, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") \
+        -> tuple[Transformer, TextTokenizer]:
+    model = load_model(folder, dtype, device)
     tok = load_tokenizer(folder, model.cfg)
     require(tok.vocab_size <= model.cfg.vocab_size,
             f"checkpoint {folder}: tokenizer has {tok.vocab_size} tokens but the model only {model.cfg.vocab_size}",
@@ -190,7 +199,7 @@ def load_checkpoint(folder, dtype: torch.dtype = torch.float32) -> tuple[Transfo
 
 def hf_state_dict(state_dict: dict, tied: bool) -> dict:
     """Our parameter names -> the HF checkpoint's (`model.` prefix, no `lm_head` when tied), float32, contiguous."""
-    return {(k if k.startswith("lm_head.") else "model." + k): v.detach().float().contiguous()
+    return {(k if k.startswith("lm_head.") else "model." + k): v.detach().float().cpu().contiguous()
             for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
 
 

@@ -12,8 +12,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
+from opd import devices
 from opd.checkpoint import load_checkpoint
 from opd.data import encode_prompt, load_prompts
 from opd.engine import Engine
@@ -53,10 +52,11 @@ def _pretrain_job(args) -> tuple[Path, dict]:
     return pretrain(cfg, cache_dir, force=force, progress=progress)
 
 
-def cmd_eval(model: Path, task: str, prompts: Path | None, n: int, max_new_tokens: int, plan: str) -> None:
+def cmd_eval(model: Path, task: str, prompts: Path | None, n: int, max_new_tokens: int, plan: str,
+             device: str) -> None:
     """Greedy exact-match accuracy of a checkpoint on the task's held-out split or a JSONL prompt file."""
     require(max_new_tokens >= 0, f"--max-new-tokens must be >= 0, got {max_new_tokens}", "0 means the task's default")
-    net, tok = load_checkpoint(model)
+    net, tok = load_checkpoint(model, device=devices.resolve(device))
     parsed = Plan.parse(plan, net.cfg.num_layers)
     examples = load_prompts(prompts) if prompts else held_out_examples(get_task(task), n)
     if not any(ex.answer is not None for ex in examples):
@@ -67,11 +67,11 @@ def cmd_eval(model: Path, task: str, prompts: Path | None, n: int, max_new_token
 
 def cmd_generate(model: Path, prompt: list[str] | None, prompts: Path | None, task: str, n: int, plan: str,
                  temperature: float, top_k: int, top_p: float, max_new_tokens: int, seed: int,
-                 as_json: bool, engine_name: str) -> None:
+                 as_json: bool, engine_name: str, device: str) -> None:
     """Sample completions from a checkpoint under a precision plan; print them with their log-probs."""
     if engine_name == "vllm":
         import_vllm()
-    net, tok = load_checkpoint(model)
+    net, tok = load_checkpoint(model, device=devices.resolve(device) if engine_name == "builtin" else "cpu")
     texts = prompt or [ex.prompt for ex in (load_prompts(prompts) if prompts else held_out_examples(get_task(task), n))]
     if engine_name == "vllm":
         engine = VllmEngine(model, tok.eos_id, tok.pad_id, Plan.parse(plan, net.cfg.num_layers), seed=seed,
@@ -82,8 +82,7 @@ def cmd_generate(model: Path, prompt: list[str] | None, prompts: Path | None, ta
         kv_bytes = engine.new_cache(1, 1).bytes_per_token()
     params = SamplingParams(max_new_tokens or get_task(task).max_new_tokens, temperature, top_k, top_p)
     try:
-        rollouts = engine.generate([encode_prompt(tok, t) for t in texts], params,
-                                   torch.Generator().manual_seed(seed))
+        rollouts = engine.generate([encode_prompt(tok, t) for t in texts], params, seed)
     finally:
         if engine_name == "vllm":
             engine.close()
@@ -249,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=positive_int, default=500, help="held-out examples")
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: the task's default")
     p.add_argument("--plan", default="", help="precision plan to decode under (default: full precision)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("generate", help=cmd_generate.__doc__)
@@ -266,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="as_json", action="store_true", help="one JSON record per completion")
     p.add_argument("--engine", dest="engine_name", choices=["builtin", "vllm"], default="builtin",
                    help="vllm: real vLLM (pip install -e '.[vllm]'); whole-model plans only")
+    p.add_argument("--device", default="auto", help="builtin engine: auto (CUDA when present), cpu, cuda or cuda:N")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("train", help=cmd_train.__doc__)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from opd.devices import check_dtype_name, check_name
 from opd.errors import OpdError, require
 from opd.losses import LossConfig
 from opd.pretrain import FAMILIES
@@ -68,6 +69,13 @@ class TrainConfig:
     guard_limit: float = 0.0  # > 0: this limit on the rollout-vs-learner nsr (admission.py), not the calibrated one
     seed: int = 0
     threads: int = 2  # CPU threads for the whole run (async: split between the worker and the trainer)
+    device: str = "auto"  # learner and rollout engine: auto (CUDA when present, else CPU), cpu, cuda, cuda:N
+    teacher_device: str = ""  # the teacher's device; "": the same as `device`
+    dtype: str = "float32"  # learner compute: float32, or bf16 (autocast; float32 master weights and optimizer)
+    teacher_dtype: str = "float32"  # the teacher's weights and compute: float32 or bf16
+    micro_batch_size: int = 0  # rollouts per learner/teacher forward (gradients accumulated); 0: the whole batch
+    chunk_tokens: int = 0  # tokens per chunk of full-vocabulary work (chunked.py); 0: 2**24 floats / vocab
+    eval_batch_size: int = 0  # held-out prompts per generation batch; 0: 2**24 floats / vocab (all, at vocab 100)
 
     def __post_init__(self):
         require(self.family in FAMILIES, f"unknown family {self.family!r}", f"use one of {', '.join(FAMILIES)}")
@@ -106,6 +114,17 @@ class TrainConfig:
                 "only has with recompute_fraction > 0", "set recompute_fraction (e.g. 0.25) or guard_every=0")
         require(self.worker_threads > 0, f"config: worker_threads must be positive, got {self.worker_threads}")
         require(self.worker_timeout > 0, f"config: worker_timeout must be positive, got {self.worker_timeout}")
+        check_name(self.device)
+        if self.teacher_device:
+            check_name(self.teacher_device, "teacher_device")
+        check_dtype_name(self.dtype)
+        check_dtype_name(self.teacher_dtype, "teacher_dtype")
+        for name in ("micro_batch_size", "chunk_tokens", "eval_batch_size"):
+            require(getattr(self, name) >= 0, f"config: {name} must be >= 0, got {getattr(self, name)}",
+                    "0 chooses it automatically")
+        require(self.batch_size % max(self.micro_batch_size, 1) == 0,
+                f"config: micro_batch_size {self.micro_batch_size} does not divide batch_size {self.batch_size}",
+                "use a divisor of batch_size (gradients are accumulated over equal micro-batches), or 0")
         require(self.schedule != "async" or self.threads > self.worker_threads,
                 f"config: async needs more threads ({self.threads}) than the rollout worker's ({self.worker_threads})",
                 "the trainer gets threads - worker_threads; on 2 cores use threads=2 worker_threads=1")

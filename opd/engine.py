@@ -4,18 +4,27 @@ Token ids in, `Rollout` records out; no tokenizer, loss or optimizer here. One `
 left-pad the prompts, prefill them in one forward, then decode one token per step for every sequence until
 each has stopped (eos or a stop token, kept in the completion) or hit `max_new_tokens`. Finished sequences keep
 being decoded with their outputs discarded, so the randomness drawn per step does not depend on which rows
-finished: that is what lets the naive loop in generate.py reproduce the engine token for token.
+finished: that is what lets the naive loop in generate.py reproduce the engine token for token. The output layer
+runs only where a token is drawn: at each prompt's last position in the prefill, and at the new position of each
+decode step, so the engine's memory grows with batch x vocabulary, never with prompt or completion length x vocabulary.
 
-The precision plan (plan.py) gives each layer a KV cache spec, a weight scheme and a noise level; the engine runs a
-copy of the model with those weights (weight_quant.py) and rebuilds it whenever new weights are published, so the
-rollout copy is always "the learner's weights, as the cheap engine would run them". Calibrated scales (`scale_mode="calibrate"`) are measured on the first batch
-this engine ever prefills and kept for its lifetime, as vLLM does; `"dynamic"` layers are recalibrated on every
-batch. `update_weights` publishes new weights with their policy version; every record carries the version of the
-weights that sampled it.
+The precision plan (plan.py) gives each layer a KV cache spec, a weight scheme and a noise level. The engine runs the
+model it is given ("the published weights") through `weight_quant.rollout_copy`: the layers the plan changes are the
+engine's own, stored at the plan's precision and re-made whenever new weights are published; everything else is the
+given model's own tensors, so a plan that changes no weights costs no copy. The sync trainer hands the engine the
+learner itself: sampling happens only between optimizer steps, so the engine always runs the version it was last
+published. Calibrated scales (`scale_mode="calibrate"`) are measured on the first batch this engine ever prefills and
+kept for its lifetime, as vLLM does; `"dynamic"` layers are recalibrated on every batch. `update_weights` publishes
+new weights with their policy version; every record carries the version of the weights that sampled it.
+
+With `return_hidden`, each record also keeps the final hidden state of every step ([n, hidden]); `logprobs` turns
+them back into the distributions the tokens were drawn from. That is how the exact rollout-vs-trainer KL is computed
+(chunked.py) without keeping [batch, tokens, vocab] distributions: at a vocabulary of 150k, hidden states are
+~40-150x smaller.
 
 `compile=True` runs the rollout copy's forward through `torch.compile` (inductor, dynamic shapes): one graph for the
 prefill and one for every decode step, whatever the prompt lengths, kept across weight updates (the weights are
-graph inputs, not constants), compiled when the engine is built. It fuses the few hundred small ops of a decode step
+graph inputs, updated in place), compiled when the engine is built. It fuses the few hundred small ops of a decode step
 into a few kernels, which is where a small model's time goes (README: ~1.5x the eager engine on this CPU). Building
 it compiles (about a minute here; inductor's on-disk cache makes later processes faster). Inductor is told to round
 to bfloat16 where eager PyTorch rounds (`emulate_precision_casts`), so a compiled bf16 plan keeps the eager plan's
@@ -31,8 +40,8 @@ from opd.generate import left_pad, prefill_mask
 from opd.kv_cache import KVCache
 from opd.model import Transformer
 from opd.plan import Plan
-from opd.sampling import SamplingParams, process_logits, sample
-from opd.weight_quant import apply_weight_precision
+from opd.sampling import SamplingParams, process_logits, sample, seeded
+from opd.weight_quant import LayerWeights, refresh, rollout_copy
 
 
 @dataclass
@@ -43,24 +52,45 @@ class Rollout:
     raw_logprobs: list[float]  # log_softmax of the raw logits
     finish_reason: str  # "stop" | "length"
     policy_version: int
-    dists: torch.Tensor | None = None  # [n, V] processed log-probs of every step, when generate(return_dists=True)
+    hidden: torch.Tensor | None = None  # [n, d] final hidden state of every step, when generate(return_hidden=True)
     q: list[float] | None = None  # full-precision log-probs under the sampling weights (async worker's recompute)
     kl_exact: list[float] | None = None  # per-token KL(p_rollout || p_q), from the same recompute
 
 
+def next_token_logits(model: Transformer, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                      cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """One prefill or decode forward: the last position's final hidden state [B, d] and logits [B, V]. Left padding
+    puts every prompt's last token at the last position, so the output layer runs on one position per row."""
+    h = model.hidden(ids, positions, mask, cache)[:, -1]
+    return h, model.lm_head(h)
+
+
+def drawn_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Final hidden states [c, d] of generated steps -> the processed log-probs [c, V] their tokens were drawn from:
+    a decode step's computation (its rows may round differently in the last bit). lm_head: the sampling weights'."""
+    logits = lm_head(hidden)
+    return process_logits(logits, params) if params.reshapes_distribution else logits.float().log_softmax(-1)
+
+
 class Engine:
     def __init__(self, model: Transformer, eos_id: int, pad_id: int, plan: Plan | str | None = None,
-                 version: int = 0, noise_seed: int = 0, compile: bool = False):
+                 version: int = 0, noise_seed: int = 0, compile: bool = False, shadows: bool | None = None):
+        """shadows: keep dequantized copies of quantized weights and KV caches (weight_quant.QuantLinear, kv_cache);
+        default: on the CPU, where they make the emulation fast; the results are the same without them."""
         n = model.cfg.num_layers
         plan = Plan.parse(plan, n) if isinstance(plan, str) else plan or Plan.full(n)
         require(len(plan.layers) == n, f"precision plan has {len(plan.layers)} layers, the model has {n}")
         self.base, self.plan, self.eos_id, self.pad_id, self.version = model.eval(), plan, eos_id, pad_id, version
         self.kv_plan, self.noise_seed, self.compile = plan.kv_specs, noise_seed, compile
+        self.weights = [LayerWeights(p.weights, p.noise, p.key_outlier) for p in plan.layers]
+        self.device = model.embed_tokens.weight.device
+        self.shadows = self.device.type == "cpu" if shadows is None else shadows
         self.count_clipped = False  # set: each generate leaves (keys, values) saturated fractions in kv_clipped
         self.kv_clipped: tuple[float, float] | None = None
         self.scales: dict = {}  # layer -> [k_scale, v_scale], shared by every batch
-        self.model = None
-        self._use(self._rollout_copy())
+        self.model = rollout_copy(model, self.weights, noise_seed, self.shadows)
+        self.forward = compiled_forward(self.model) if compile else \
+            lambda *args: next_token_logits(self.model, *args)
         self.new_cache(1, 1)  # fail now, not mid-run, if the plan does not fit the model's shapes
         if compile:
             self._warm_up()
@@ -74,7 +104,7 @@ class Engine:
         self.eos_id = -1  # every step is decoded, whatever the dummy batch samples
         try:
             for _ in range(2):
-                self.generate([[1] * 7] * 3, SamplingParams(5, temperature=0.0), torch.Generator())
+                self.generate([[1] * 7] * 3, SamplingParams(5, temperature=0.0), 0)
         finally:
             self.eos_id = eos
             self.scales.clear()  # the dummy batch must not calibrate anything
@@ -83,21 +113,17 @@ class Engine:
             # worker that gets terminated, leave their semaphores to the resource tracker's leak warning)
             shutdown_compile_workers()
 
-    def _rollout_copy(self) -> Transformer:
-        if not self.plan.changes_weights:
-            return self.base
-        layers = self.plan.layers
-        return apply_weight_precision(self.base, [p.weights for p in layers], [p.noise for p in layers],
-                                      self.noise_seed, [p.key_outlier for p in layers])
-
+    @torch.no_grad()
     def update_weights(self, state_dict: dict, version: int) -> None:
-        self.base.load_state_dict(state_dict)
-        self._use(self._rollout_copy())
+        """Publish new weights: loaded into the base model (tensors that already are the base's are skipped: the sync
+        trainer's engine runs the learner itself), then the plan's changed layers are re-made from them."""
+        for name, tensor in self.base.state_dict().items():
+            new = state_dict[name]
+            if new.data_ptr() != tensor.data_ptr():
+                tensor.copy_(new)
+        if self.model is not self.base:
+            refresh(self.model, self.base, self.weights, self.noise_seed)
         self.version = version
-
-    def _use(self, model: Transformer) -> None:
-        if model is not self.model:  # the same module updated in place keeps its forward
-            self.model, self.forward = model, compiled_forward(model) if self.compile else model
 
     def _scales_for_batch(self) -> dict:
         for i, spec in enumerate(self.kv_plan):
@@ -106,60 +132,67 @@ class Engine:
         return self.scales
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        dtype = next(self.model.parameters()).dtype
-        return KVCache(self.model.cfg, batch_size, max_len, dtype, specs=self.kv_plan, scales=self._scales_for_batch(),
-                       count_clipped=self.count_clipped)
+        dtype = self.model.embed_tokens.weight.dtype
+        return KVCache(self.model.cfg, batch_size, max_len, dtype, self.device, specs=self.kv_plan,
+                       scales=self._scales_for_batch(), count_clipped=self.count_clipped, shadow=self.shadows)
+
+    def logprobs(self, hidden: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        return drawn_logprobs(self.model.lm_head, hidden.to(self.device), params)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
-                 return_dists: bool = False) -> list[Rollout]:
-        """return_dists also keeps each step's whole processed distribution (for the exact rollout-vs-trainer KL)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | int,
+                 return_hidden: bool = False) -> list[Rollout]:
+        """generator: one on this engine's device, or a seed. return_hidden also keeps each step's final hidden
+        state (for the exact rollout-vs-trainer KL, through `logprobs`)."""
         require(all(len(p) > 0 for p in prompts), "every prompt needs at least one token")
-        ids, valid = left_pad(prompts, self.pad_id)  # [B, P]
+        generator, device = seeded(generator, self.device), self.device
+        ids, valid = (t.to(device) for t in left_pad(prompts, self.pad_id))  # [B, P]
         B, P = ids.shape
         N = params.max_new_tokens
         require(P + N <= self.model.cfg.max_position_embeddings,
                 f"prompt ({P}) + max_new_tokens ({N}) exceeds the model's context "
                 f"({self.model.cfg.max_position_embeddings})", "shorten the prompts or lower max_new_tokens")
         cache = self.new_cache(B, P + N)
-        logits = self.forward(ids, (valid.cumsum(1) - 1).clamp(min=0), prefill_mask(valid), cache)[:, -1]  # [B, V]
+        h, logits = self.forward(ids, (valid.cumsum(1) - 1).clamp(min=0), prefill_mask(valid), cache)  # [B, V]
         next_pos = valid.sum(1, keepdim=True)  # [B, 1]
-        key_valid = torch.cat([valid, torch.ones(B, N, dtype=torch.bool)], 1)
-        stops = torch.tensor([self.eos_id, *params.stop_token_ids])
-        tokens, mu, raw = (torch.zeros(B, N, dtype=torch.long), torch.zeros(B, N), torch.zeros(B, N))
-        lengths = torch.full((B,), N)
-        done = torch.zeros(B, dtype=torch.bool)
-        dists = []
+        key_valid = torch.cat([valid, torch.ones(B, N, dtype=torch.bool, device=device)], 1)
+        stops = torch.tensor([self.eos_id, *params.stop_token_ids], device=device)
+        tokens = torch.zeros(B, N, dtype=torch.long, device=device)
+        mu, raw = torch.zeros(B, N, device=device), torch.zeros(B, N, device=device)
+        lengths = torch.full((B,), N, device=device)
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        hidden = []
         for t in range(N):
             check_finite(logits, t)
-            tok, mu[:, t], raw[:, t], processed = self._step(logits, params, generator)
-            if return_dists:
-                dists.append(processed)
+            tok, mu[:, t], raw[:, t] = self._step(logits, params, generator)
+            if return_hidden:
+                hidden.append(h)
             tokens[:, t] = tok
             stopped = torch.isin(tok, stops) & ~done
             lengths[stopped] = t + 1
             done |= stopped
             if done.all() or t == N - 1:
                 break
-            logits = self.forward(tok[:, None], next_pos + t, key_valid[:, None, None, :P + t + 1], cache)[:, -1]
+            h, logits = self.forward(tok[:, None], next_pos + t, key_valid[:, None, None, :P + t + 1], cache)
         self.kv_clipped = cache.clipped_fractions() if self.count_clipped else None
-        dists = torch.stack(dists, 1) if return_dists else None  # [B, steps, V]
+        hidden = torch.stack(hidden, 1) if return_hidden else None  # [B, steps, d]
+        tokens, mu, raw, lengths, done = (x.cpu() for x in (tokens, mu, raw, lengths, done))
         return [Rollout(prompts[b], tokens[b, :lengths[b]].tolist(), mu[b, :lengths[b]].tolist(),
                         raw[b, :lengths[b]].tolist(), "stop" if done[b] else "length", self.version,
-                        None if dists is None else dists[b, :lengths[b]])
+                        None if hidden is None else hidden[b, :lengths[b]].clone())
                 for b in range(B)]
 
     @staticmethod
     def _step(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
-        """logits [B, V] -> sampled token [B], its processed and raw log-probs [B], processed log-probs [B, V]."""
+        """logits [B, V] -> sampled token [B], its processed and raw log-probs [B]."""
         raw = logits.float().log_softmax(-1)
         processed = process_logits(logits, params) if params.reshapes_distribution else raw
         tok = sample(processed, params, generator)
-        return tok, processed.gather(1, tok[:, None])[:, 0], raw.gather(1, tok[:, None])[:, 0], processed
+        return tok, processed.gather(1, tok[:, None])[:, 0], raw.gather(1, tok[:, None])[:, 0]
 
 
 def compiled_forward(model: Transformer):
-    """model.forward through torch.compile; a new copy of the same shape reuses the graphs already compiled."""
+    """next_token_logits on `model` through torch.compile (the weights are graph inputs, updated in place)."""
     import torch._inductor.config
     import torch.fx.experimental._config
     from torch._inductor.cpp_builder import get_cpp_compiler
@@ -169,11 +202,11 @@ def compiled_forward(model: Transformer):
         _compile_failed(e)
     torch._inductor.config.emulate_precision_casts = True  # round to bf16 where eager does (see the docstring)
     torch.fx.experimental._config.use_duck_shape = False  # a batch of 64 must not be tied to a dimension of 64
-    compiled = torch.compile(model.forward, dynamic=True)
+    compiled = torch.compile(next_token_logits, dynamic=True)
 
     def forward(*args):
         try:
-            return compiled(*args)
+            return compiled(model, *args)
         except torch._dynamo.exc.TorchDynamoException as e:  # e.g. inductor could not build a kernel
             _compile_failed(e)
     return forward

@@ -27,8 +27,8 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 def prefill_mask(valid: torch.Tensor) -> torch.Tensor:
     """valid [B, P] -> [B, 1, P, P]: causal, no attention to pads, pads attend to themselves."""
     P = valid.shape[1]
-    causal = torch.ones(P, P, dtype=torch.bool).tril()
-    return ((causal & valid[:, None, :]) | torch.eye(P, dtype=torch.bool))[:, None]
+    causal = torch.ones(P, P, dtype=torch.bool, device=valid.device).tril()
+    return ((causal & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=valid.device))[:, None]
 
 
 @torch.no_grad()

@@ -16,9 +16,13 @@ rule, `k_scale = amax(k) / 200`, `v_scale = amax(v) / 100` (headroom for later t
 int8 uses `amax / 127`. Passing the same dict to every cache calibrates once on the first batch; a fresh dict per
 generation call recalibrates every step; `scale_mode="fixed"` uses 1.0, vLLM's default when a checkpoint has none.
 
-For speed the cache also keeps the dequantized values it has stored, so a decode step costs O(new tokens), not
-O(context); they are exactly what dequantizing the stored codes would give. `bytes_per_token` counts only the
-real storage (codes and per-token scales), read from the tensors.
+Attention reads the stored values dequantized to the compute dtype. On CUDA each step dequantizes the layer's stored
+codes (one layer at a time), as a real engine's attention kernel reads its cache. On the CPU the cache also keeps the
+dequantized values it has stored (`shadow`), so a decode step costs O(new tokens), not O(context): without it the
+emulated engine's decoding slows with every token. That shadow is a compute-dtype copy of the stored cache (4x an
+fp8 cache in float32; none where storage and compute dtypes agree) and holds exactly what dequantizing the stored
+codes would give. `bytes_per_token` counts only the real storage (codes and per-token scales), read from the tensors;
+`shadow_bytes_per_token` the shadow.
 """
 from dataclasses import dataclass
 
@@ -56,15 +60,18 @@ class KVSpec:
 
 
 class LayerKV:
-    """One layer's K and V: real storage plus the dequantized values attention reads."""
+    """One layer's K and V: real storage, and (with a shadow) the dequantized values attention reads."""
 
-    def __init__(self, spec: KVSpec, shape: tuple, compute_dtype: torch.dtype, device):
-        self.spec = spec
+    def __init__(self, spec: KVSpec, shape: tuple, compute_dtype: torch.dtype, device, shadow: bool):
+        self.spec, self.compute_dtype = spec, compute_dtype
         self.store = [self._storage(shape, device) for _ in range(2)]
+        self.scale = [1.0, 1.0]  # the descale each slot was written with
         if self.store[0][0].dtype == compute_dtype:  # stored as computed: attention reads the storage itself
             self.deq = [slot[0] for slot in self.store]
-        else:
+        elif shadow:
             self.deq = [torch.zeros(shape, dtype=compute_dtype, device=device) for _ in range(2)]
+        else:
+            self.deq = None
 
     def _storage(self, shape, device) -> list[torch.Tensor]:
         B, KV, S, D = shape
@@ -81,24 +88,40 @@ class LayerKV:
         end, dt = start + x.shape[2], self.spec.dtype
         store = self.store[which]
         if dt == "int4":
-            codes = quantize_int4(x, self.spec.group)
-            for buf, part in zip(store, codes):
+            for buf, part in zip(store, quantize_int4(x, self.spec.group)):
                 buf[:, :, start:end] = part
-            deq = dequantize_int4(*codes, self.spec.group)
         elif dt == "int8":
             store[0][:, :, start:end] = quantize_int8(x, scale)
-            deq = dequantize_int8(store[0][:, :, start:end], scale)
         elif dt in FP8_DTYPES:
             store[0][:, :, start:end] = quantize_fp8(x, scale, FP8_DTYPES[dt])
-            deq = dequantize_fp8(store[0][:, :, start:end], scale)
         else:
             store[0][:, :, start:end] = x
-            deq = store[0][:, :, start:end]
-        if self.deq[which] is not store[0]:
-            self.deq[which][:, :, start:end] = deq
+        self.scale[which] = scale
+        if self.deq is not None and self.deq[which] is not store[0]:
+            self.deq[which][:, :, start:end] = self.dequantized(which, start, end)
+
+    def dequantized(self, which: int, start: int, end: int) -> torch.Tensor:
+        """Positions start..end of slot `which`, from the stored codes, in the compute dtype."""
+        dt, parts = self.spec.dtype, [t[:, :, start:end] for t in self.store[which]]
+        if dt == "int4":
+            return dequantize_int4(*parts, self.spec.group, self.compute_dtype)
+        if dt == "int8":
+            return dequantize_int8(parts[0], self.scale[which], self.compute_dtype)
+        if dt in FP8_DTYPES:
+            return dequantize_fp8(parts[0], self.scale[which], self.compute_dtype)
+        return parts[0].to(self.compute_dtype)
+
+    def read(self, which: int, end: int) -> torch.Tensor:
+        """Everything stored in slot `which` so far, [B, KV, end, D], as attention reads it."""
+        return self.deq[which][:, :, :end] if self.deq is not None else self.dequantized(which, 0, end)
 
     def bytes_per_token(self) -> int:
         return sum(t[0, :, 0].numel() * t.element_size() for slot in self.store for t in slot)
+
+    def shadow_bytes_per_token(self) -> int:
+        if self.deq is None or self.deq[0] is self.store[0][0]:
+            return 0
+        return sum(t[0, :, 0].numel() * t.element_size() for t in self.deq)
 
 
 def calibrate_scale(x: torch.Tensor, spec: KVSpec, which: int) -> torch.Tensor:
@@ -110,7 +133,9 @@ def calibrate_scale(x: torch.Tensor, spec: KVSpec, which: int) -> torch.Tensor:
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype=torch.float32, device="cpu",
-                 specs: list[KVSpec] | None = None, scales: dict | None = None, count_clipped: bool = False):
+                 specs: list[KVSpec] | None = None, scales: dict | None = None, count_clipped: bool = False,
+                 shadow: bool | None = None):
+        """shadow: keep dequantized copies for attention (default: on the CPU; see the module docstring)."""
         specs = specs or [KVSpec("bf16" if dtype == torch.bfloat16 else "fp32")] * cfg.num_layers
         require(len(specs) == cfg.num_layers, f"KV plan has {len(specs)} layers, the model {cfg.num_layers}")
         for i, spec in enumerate(specs):
@@ -118,7 +143,8 @@ class KVCache:
                     f"layer {i}: int4 KV group {spec.group} does not divide head_dim {cfg.head_dim}",
                     "choose a kv_group that divides it")
         shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.layers = [LayerKV(spec, shape, dtype, device) for spec in specs]
+        shadow = torch.device(device).type == "cpu" if shadow is None else shadow
+        self.layers = [LayerKV(spec, shape, dtype, device, shadow) for spec in specs]
         self.scales = {} if scales is None else scales  # layer_idx -> (k_scale, v_scale)
         self.length, self.max_len = 0, max_len
         # count_clipped: how many keys and values the fp8/int8 layers saturated at their format's largest value, and
@@ -135,7 +161,7 @@ class KVCache:
             layer.write(which, x, self.length, scale)
             if self.clipped is not None:
                 self._count(layer.spec, which, x, scale)
-        return layer.deq[0][:, :, :end], layer.deq[1][:, :, :end]
+        return layer.read(0, end), layer.read(1, end)
 
     def _count(self, spec: KVSpec, which: int, x: torch.Tensor, scale) -> None:
         if spec.dtype in FP8_DTYPES:
@@ -169,3 +195,7 @@ class KVCache:
         """Bytes of real KV storage per token of one sequence, summed over layers (excluding the emulation's
         dequantized shadow, which a real engine does not keep)."""
         return sum(layer.bytes_per_token() for layer in self.layers)
+
+    def shadow_bytes_per_token(self) -> int:
+        """Bytes per token of one sequence of the dequantized shadow (0 without one)."""
+        return sum(layer.shadow_bytes_per_token() for layer in self.layers)

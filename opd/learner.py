@@ -1,15 +1,26 @@
-"""From rollout records to training tensors, and the full-precision log-probs a trainer recomputes on them.
+"""From rollout records to training tensors, and the learner's pass over them: the student's and teacher's scores of
+every sampled token, the loss and its gradient, a micro-batch and a chunk of tokens at a time.
 
 A batch is the rollouts' prompt + completion sequences, right-padded into one [B, L] tensor: under a causal mask
-right padding never reaches a real token, so one plain forward gives every position's distribution. The
+right padding never reaches a real token, so one plain forward gives every position's hidden state. The
 distribution that predicts completion token t of row b sits at position `P_b - 1 + t` (P_b = prompt length);
-`positions` [B, N] indexes those, and `mask` [B, N] marks the real completion tokens.
+`positions` [B, N] indexes those, and `mask` [B, N] marks the real completion tokens. Only the hidden states at
+those M = mask.sum() positions go on, packed as [M, d], to the output layers (chunked.py); per-token results come
+back as [B, N] (zero off the mask).
+
+Micro-batches (`micro_batch_size` rows) run the teacher's and the student's forward and the student's backward on a
+slice of the rows at a time, with every token weighted by 1 / (tokens in the whole batch): the accumulated gradient
+is the whole batch's. `completion_logprobs` is the unchunked oracle ([B, N, V]); tests and nothing else use it.
 """
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
+from opd.chunked import Source, Student, log_probs, output_layer, score
 from opd.engine import Rollout
+from opd.losses import LossConfig, loss_metrics
 from opd.model import Transformer
 
 
@@ -21,7 +32,7 @@ class Batch:
     mask: torch.Tensor  # [B, N] bool
     mu: torch.Tensor  # [B, N] sampler log-probs
     versions: list[int]  # policy version of each rollout
-    rollout_logp: torch.Tensor | None = None  # [B, N, V] the engine's full distributions, when it returned them
+    rollout_hidden: torch.Tensor | None = None  # [B, N, d] the engine's final hidden states, when it returned them
     q: torch.Tensor | None = None  # [B, N] log-probs under the sampling weights, when rollouts carry them (async)
     kl_exact: torch.Tensor | None = None  # [B, N] exact KL(p_rollout || p_q) per token, likewise
     has_q: torch.Tensor | None = None  # [B] bool: the rows that carry them (async may recompute only some)
@@ -29,6 +40,20 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.mask.sum())
+
+    def rows(self, sl: slice) -> "Batch":
+        """The rollouts sl of the batch (a micro-batch)."""
+        cut = lambda x: None if x is None else x[sl]  # noqa: E731
+        return replace(self, input_ids=self.input_ids[sl], positions=self.positions[sl], tokens=self.tokens[sl],
+                       mask=self.mask[sl], mu=self.mu[sl], versions=self.versions[sl],
+                       rollout_hidden=cut(self.rollout_hidden), q=cut(self.q), kl_exact=cut(self.kl_exact),
+                       has_q=cut(self.has_q))
+
+    def micro_batches(self, size: int) -> list["Batch"]:
+        """Slices of `size` rollouts (0: the whole batch)."""
+        B = self.tokens.shape[0]
+        size = size or B
+        return [self.rows(slice(i, i + size)) for i in range(0, B, size)]
 
 
 def collate(rollouts: list[Rollout], pad_id: int) -> Batch:
@@ -47,14 +72,14 @@ def collate(rollouts: list[Rollout], pad_id: int) -> Batch:
         tokens[b, :n] = torch.tensor(r.completion_ids, dtype=torch.long)
         mask[b, :n] = True
         mu[b, :n] = torch.tensor(r.logprobs)
-    dists = None
-    if all(r.dists is not None for r in rollouts):
-        V = rollouts[0].dists.shape[-1]
-        dists = torch.zeros(B, N, V)
+    hidden = None
+    if all(r.hidden is not None for r in rollouts):
+        first = rollouts[0].hidden
+        hidden = torch.zeros(B, N, first.shape[-1], dtype=first.dtype, device=first.device)
         for b, r in enumerate(rollouts):
-            dists[b, :len(r.completion_ids)] = r.dists
+            hidden[b, :len(r.completion_ids)] = r.hidden
     has_q = torch.tensor([r.q is not None for r in rollouts])
-    return Batch(input_ids, positions, tokens, mask, mu, [r.policy_version for r in rollouts], dists,
+    return Batch(input_ids, positions, tokens, mask, mu, [r.policy_version for r in rollouts], hidden,
                  _per_token(rollouts, "q", N), _per_token(rollouts, "kl_exact", N), has_q if has_q.any() else None)
 
 
@@ -69,12 +94,91 @@ def _per_token(rollouts: list[Rollout], name: str, N: int) -> torch.Tensor | Non
     return out
 
 
+def completion_hidden(model: Transformer, batch: Batch) -> torch.Tensor:
+    """The model's final hidden states at the positions that predict the completion tokens, packed: [M, d]."""
+    device = model.embed_tokens.weight.device
+    h = model.hidden(batch.input_ids.to(device))  # [B, L, d]
+    rows, cols = batch.mask.nonzero(as_tuple=True)
+    return h[rows.to(device), batch.positions[rows, cols].to(device)]
+
+
+def unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[M] values of the masked tokens -> [B, N] (zero elsewhere), on the CPU."""
+    out = torch.zeros(mask.shape, dtype=values.dtype)
+    out[mask] = values.cpu()
+    return out
+
+
+@dataclass
+class Scores:
+    """One pass over a batch: per-token [B, N] results (zero off the mask) and, with a loss, its value and metrics."""
+    pi: torch.Tensor  # the student's log-prob of each sampled token (before any update): q in the sync schedule
+    teacher: torch.Tensor | None  # the teacher's
+    kl_exact: torch.Tensor | None  # KL(p_rollout || p_student) per token, where the batch has rollout hidden states
+    rkl: torch.Tensor | None  # KL(p_student || p_teacher) per token (without a loss)
+    loss: float = float("nan")
+    metrics: dict | None = None
+    teacher_seconds: float = 0.0  # time in the teacher's forward and output layer
+
+
+def score_batch(student: Transformer, batch: Batch, teacher: Transformer | None = None, loss: LossConfig | None = None,
+                temperature: float = 1.0, micro_batch_size: int = 0, chunk_tokens: int = 0,
+                rollout: Callable[[torch.Tensor], torch.Tensor] | None = None, autocast: torch.dtype | None = None,
+                backward: bool = False) -> Scores:
+    """Score every sampled token of the batch with the student (at `temperature`), the teacher and, when the batch
+    has the engine's hidden states, the rollout distributions (`rollout`: hidden rows -> the engine's log-probs).
+    With a loss and backward=True, the loss's gradient is accumulated into the student's .grad, micro-batch by
+    micro-batch. autocast: the student's compute dtype (bf16) under float32 master weights."""
+    weight = 1 / max(batch.num_tokens, 1)  # every token's share of the whole batch's mean
+    value, parts, seconds = 0.0, [], 0.0
+    for mb in batch.micro_batches(micro_batch_size):
+        teacher_source = _teacher_source(teacher, mb)
+        with torch.set_grad_enabled(backward), torch.autocast(student.embed_tokens.weight.device.type,
+                                                               autocast or torch.bfloat16, enabled=bool(autocast)):
+            loss_value, terms = _score_rows(student, mb, teacher_source, loss, temperature, chunk_tokens, rollout,
+                                            weight)
+        if backward and loss_value.requires_grad:
+            loss_value.backward()
+        value += loss_value.item()
+        seconds += teacher_source.seconds if teacher_source else 0.0
+        parts.append(terms)
+    terms = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+    field = lambda name: unpack(terms[name], batch.mask) if name in terms else None  # noqa: E731
+    metrics = loss_metrics(terms, torch.ones_like(terms["s_y"], dtype=torch.bool)) if loss is not None else None
+    return Scores(field("s_y"), field("t_y"), field("kl_exact"), field("rkl"), value, metrics, seconds)
+
+
+def _teacher_source(teacher: Transformer | None, mb: Batch) -> Source | None:
+    """The teacher's distributions of a micro-batch: its hidden states now, its output layer chunk by chunk."""
+    if teacher is None:
+        return None
+    start = time.perf_counter()
+    with torch.no_grad():
+        source = Source(completion_hidden(teacher, mb), output_layer(teacher))
+    source.seconds = time.perf_counter() - start
+    return source
+
+
+def _score_rows(student: Transformer, mb: Batch, teacher: Source | None, loss: LossConfig | None, temperature: float,
+                chunk_tokens: int, rollout, weight: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    device = student.embed_tokens.weight.device
+    tokens, mu = mb.tokens[mb.mask].to(device), mb.mu[mb.mask].to(device)
+    rollout_source = None
+    if rollout is not None and mb.rollout_hidden is not None:
+        rollout_source = Source(mb.rollout_hidden[mb.mask].to(device), rollout)
+    weights = torch.full_like(mu, weight, dtype=torch.promote_types(mu.dtype, torch.float32))
+    return score(Student(completion_hidden(student, mb), student.lm_head.weight, temperature), tokens, mu, weights,
+                 loss, teacher, rollout_source, chunk_tokens)
+
+
 def completion_logprobs(model: Transformer, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-    """log_softmax(logits / temperature) at every completion position: [B, N, V] (with gradient if enabled)."""
-    logits = model(batch.input_ids)  # [B, L, V]
+    """log_softmax(logits / temperature) at every completion position: [B, N, V] (with gradient if enabled).
+    The unchunked oracle of `score_batch`: it holds [B, L, V] logits."""
+    device = model.embed_tokens.weight.device
+    logits = model(batch.input_ids.to(device))  # [B, L, V]
     V = logits.shape[-1]
-    picked = logits.gather(1, batch.positions[..., None].expand(-1, -1, V))  # [B, N, V]
-    return (picked.float() / temperature).log_softmax(-1)
+    picked = logits.gather(1, batch.positions.to(device)[..., None].expand(-1, -1, V))  # [B, N, V]
+    return log_probs(picked, temperature)
 
 
 def token_logprobs(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

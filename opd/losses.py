@@ -93,30 +93,46 @@ def jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float) -> 
     return beta * kl(teacher_logp, log_m) + (1 - beta) * kl(student_logp, log_m)
 
 
+def token_losses(cfg: LossConfig, student_logp: torch.Tensor, teacher_logp: torch.Tensor, tokens: torch.Tensor,
+                 mu: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per generated position, for log-probs [..., V] and tokens, mu [...]: "loss" (with the gradient of
+    student_logp), and, detached, "s_y" and "t_y" (the student's and teacher's log-prob of the sampled token) and for
+    sampled_rkl "advantage" and "coef". Positions are independent: any chunk of them gives the same values."""
+    s_y = student_logp.gather(-1, tokens[..., None])[..., 0]
+    t_y = teacher_logp.gather(-1, tokens[..., None])[..., 0]
+    out = {"s_y": s_y.detach(), "t_y": t_y}
+    if cfg.name == "sampled_rkl":
+        baseline = mu if cfg.student_term == "sampler" else s_y.detach()
+        advantage, coef = t_y - baseline, importance_coef(mu, s_y.detach(), cfg)
+        return out | {"loss": -coef * advantage * s_y, "advantage": advantage, "coef": coef}
+    if cfg.name == "full_rkl":
+        return out | {"loss": kl(student_logp, teacher_logp)}
+    if cfg.name == "topk_rkl":
+        return out | {"loss": topk_rkl(student_logp, teacher_logp, cfg.topk, cfg.topk_support)}
+    if cfg.name == "fkl":
+        return out | {"loss": kl(teacher_logp, student_logp)}
+    return out | {"loss": jsd(student_logp, teacher_logp, cfg.jsd_beta)}
+
+
+def loss_metrics(terms: dict[str, torch.Tensor], mask: torch.Tensor) -> dict:
+    """The "loss/..." metrics of per-token terms (token_losses' keys) over the masked positions."""
+    mask = mask.to(terms["s_y"].dtype)
+    out = {"loss/value": masked_mean(terms["loss"].detach(), mask).item(),
+           "loss/rkl_sampled": masked_mean(terms["s_y"] - terms["t_y"], mask).item()}
+    if "advantage" in terms:
+        out |= {"loss/advantage_mean": masked_mean(terms["advantage"], mask).item(),
+                "loss/coef_mean": masked_mean(terms["coef"], mask).item()}
+    return out
+
+
 def opd_loss(cfg: LossConfig, student_logp: torch.Tensor, teacher_logp: torch.Tensor, tokens: torch.Tensor,
              mu: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """student_logp, teacher_logp [B, T, V]; tokens, mu, mask [B, T] -> (scalar loss, {"loss/...": float}).
 
-    mask is 1 on generated tokens. student_logp carries the gradient; everything else is treated as data."""
+    mask is 1 on generated tokens. student_logp carries the gradient; everything else is treated as data. This is
+    the whole-batch form: the oracle of chunked.py's, which never holds [B, T, V]."""
     B, T, V = student_logp.shape
     assert teacher_logp.shape == (B, T, V) and tokens.shape == mu.shape == mask.shape == (B, T)
-    mask = mask.to(student_logp.dtype)
-    s_y = student_logp.gather(-1, tokens[..., None])[..., 0]  # [B, T]
-    t_y = teacher_logp.gather(-1, tokens[..., None])[..., 0]
-    metrics = {"loss/rkl_sampled": masked_mean(s_y - t_y, mask).item()}
-    if cfg.name == "sampled_rkl":
-        baseline = mu if cfg.student_term == "sampler" else s_y.detach()
-        advantage, coef = t_y - baseline, importance_coef(mu, s_y.detach(), cfg)
-        per_token = -coef * advantage * s_y
-        metrics |= {"loss/advantage_mean": masked_mean(advantage, mask).item(),
-                    "loss/coef_mean": masked_mean(coef, mask).item()}
-    elif cfg.name == "full_rkl":
-        per_token = kl(student_logp, teacher_logp)
-    elif cfg.name == "topk_rkl":
-        per_token = topk_rkl(student_logp, teacher_logp, cfg.topk, cfg.topk_support)
-    elif cfg.name == "fkl":
-        per_token = kl(teacher_logp, student_logp)
-    else:
-        per_token = jsd(student_logp, teacher_logp, cfg.jsd_beta)
-    loss = masked_mean(per_token, mask)
-    return loss, {"loss/value": loss.item(), **metrics}
+    terms = token_losses(cfg, student_logp, teacher_logp, tokens, mu)
+    loss = masked_mean(terms["loss"], mask.to(student_logp.dtype))
+    return loss, loss_metrics(terms, mask)

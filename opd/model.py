@@ -194,7 +194,14 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """input_ids, positions: [B, T]; mask: [B, 1, T, S] bool (True = may attend), or None for plain causal
-        attention over input_ids alone. Returns logits [B, T, V]."""
+        attention over input_ids alone. Returns logits [B, T, V]: the output layer at every position, which only
+        the oracles and pretraining want; the engine and the learner call `hidden` and run `lm_head` on the
+        positions they use (at a vocabulary of 150k, [B, T, V] is what does not fit)."""
+        return self.lm_head(self.hidden(input_ids, positions, mask, cache))
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """The final norm's output [B, T, hidden_size], the input of `lm_head`; arguments as `forward`."""
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
@@ -206,7 +213,20 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, mask, cache)
         if cache is not None:
             cache.advance(T)
-        return self.lm_head(self.norm(x))
+        return self.norm(x)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def empty_model(cfg: ModelConfig) -> Transformer:
+    """A Transformer on the meta device, uninitialised: no memory, no random numbers, for loading tensors into with
+    `load_state_dict(..., assign=True)`. (Initialising even meta tensors costs ~2 s on the first call: the first
+    meta `normal_` imports PyTorch's reference decompositions.)"""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        with torch.device("meta"):
+            return Transformer(cfg)
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved

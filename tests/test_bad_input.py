@@ -181,6 +181,53 @@ def full_disk_while_saving_a_checkpoint(ctx):
     return ctx.train()
 
 
+# --- devices, dtypes and batch splitting ----------------------------------------------------------------------------
+
+@case("unknown device 'tpu'", "use auto, cpu, cuda or cuda:N")
+def unknown_device(ctx):
+    return ctx.train("device=tpu")
+
+
+@case("device cuda:99")  # no GPU here: PyTorch sees none; with GPUs: there is no 100th
+def missing_cuda_device(ctx):
+    return ctx.train("device=cuda:99")
+
+
+@case("teacher_device cuda:99")
+def missing_teacher_device(ctx):
+    return ctx.train("teacher_device=cuda:99")
+
+
+if not torch.cuda.is_available():
+    @case("device cuda was asked for, but PyTorch sees no CUDA GPU here", "use device=cpu or auto")
+    def cuda_without_a_gpu(ctx):
+        return ctx.train("device=cuda")
+
+    @case("device cuda was asked for, but PyTorch sees no CUDA GPU here")
+    def admit_cuda_without_a_gpu(ctx):
+        return ["admit", *ctx.train("device=cuda")[1:-3]]
+
+
+@case("unknown dtype 'float16'", "use one of float32, bf16")
+def unknown_dtype(ctx):
+    return ctx.train("dtype=float16")
+
+
+@case("unknown teacher_dtype 'fp8'")
+def unknown_teacher_dtype(ctx):
+    return ctx.train("teacher_dtype=fp8")
+
+
+@case("micro_batch_size 3 does not divide batch_size 4", "use a divisor of batch_size")
+def micro_batch_not_a_divisor(ctx):
+    return ctx.train("micro_batch_size=3")
+
+
+@case("chunk_tokens must be >= 0, got -1")
+def negative_chunk(ctx):
+    return ctx.train("chunk_tokens=-1")
+
+
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 
 @case("checkpoint folder not found", "nope")

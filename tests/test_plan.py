@@ -8,8 +8,8 @@ from opd.kv_cache import KVSpec
 from opd.model import ModelConfig, Transformer
 from opd.plan import LayerPrecision, Plan
 from opd.sampling import SamplingParams
-from opd.weight_quant import (apply_weight_precision, fake_quant_fp8_groups, fake_quant_fp8_per_tensor,
-                              fake_quant_int4_groups, fake_quant_int8_per_channel, quantize_linear)
+from opd.weight_quant import (apply_weight_precision, fake_quant, fake_quant_fp8_groups,
+                              quantize_linear)
 
 CFG = ModelConfig(arch="llama", vocab_size=50, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
                   num_kv_heads=2, head_dim=32)
@@ -62,17 +62,15 @@ def test_bad_plans_are_clear_errors(text, message):
 W = torch.randn(256, 128, generator=torch.Generator().manual_seed(1)) * 0.05
 
 
-@pytest.mark.parametrize("fake_quant, rel_bound", [
-    (fake_quant_fp8_per_tensor, 2 ** -4), (lambda w: fake_quant_fp8_groups(w, 128, 128), 2 ** -4),
-    (fake_quant_int8_per_channel, None), (fake_quant_int4_groups, None),
-])
-def test_weight_fake_quant_bounds(fake_quant, rel_bound):
-    err = (fake_quant(W) - W).abs()
+@pytest.mark.parametrize("scheme, rel_bound", [("fp8", 2 ** -4), ("fp8_block", 2 ** -4), ("int8", None),
+                                               ("int4", None)])
+def test_weight_fake_quant_bounds(scheme, rel_bound):
+    err = (fake_quant(W, scheme) - W).abs()
     assert err.max() > 0
     if rel_bound:  # fp8 normals: half a mantissa step; tiny values: the subnormal half-step of the scale
         scale = W.abs().amax() / 448
         assert (err <= torch.maximum(rel_bound * W.abs(), scale * 2 ** -10) + 1e-9).all()
-    elif fake_quant is fake_quant_int8_per_channel:
+    elif scheme == "int8":
         assert (err <= W.abs().amax(1, keepdim=True) / 127 / 2 + 1e-7).all()
     else:
         g = W.reshape(256, 1, 128)

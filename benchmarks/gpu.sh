@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GPU checks, for a machine with one NVIDIA GPU whose python3 has torch (2.11 or newer, with CUDA) and
+# transformers, and no internet, no vLLM, no way to pip-install the project: everything runs from this repository
+# through PYTHONPATH. tensorboardX (pure Python) is the one dependency such a machine may lack: put its wheel in
+# .gpu-wheels/ (`pip download tensorboardX==2.6.5 --no-deps -d .gpu-wheels` on a machine with internet) and it is
+# imported from there. Each step prints its RESULT line; all of it takes a few minutes on one H200.
+#
+#     bash benchmarks/gpu.sh                     # on the GPU machine, from the repository root
+#     OPD_GPU_DEVICE=cpu OPD_GPU_SMALL=1 bash benchmarks/gpu.sh  # a dry run of the same steps, small, on the CPU
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+DEVICE=${OPD_GPU_DEVICE:-cuda}
+export OPD_CACHE=${OPD_CACHE:-$PWD/.gpu-cache} TOKENIZERS_PARALLELISM=false
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+for wheel in .gpu-wheels/*.whl; do [ -e "$wheel" ] && PYTHONPATH="$PYTHONPATH:$PWD/$wheel"; done
+export PYTHONPATH
+OUT=${OUT:-$PWD/.gpu-out}
+mkdir -p "$OUT"
+if [ -n "${OPD_GPU_SMALL:-}" ]; then  # sizes for a dry run of the script
+  RUN=(--set steps=3 --set batch_size=2 --set max_new_tokens=16 --set eval_examples=4); QUICK=--quick
+else
+  RUN=(--set steps=20 --set batch_size=32 --set max_new_tokens=256 --set eval_examples=64); QUICK=
+fi
+
+$PY - "$DEVICE" <<'EOF'
+import sys, torch, transformers
+device = sys.argv[1]
+assert device == "cpu" or torch.cuda.is_available(), "PyTorch sees no CUDA GPU"
+name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+print(f"gpu.sh: torch {torch.__version__}, transformers {transformers.__version__}, device {device} ({name})")
+import opd.trainer  # every dependency of the trainer imports
+EOF
+
+echo "== 1. the device-parametrised tests (and the chunked-vs-unchunked oracles, on the device too)"
+start=$SECONDS
+$PY -m pytest -q -p no:cacheprovider tests/test_devices.py tests/test_chunked.py 2>&1 | tail -3
+echo "RESULT device_tests_s=$((SECONDS - start))"
+
+echo "== 2. OPD steps of the real-vocabulary pair (V = 151,936), sync and async, on $DEVICE"
+read -r STUDENT TEACHER < <($PY benchmarks/realvocab.py | tr '\n' ' ')
+for schedule in sync async; do
+  start=$SECONDS
+  $PY -m opd.cli train --quiet --overwrite --run-dir "$OUT/realvocab-$schedule" \
+    --set student="$STUDENT" --set teacher="$TEACHER" --set device="$DEVICE" --set schedule="$schedule" \
+    "${RUN[@]}" --set lr=1e-4 --set warmup_steps=2 \
+    --set eval_every=0 --set save_every=0 --set threads=4 --set worker_threads=2 \
+    --set max_staleness=1 --set dtype=bf16 --set teacher_dtype=bf16 | tail -4
+  $PY - "$OUT/realvocab-$schedule" "$schedule" "$((SECONDS - start))" <<'EOF'
+import json, sys
+from pathlib import Path
+rows = [json.loads(line) for line in (Path(sys.argv[1]) / "metrics.jsonl").read_text().splitlines()]
+steps = [r for r in rows if "loss/value" in r]
+print(f"RESULT schedule={sys.argv[2]} steps={len(steps)} s_per_step={sum(r['time/step'] for r in steps[1:]) / (len(steps) - 1):.3f} "
+      f"loss_first={steps[0]['loss/value']:.4f} loss_last={steps[-1]['loss/value']:.4f} "
+      f"kl_exact={steps[-1].get('mismatch/kl_exact', float('nan')):.3g} wall_s={sys.argv[3]}")
+EOF
+done
+
+echo "== 3. the engine benchmark on $DEVICE"
+$PY benchmarks/engine.py --device "$DEVICE" --no-compile --no-vllm $QUICK | tail -1
+
+echo "== 4. the memory benchmark on $DEVICE (torch.cuda.max_memory_allocated)"
+$PY benchmarks/memory.py --device "$DEVICE" $QUICK | tail -5

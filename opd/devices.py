@@ -1,0 +1,77 @@
+"""Devices and dtypes: the names a config may use, and their check against the machine the run is on.
+
+`device` is `auto` (CUDA when this PyTorch sees a GPU, else the CPU), `cpu`, `cuda` or `cuda:N`. A config is
+checked for names when it is read (config.py) and against the machine when a run is set up (`resolve`), before
+anything is written: a run directory is never left behind by a device that is not there.
+
+Dtypes (`dtype`, `teacher_dtype`): `float32`, or `bf16`. For the learner, bf16 means bf16 compute under
+`torch.autocast` with float32 master weights, gradients and optimizer state (mixed precision as PyTorch defines
+it); for the frozen teacher it means weights stored in bf16, half the memory of float32. CPUs run bf16 in any
+PyTorch (slowly without native support); a GPU needs to support it (`torch.cuda.is_bf16_supported`).
+"""
+import re
+
+import torch
+
+from opd.errors import OpdError, require
+
+DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
+DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
+
+
+def check_name(name: str, what: str = "device") -> None:
+    require(isinstance(name, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", name) is not None,
+            f"config: unknown {what} {name!r}", f"use {DEVICE_FORMS}")
+
+
+def check_dtype_name(name: str, what: str = "dtype") -> None:
+    require(name in DTYPES, f"config: unknown {what} {name!r}", f"use one of {', '.join(DTYPES)}")
+
+
+def resolve(name: str, what: str = "device") -> torch.device:
+    """A device name -> the torch.device it means here, or one line saying why it is not here."""
+    check_name(name, what)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise OpdError(f"{what} {name} was asked for, but PyTorch sees no CUDA GPU here (torch "
+                           f"{torch.__version__}, {build})", f"use {what}=cpu or auto")
+        count = torch.cuda.device_count()
+        require(device.index is None or device.index < count,
+                f"{what} {name} does not exist: this machine has {count} CUDA device(s), cuda:0-{count - 1}",
+                "use an index below the count, or auto")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, what: str = "dtype") -> torch.dtype:
+    check_dtype_name(name, what)
+    dtype = DTYPES[name]
+    if dtype == torch.bfloat16 and device.type == "cuda":
+        require(torch.cuda.is_bf16_supported(), f"{what} bf16 is not supported by {device} "
+                f"({torch.cuda.get_device_name(device)})", f"use {what}=float32")
+    return dtype
+
+
+def peak_memory(device: torch.device) -> int:
+    """Bytes: the device's peak allocation since the last reset (CUDA), or this process's peak resident set (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: CUDA's allocator statistics, or the kernel's resident-set high-water mark (Linux: writing 5
+    to /proc/self/clear_refs)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")

@@ -1,0 +1,191 @@
+"""The chunked full-vocabulary path against the unchunked oracle, micro-batches against one batch, and the sizes of
+the tensors every path holds: chunked == unchunked (values and gradients, float64, tolerance 1e-12 relative to O(1)
+values: the same sums in another order), micro-batched == one batch, and no [batch, tokens, vocab] tensor anywhere."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from opd.chunked import Source, Student, chunk_size, log_probs, output_layer, score
+from opd.engine import Engine
+from opd.evaluate import sampled_quality
+from opd.learner import collate, completion_logprobs, score_batch
+from opd.losses import LossConfig, kl, opd_loss
+from opd.model import ModelConfig, Transformer
+from opd.sampling import SamplingParams
+from opd.task import Example
+from opd.tokenizer import TextTokenizer
+
+LOSSES = [LossConfig("full_rkl"), LossConfig("fkl"), LossConfig("jsd", jsd_beta=0.3), LossConfig("topk_rkl", topk=3),
+          LossConfig("topk_rkl", topk=3, topk_support="teacher"),
+          LossConfig("sampled_rkl", student_term="sampler", correction="tis"),
+          LossConfig("sampled_rkl", correction="mis", cap=1.5), LossConfig("sampled_rkl")]
+TOL = 1e-12
+
+
+def case(M=13, d=6, dt=5, V=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(M, d, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, d, generator=g, dtype=torch.float64, requires_grad=True)
+    th, tw = torch.randn(M, dt, generator=g, dtype=torch.float64), torch.randn(V, dt, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, V, (M,), generator=g)
+    noise = 0.2 * torch.randn(M, generator=g, dtype=torch.float64)
+    mu = log_probs(h.detach() @ w.detach().T).gather(-1, tokens[:, None])[:, 0] + noise
+    return h, w, th, tw, tokens, mu
+
+
+@pytest.mark.parametrize("cfg", LOSSES, ids=lambda c: f"{c.name}-{c.topk_support}-{c.correction}")
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_loss_equals_the_unchunked_loss_in_value_and_gradient(cfg, temperature):
+    h, w, th, tw, tokens, mu = case()
+    ref, metrics = opd_loss(cfg, log_probs(h @ w.T, temperature)[None], log_probs(th @ tw.T)[None], tokens[None],
+                            mu[None], torch.ones(1, len(tokens), dtype=torch.bool))
+    want = torch.autograd.grad(ref, [h, w])
+    for chunk in (1, 4, 13, 100):
+        value, terms = score(Student(h, w, temperature), tokens, mu, None, cfg,
+                             Source(th, lambda x: log_probs(x @ tw.T)), chunk_tokens=chunk)
+        got = torch.autograd.grad(value, [h, w])
+        assert value.item() == pytest.approx(ref.item(), abs=TOL)
+        assert terms["loss"].mean().item() == pytest.approx(metrics["loss/value"], abs=TOL)
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, atol=TOL, rtol=0), (chunk, (a - b).abs().max())
+
+
+def test_chunked_terms_equal_whole_distribution_formulas():
+    """s_y, t_y, the per-token reverse KL to the teacher and the exact rollout KL, chunk by chunk vs at once."""
+    h, w, th, tw, tokens, _ = case(seed=1)
+    rh, rw = torch.randn(13, 4, dtype=torch.float64), torch.randn(11, 4, dtype=torch.float64)
+    s, t, r = log_probs(h @ w.T, 0.8).detach(), log_probs(th @ tw.T), log_probs(rh @ rw.T)
+    for chunk in (1, 5):
+        _, terms = score(Student(h.detach(), w.detach(), 0.8), tokens,
+                         teacher=Source(th, lambda x: log_probs(x @ tw.T)),
+                         rollout=Source(rh, lambda x: log_probs(x @ rw.T)), chunk_tokens=chunk)
+        assert torch.allclose(terms["s_y"], s.gather(-1, tokens[:, None])[:, 0], atol=TOL, rtol=0)
+        assert torch.allclose(terms["t_y"], t.gather(-1, tokens[:, None])[:, 0], atol=TOL, rtol=0)
+        assert torch.allclose(terms["rkl"], kl(s, t), atol=TOL, rtol=0)
+        want = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=r),
+                                                 torch.distributions.Categorical(logits=s))
+        assert torch.allclose(terms["kl_exact"], want, atol=TOL, rtol=0)
+
+
+def test_default_chunk_is_a_fixed_number_of_floats():
+    assert chunk_size(151_936) == 110 and chunk_size(100) == 167_772 and chunk_size(100, 7) == 7
+
+
+# ---- score_batch on a model: against the unchunked oracle path, and micro-batches against one batch -----------------
+
+def tiny(seed: int, vocab: int = 40, tied: bool = True, **overrides) -> Transformer:
+    cfg = ModelConfig(arch="qwen3", vocab_size=vocab, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=8, qk_norm=True, tie_word_embeddings=tied, **overrides)
+    return Transformer(cfg).init_weights(torch.Generator().manual_seed(seed), std=0.3).double()
+
+
+def batch_of(model: Transformer, n: int = 6, new_tokens: int = 7, eos: int = 2):
+    engine = Engine(model, eos, 0)
+    prompts = [[1] + [3 + (i * 7 + j) % 30 for j in range(2 + i % 4)] for i in range(n)]
+    rollouts = engine.generate(prompts, SamplingParams(new_tokens, temperature=1.0), 3, return_hidden=True)
+    batch = collate(rollouts, 0)
+    batch.mu = batch.mu.double() + 0.05 * batch.mask  # a sampler a little off the learner
+    return batch, engine
+
+
+def grads(model: Transformer) -> dict:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("cfg", [LossConfig("full_rkl"), LossConfig("jsd"), LossConfig("sampled_rkl",
+                                                                                         correction="tis")],
+                         ids=lambda c: c.name)
+@pytest.mark.parametrize("tied", [True, False])
+def test_score_batch_equals_the_unchunked_oracle_path(cfg, tied):
+    """learner.score_batch (packed completion positions, chunks, micro-batches) against completion_logprobs +
+    opd_loss on whole [B, N, V] distributions: loss, metrics and every parameter's gradient."""
+    student, teacher = tiny(0, tied=tied), tiny(1)
+    batch, _ = batch_of(student)
+    logp = completion_logprobs(student, batch, 0.9)
+    ref, ref_metrics = opd_loss(cfg, logp, completion_logprobs(teacher, batch).detach(), batch.tokens, batch.mu,
+                                batch.mask)
+    ref.backward()
+    want = grads(student)
+    for micro, chunk in ((0, 0), (2, 5), (3, 1)):
+        student.zero_grad(set_to_none=True)
+        scores = score_batch(student, batch, teacher, cfg, 0.9, micro, chunk, backward=True)
+        assert scores.loss == pytest.approx(ref.item(), abs=TOL)
+        assert scores.metrics == pytest.approx(ref_metrics, abs=TOL)
+        got = grads(student)
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.allclose(got[name], want[name], atol=TOL, rtol=0), (micro, chunk, name)
+        pi = logp.detach().gather(-1, batch.tokens[..., None])[..., 0]
+        assert torch.allclose(scores.pi[batch.mask], pi[batch.mask], atol=TOL, rtol=0)
+
+
+def test_exact_kl_from_hidden_states_equals_the_kl_of_the_distributions_the_engine_drew_from():
+    from test_engine import recorded_distributions
+    student = tiny(0).float()
+    engine = Engine(student, 2, 0, plan="kv=fp8_e5m2")
+    params = SamplingParams(9, temperature=0.8, top_k=20)
+    with recorded_distributions(engine) as dists:
+        batch = collate(engine.generate([[1, 5, 6], [1, 7]], params, 0, return_hidden=True), 0)
+    scores = score_batch(student, batch, temperature=0.8, chunk_tokens=3,
+                         rollout=lambda h: engine.logprobs(h, params))
+    want = kl(dists(batch).double(), completion_logprobs(student, batch, 0.8).double())
+    assert want[batch.mask].mean() > 1e-4
+    assert torch.allclose(scores.kl_exact[batch.mask], want[batch.mask], rtol=1e-3, atol=1e-7)
+
+
+# ---- no path holds a [batch, tokens, vocab] tensor ------------------------------------------------------------------
+
+class LargestTensor(TorchDispatchMode):
+    """Records the element count of the largest tensor any op allocates (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:  # a view of an existing tensor (detach, transpose) allocates nothing
+            return out
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_path_materialises_batch_by_tokens_by_vocab():
+    """With a vocabulary much larger than the model (V = 3000, d = 16), B = 8 rollouts of 40 tokens: the engine, a
+    learner step with micro-batches, the probe's scoring and evaluation never make a tensor larger than the largest
+    of one chunk x V, one micro-batch's rows x V (the engine's step), and the output weight V x d."""
+    V, B, N, chunk = 3000, 8, 40, 8
+    student, teacher = tiny(0, vocab=V).float(), tiny(1, vocab=V).float()
+    bound = max(chunk * V, 2 * V, V * 16)
+    assert B * N * V > 10 * bound
+    engine = Engine(student, -1, 0, plan="kv=fp8_e4m3 w=bf16")
+    prompts = [[1, 5 + i, 9] for i in range(B)]
+    with LargestTensor() as mode:  # the engine: prefill and decode make [rows, V] logits only
+        batch = collate(engine.generate(prompts[:2], SamplingParams(N), 0, return_hidden=True), 0)
+    assert mode.largest <= bound, mode.largest
+    batch = collate(engine.generate(prompts, SamplingParams(N), 0, return_hidden=True), 0)
+    with LargestTensor() as mode:
+        score_batch(student, batch, teacher, LossConfig("jsd"), micro_batch_size=2, chunk_tokens=chunk,
+                    rollout=lambda h: engine.logprobs(h, SamplingParams(N)), backward=True)
+    assert mode.largest <= bound, mode.largest
+    tok = TextTokenizer.builtin()
+    with LargestTensor() as mode:
+        sampled_quality(student, teacher, tok, [Example("1+1=", "", "2")] * 6, N, seed=0, batch_size=2,
+                        chunk_tokens=chunk)
+    assert mode.largest <= bound, mode.largest
+
+
+def test_output_layer_runs_only_where_it_is_used():
+    """The engine's prefill projects one position per prompt; the learner projects the completion tokens only."""
+    student = tiny(0, vocab=3000).float()
+    rows = []
+    student.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].reshape(-1, 16).shape[0]))
+    engine = Engine(student, -1, 0)
+    batch = collate(engine.generate([[1] + [5] * 30, [1, 6]], SamplingParams(3), 0), 0)
+    assert rows == [2, 2, 2]  # the prefill of prompts of 31 and 2 tokens, then two decode steps
+    with LargestTensor() as mode:
+        score_batch(student, batch)  # one chunk: every completion token, none of the 33 + 5 positions before them
+    assert mode.largest == batch.num_tokens * 3000 == 6 * 3000
+    assert output_layer(student)(torch.zeros(3, 16)).shape == (3, 3000)
