@@ -14,11 +14,12 @@ temperature, or the rollout engine's sampling transform), evaluated one chunk at
 
 **Gradients** (`score` with a student that needs them): a custom autograd function computes, for each chunk, the
 weighted sum of the per-token losses and at once its gradients with respect to the chunk's hidden states and the
-output weight (`torch.autograd.grad` on that chunk's small graph), then frees the chunk. Backward only scales the
-stored gradients ([M, d] and [V, d]) by the incoming gradient. The logits are thus computed once and never stored:
-the same three matmuls as the unchunked path (one projection, two in backward), where checkpointing each chunk
-would project it twice. Liger-Kernel's fused linear cross-entropy does the same for supervised training; TRL's
-chunked divergence recomputes its tiles in backward instead.
+output weight, then frees the chunk; backward only scales the stored gradients ([M, d] and [V, d]) by the incoming
+gradient. The logits are thus computed once and never stored: the same three matmuls as the unchunked path (one
+projection, two for the gradients), where checkpointing each chunk would project it twice. The gradient with respect
+to the logits is losses.logit_gradient's closed form for full_rkl, fkl and sampled_rkl, and autograd on the chunk's
+small graph for the others. (Liger-Kernel's fused linear cross-entropy also computes gradients in forward, for
+supervised training; TRL's chunked divergence recomputes its tiles in backward instead.)
 
 The default chunk (`chunk_tokens` 0) is as many tokens as make one [chunk, V] float32 tensor CHUNK_FLOATS floats:
 110 tokens at V = 151,936; at the built-in vocabulary of 100, a whole batch is one chunk.
@@ -30,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from opd.losses import LossConfig, kl, token_losses
+from opd.losses import CLOSED_FORM, LossConfig, kl, logit_gradient, token_losses
 
 CHUNK_FLOATS = 2 ** 24  # 64 MiB of float32 per [chunk, V] tensor
 
@@ -41,7 +42,8 @@ def chunk_size(vocab: int, chunk_tokens: int = 0) -> int:
 
 def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(logits / temperature) in float32 at least (float64 stays float64: the oracle tests use it)."""
-    return (logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature).log_softmax(-1)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return (logits if temperature == 1 else logits / temperature).log_softmax(-1)
 
 
 def output_layer(model: torch.nn.Module, temperature: float = 1.0) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -94,23 +96,48 @@ class Job:
         M = self.tokens.shape[0]
         return [slice(i, min(i + self.chunk, M)) for i in range(0, M, self.chunk)]
 
-    def run(self, rows: slice, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The chunk's weighted loss (a scalar with the graph of h and w), after recording its per-token terms."""
-        s = self.student.logprobs(h, w)  # [c, V]
-        tokens = self.tokens[rows]
-        t = self.teacher.rows(rows, s.device) if self.teacher is not None else None
-        if self.loss is not None:
-            terms = token_losses(self.loss, s, t, tokens, self.mu[rows])
+    def run(self, rows: slice, h: torch.Tensor, w: torch.Tensor, need_h: bool = False, need_w: bool = False) \
+            -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The chunk's weighted loss and, as asked, its gradients with respect to h [c, d] and w [V, d]; records the
+        chunk's per-token terms. Closed-form gradients where losses.py has them, else autograd on the chunk."""
+        t = self.teacher.rows(rows, h.device) if self.teacher is not None else None
+        if self.loss is not None and (need_h or need_w) and self.loss.name not in CLOSED_FORM:
+            return self._autograd(rows, h, w, t, need_h, need_w)
+        with torch.no_grad():
+            s = self.student.logprobs(h, w)  # [c, V]
+            tokens, weights = self.tokens[rows], self.weights[rows]
+            grad_h = grad_w = None
+            if self.loss is None:
+                terms, value = {"s_y": s.gather(-1, tokens[:, None])[:, 0]}, s.new_zeros(())
+                if t is not None:
+                    terms |= {"t_y": t.gather(-1, tokens[:, None])[:, 0], "rkl": kl(s, t)}
+            elif need_h or need_w:
+                terms, grad = logit_gradient(self.loss, s, t, tokens, self.mu[rows], self.student.temperature)
+                grad.mul_(weights[:, None])  # dL/dz of the weighted sum
+                grad_h = grad @ w if need_h else None
+                grad_w = grad.T @ h if need_w else None
+            else:
+                terms = token_losses(self.loss, s, t, tokens, self.mu[rows])
+            if self.loss is not None:
+                value = (terms["loss"] * weights).sum()
+            self._record(rows, s, terms)
+        return value, grad_h, grad_w
+
+    def _autograd(self, rows: slice, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, need_h: bool, need_w: bool):
+        with torch.enable_grad():
+            h, w = h.detach().requires_grad_(need_h), w.detach().requires_grad_(need_w)
+            s = self.student.logprobs(h, w)
+            terms = token_losses(self.loss, s, t, self.tokens[rows], self.mu[rows])
             value = (terms["loss"] * self.weights[rows]).sum()
-        else:
-            terms, value = {"s_y": s.gather(-1, tokens[:, None])[:, 0]}, s.new_zeros(())
-            if t is not None:
-                terms |= {"t_y": t.gather(-1, tokens[:, None])[:, 0], "rkl": kl(s, t)}
-        if self.rollout is not None:  # in float64, as the exact KL of near-identical distributions needs
-            terms["kl_exact"] = kl(self.rollout.rows(rows, s.device).double(), s.detach().double())
+            grads = iter(torch.autograd.grad(value, [x for x in (h, w) if x.requires_grad]))
+        self._record(rows, s.detach(), terms)
+        return value.detach(), next(grads) if need_h else None, next(grads) if need_w else None
+
+    def _record(self, rows: slice, s: torch.Tensor, terms: dict[str, torch.Tensor]) -> None:
+        if self.rollout is not None:  # float32: within 4e-7 of float64 on a batch (dev/LOG.md), at half the cost
+            terms["kl_exact"] = kl(self.rollout.rows(rows, s.device), s)
         for name, x in terms.items():
             self.terms.setdefault(name, []).append(x.detach())
-        return value
 
     def gathered(self) -> dict[str, torch.Tensor]:
         return {name: torch.cat(parts) for name, parts in self.terms.items()}
@@ -122,21 +149,16 @@ class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, job: Job) -> torch.Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.zeros_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = None
         total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
         for rows in job.slices():
-            with torch.enable_grad():
-                h = hidden[rows].detach().requires_grad_(need_h)
-                w = weight.detach().requires_grad_(need_w)
-                value = job.run(rows, h, w)
-                wanted = [x for x in (h, w) if x.requires_grad]
-                grads = list(torch.autograd.grad(value, wanted)) if wanted and value.requires_grad else []
+            value, gh, gw = job.run(rows, hidden[rows].detach(), weight.detach(), need_h, need_w)
             if need_h:
-                grad_h[rows] = grads.pop(0) if grads else 0
-            if need_w and grads:
-                grad_w += grads.pop(0)
-            total += value.detach()
+                grad_h[rows] = gh
+            if need_w:
+                grad_w = gw.to(weight.dtype) if grad_w is None else grad_w.add_(gw)
+            total += value
         ctx.save_for_backward(grad_h, grad_w)
         return total
 
@@ -166,7 +188,6 @@ def score(student: Student, tokens: torch.Tensor, mu: torch.Tensor | None = None
     if torch.is_grad_enabled() and (student.hidden.requires_grad or student.weight.requires_grad):
         value = _ChunkedLoss.apply(student.hidden, student.weight, job)
     else:
-        with torch.no_grad():
-            value = sum((job.run(rows, student.hidden[rows], student.weight) for rows in job.slices()),
-                        student.hidden.new_zeros(()))
+        value = sum((job.run(rows, student.hidden[rows], student.weight)[0] for rows in job.slices()),
+                    student.hidden.new_zeros(()))
     return value, job.gathered() if M else {}

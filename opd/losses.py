@@ -21,7 +21,17 @@ the ratio that makes the estimate below unbiased for the current policy when `y 
 - `jsd`: generalised Jensen-Shannon (GKD) JSD_beta = beta KL(T || M) + (1 - beta) KL(pi || M),
   M = beta p_T + (1 - beta) p, for 0 < beta < 1 (its limits are the forward and reverse KL, up to scale).
 The full-distribution losses need the learner's and teacher's whole distributions at each position, which a
-trainer has (it runs both models); only the sampled-token loss sees the sampler's `mu`.
+trainer has (it runs both models, a chunk of positions at a time: chunked.py); only the sampled-token loss sees the
+sampler's `mu`.
+
+**Gradients in closed form** (`logit_gradient`). With logits z and s = log_softmax(z / tau) (tau: the training
+temperature), ds(v)/dz(u) = (1[u = v] - p(u)) / tau, so for one position:
+      full_rkl     dL/dz(u) = p(u) (s(u) - T(u) - L) / tau                    (L = sum_v p(v) (s(v) - T(v)))
+      fkl          dL/dz(u) = (p(u) - p_T(u)) / tau                           (sum_v p_T(v) = 1)
+      sampled_rkl  dL/dz(u) = c A (p(u) - 1[u = y]) / tau                     (c, A detached)
+chunked.py uses them for these three losses: a few passes over [chunk, V] instead of autograd's graph through
+log_softmax and the KL (about twice as many, each allocating). jsd and topk_rkl go through autograd. Tests hold both
+to the whole-batch `opd_loss` and its autograd gradient in float64.
 """
 import math
 from dataclasses import dataclass
@@ -33,6 +43,7 @@ from opd.errors import require
 LOSSES = ("sampled_rkl", "full_rkl", "topk_rkl", "fkl", "jsd")
 STUDENT_TERMS = ("sampler", "learner")
 CORRECTIONS = ("none", "tis", "mis")
+CLOSED_FORM = ("full_rkl", "fkl", "sampled_rkl")  # losses whose logit gradient logit_gradient() computes
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,31 @@ def token_losses(cfg: LossConfig, student_logp: torch.Tensor, teacher_logp: torc
     if cfg.name == "fkl":
         return out | {"loss": kl(teacher_logp, student_logp)}
     return out | {"loss": jsd(student_logp, teacher_logp, cfg.jsd_beta)}
+
+
+def logit_gradient(cfg: LossConfig, student_logp: torch.Tensor, teacher_logp: torch.Tensor, tokens: torch.Tensor,
+                   mu: torch.Tensor, temperature: float) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+    """For full_rkl, fkl and sampled_rkl: (token_losses' terms, without a graph; dL_t/dz_t [..., V], the gradient of
+    each position's loss with respect to its logits, module docstring). None for the losses left to autograd."""
+    if cfg.name not in CLOSED_FORM:
+        return None
+    p = student_logp.exp()
+    if cfg.name == "sampled_rkl":
+        terms = token_losses(cfg, student_logp, teacher_logp, tokens, mu)
+        ca = (terms["coef"] * terms["advantage"])[..., None]
+        grad = (p * ca).scatter_add_(-1, tokens[..., None], -ca)
+    else:
+        terms = {"s_y": student_logp.gather(-1, tokens[..., None])[..., 0],
+                 "t_y": teacher_logp.gather(-1, tokens[..., None])[..., 0]}
+        if cfg.name == "full_rkl":
+            d = student_logp - teacher_logp
+            terms["loss"] = (p * d).sum(-1)
+            grad = d.sub_(terms["loss"][..., None]).mul_(p)  # in place: d is not needed again
+        else:
+            q = teacher_logp.exp()
+            terms["loss"] = (q * (teacher_logp - student_logp)).sum(-1)
+            grad = p.sub_(q)
+    return terms, grad if temperature == 1 else grad.div_(temperature)
 
 
 def loss_metrics(terms: dict[str, torch.Tensor], mask: torch.Tensor) -> dict:

@@ -130,7 +130,7 @@ def test_exact_kl_from_hidden_states_equals_the_kl_of_the_distributions_the_engi
                          rollout=lambda h: engine.logprobs(h, params))
     want = kl(dists(batch).double(), completion_logprobs(student, batch, 0.8).double())
     assert want[batch.mask].mean() > 1e-4
-    assert torch.allclose(scores.kl_exact[batch.mask], want[batch.mask], rtol=1e-3, atol=1e-7)
+    assert torch.allclose(scores.kl_exact[batch.mask].double(), want[batch.mask], rtol=1e-3, atol=1e-7)
 
 
 # ---- no path holds a [batch, tokens, vocab] tensor ------------------------------------------------------------------
