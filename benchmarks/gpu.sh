@@ -38,7 +38,8 @@ $PY -m pytest -q -p no:cacheprovider tests/test_devices.py tests/test_chunked.py
 echo "RESULT device_tests_s=$((SECONDS - start))"
 
 echo "== 2. OPD steps of the real-vocabulary pair (V = 151,936), sync and async, on $DEVICE"
-read -r STUDENT TEACHER < <($PY benchmarks/realvocab.py | tr '\n' ' ')
+PAIR=($($PY benchmarks/realvocab.py))  # the student's and the teacher's folders, built on first use
+STUDENT=${PAIR[0]} TEACHER=${PAIR[1]}
 for schedule in sync async; do
   start=$SECONDS
   $PY -m opd.cli train --quiet --overwrite --run-dir "$OUT/realvocab-$schedule" \

@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 
 from opd.errors import OpdError, require
+from opd.devices import autocast_dtype
 from opd.engine import Engine
 from opd.learner import collate, score_batch
 from opd.losses import LossConfig
@@ -235,8 +236,8 @@ def staleness(cfg) -> int:
 
 @torch.no_grad()
 def measure(setup: ProbeSetup, plan: Plan) -> dict:
-    """The probe's metrics for one plan: the engine samples the probe prompts; the student (at full precision, the
-    training temperature) and the teacher score the tokens, a micro-batch and a chunk of tokens at a time; the
+    """The probe's metrics for one plan: the engine samples the probe prompts; the student (as the learner computes:
+    its dtype, the training temperature) and the teacher score the tokens, a micro-batch and a chunk at a time; the
     built-in engine also gives its hidden states (for the exact KL) and KV saturation counts."""
     from opd.async_rollouts import sampler_seed
     from opd.sampling import SamplingParams
@@ -254,6 +255,7 @@ def measure(setup: ProbeSetup, plan: Plan) -> dict:
     batch = collate(rollouts, setup.tok.pad_id)
     scores = score_batch(setup.student, batch, setup.teacher, temperature=cfg.temperature,
                          micro_batch_size=cfg.micro_batch_size, chunk_tokens=cfg.chunk_tokens,
+                         autocast=autocast_dtype(cfg.dtype),
                          rollout=functools.partial(engine.logprobs, params=params) if builtin else None)
     q, t_y, mask = scores.pi, scores.teacher, batch.mask
     out = {**mismatch_metrics(batch.mu, q, mask), **importance_metrics(batch.mu, q, mask, cfg.loss.cap),

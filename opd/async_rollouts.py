@@ -25,9 +25,9 @@ Weights change only between batches, so every token of a rollout has the rollout
 Without staleness (lookahead 0) the worker sends the engine's hidden states back with the tokens, and the trainer
 computes the exact KL as in the sync schedule (its output layer is the sampling weights' then).
 
-**The worker also recomputes `q`** when staleness is possible (lookahead > 0): the full-precision log-prob of each
-sampled token under the weights that sampled it (the rollout copy's unquantized weights), and the exact per-token
-KL(p_rollout || p_q). The trainer no longer has those weights; with them the numerics mismatch (mu vs q) and the
+**The worker also recomputes `q`** when staleness is possible (lookahead > 0): the log-prob of each sampled token
+under the weights that sampled it (the rollout copy's unquantized weights), computed as the learner computes (float32,
+or bf16 autocast for a bf16 learner), and the exact per-token KL(p_rollout || p_q). The trainer no longer has those weights; with them the numerics mismatch (mu vs q) and the
 staleness (q vs pi) are measured apart, as MISSION defines them. It is one more student forward per batch (the
 "old log-prob" pass of async RL trainers); `recompute_fraction` < 1 does it on the batch's first rollouts only
 (the prompts are i.i.d., so those metrics become estimates from a subsample), 0 not at all.
@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from opd.devices import autocast_dtype
 from opd.engine import Engine, Rollout
 from opd.errors import OpdError
 from opd.learner import collate, score_batch
@@ -98,16 +99,19 @@ class WorkerSpec:
     compile: bool = False  # the built-in engine's torch.compile (engine.py)
     device: str = "cpu"  # where the worker's model, engine and recompute run
     chunk_tokens: int = 0  # the recompute's chunk of full-vocabulary work (chunked.py)
+    dtype: str = "float32"  # the learner's compute dtype: q is recomputed as the learner computes
 
 
 def recompute(model: Transformer, rollouts: list[Rollout], pad_id: int, params: SamplingParams, chunk_tokens: int,
-              rollout=None) -> None:
-    """Attach q and the exact per-token KL(p_rollout || p_q) to each rollout, from the sampling weights at full
-    precision (`model`: the engine's base model; rollout: the engine's hidden rows -> log-probs)."""
+              rollout=None, dtype: str = "float32") -> None:
+    """Attach q and the exact per-token KL(p_rollout || p_q) to each rollout, from the sampling weights computed as
+    the learner computes (`model`: the engine's base model, at full precision, under autocast for a bf16 learner;
+    rollout: the engine's hidden rows -> log-probs)."""
     if not rollouts:
         return
     batch = collate(rollouts, pad_id)
-    scores = score_batch(model, batch, temperature=params.temperature, chunk_tokens=chunk_tokens, rollout=rollout)
+    scores = score_batch(model, batch, temperature=params.temperature, chunk_tokens=chunk_tokens, rollout=rollout,
+                         autocast=autocast_dtype(dtype))
     for b, r in enumerate(rollouts):
         n = len(r.completion_ids)
         r.q = scores.pi[b, :n].tolist()
@@ -169,7 +173,7 @@ def worker_main(address: str, inbox, outbox, init: bytes) -> None:
                 if spec.recompute:
                     n = math.ceil(spec.recompute_fraction * len(rollouts))
                     exact = functools.partial(engine.logprobs, params=spec.params) if spec.return_hidden else None
-                    recompute(model, rollouts[:n], spec.pad_id, spec.params, spec.chunk_tokens, exact)
+                    recompute(model, rollouts[:n], spec.pad_id, spec.params, spec.chunk_tokens, exact, spec.dtype)
                     for r in rollouts[n:]:
                         r.hidden = None  # stale: the trainer could not use them
                 result = pack({"rollouts": rollouts, "scales": engine.scales})
@@ -422,4 +426,4 @@ def worker_spec(cfg, model: Transformer, tok, plan: Plan, params: SamplingParams
     return WorkerSpec(asdict(model.cfg), tok.eos_id, tok.pad_id, plan, cfg.noise_seed, params, cfg.worker_threads,
                       return_hidden, recompute=cfg.lookahead > 0, recompute_fraction=cfg.recompute_fraction,
                       vllm_model_dir=str(model_dir) if cfg.engine == "vllm" else "", compile=cfg.engine_compile,
-                      device=str(model.embed_tokens.weight.device), chunk_tokens=cfg.chunk_tokens)
+                      device=str(model.embed_tokens.weight.device), chunk_tokens=cfg.chunk_tokens, dtype=cfg.dtype)

@@ -28,6 +28,11 @@ def check_dtype_name(name: str, what: str = "dtype") -> None:
     require(name in DTYPES, f"config: unknown {what} {name!r}", f"use one of {', '.join(DTYPES)}")
 
 
+def autocast_dtype(name: str) -> torch.dtype | None:
+    """The learner's `dtype` as an autocast dtype: None for float32 (no autocast)."""
+    return None if name == "float32" else DTYPES[name]
+
+
 def resolve(name: str, what: str = "device") -> torch.device:
     """A device name -> the torch.device it means here, or one line saying why it is not here."""
     check_name(name, what)

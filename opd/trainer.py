@@ -230,7 +230,7 @@ def train_step(student: Transformer, teacher: Transformer, opt: torch.optim.Opti
     start = time.perf_counter()
     opt.zero_grad(set_to_none=True)
     scores = score_batch(student, batch, teacher, cfg.loss, cfg.temperature, cfg.micro_batch_size, cfg.chunk_tokens,
-                         rollout, devices.DTYPES[cfg.dtype] if cfg.dtype != "float32" else None, backward=True)
+                         rollout, devices.autocast_dtype(cfg.dtype), backward=True)
     metrics = dict(scores.metrics)
     ok = math.isfinite(scores.loss)
     if ok:

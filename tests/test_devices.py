@@ -7,7 +7,7 @@ import torch
 from opd.checkpoint import load_checkpoint, save_checkpoint
 from opd.engine import Engine
 from opd.generate import naive_sample
-from opd.learner import completion_logprobs, score_batch
+from opd.learner import collate, completion_logprobs, score_batch
 from opd.losses import LossConfig, opd_loss
 from opd.runlog import read_metrics
 from opd.sampling import SamplingParams
@@ -103,6 +103,25 @@ def test_bf16_compute_stays_within_bf16_error_of_float32():
         for name, g in grads(student).items():
             assert g.dtype == torch.float32
             assert torch.nn.functional.cosine_similarity(g.flatten(), want[name].flatten(), 0) > 0.99, name
+
+
+def test_the_async_worker_recomputes_q_as_the_learner_computes():
+    """With a bf16 learner, q (the sampling weights' log-probs) is the bf16-autocast forward, as the learner's pi of
+    the same weights is: the numerics mismatch is measured against the policy the trainer differentiates."""
+    from functools import partial
+    from opd.async_rollouts import recompute
+    student = tiny(0, vocab=300).float()
+    engine = Engine(student, -1, 0, "kv=bf16 w=bf16")
+    params = SamplingParams(10)
+    rollouts = engine.generate([[1, 5, 9], [1, 7]], params, 0, return_hidden=True)
+    batch = collate(rollouts, 0)
+    recompute(student, rollouts, 0, params, 0, partial(engine.logprobs, params=params), "bf16")
+    got = collate(rollouts, 0)
+    learner = score_batch(student, batch, autocast=torch.bfloat16, rollout=partial(engine.logprobs, params=params))
+    full = score_batch(student, batch)
+    assert torch.equal(got.q[got.mask], learner.pi[batch.mask])
+    assert torch.allclose(got.kl_exact[got.mask], learner.kl_exact[batch.mask])
+    assert not torch.equal(got.q[got.mask], full.pi[batch.mask])
 
 
 @pytest.mark.parametrize("device", DEVICES)
