@@ -8,7 +8,10 @@ reset through /proc/self/clear_refs), on CUDA `torch.cuda.max_memory_allocated`.
 - `step`: one OPD step with the defaults (sampling with BF16 rollouts, teacher, learner, full_rkl, exact KL) at batch B
   and two numbers of new tokens;
 - `admit`: `opd admit --no-propose`'s probe (the candidate plan and the BF16 floor) with B rollouts, same two sizes;
-- `eval`: an evaluation (greedy and sampled, with the reverse KL to the teacher) of two numbers of examples.
+- `eval`: an evaluation (greedy and sampled, with the reverse KL to the teacher) of two numbers of examples;
+- `load`: loading the teacher's bf16 checkpoint as a float32 model (`load_peak_over_model`: the process's peak
+  growth over the model's own bytes; it counts the pages of the file that safetensors maps, 0.5 of the model for a
+  bf16 file, so ~1.5 means the weights never existed twice; the code before this change measured 1.87).
 `*_bnv` = (peak at the larger size - peak at the smaller) / bytes of one float32 [B, added tokens, V] tensor
 (evaluation: [added examples, tokens, V]): how many such tensors the path holds per added token. Before chunking it
 was ~8.5 (step), ~12.9 (admit) and > 1 (eval) (issue 19).
@@ -52,6 +55,14 @@ def worker(job: dict) -> dict:
     if job["kind"] == "trl":
         return trl_steps(job)
     from opd import devices
+    if job["kind"] == "load":  # a bf16 checkpoint into float32: one model's worth, not two
+        from opd.checkpoint import load_checkpoint
+        device = devices.resolve(job["device"])
+        base = devices.current_memory(device)
+        devices.reset_peak_memory(device)
+        model, _ = load_checkpoint(job["teacher"], torch.float32, device)
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        return {"peak": devices.peak_memory(device) - base, "model": size}
     from opd.config import build_config
     device = devices.resolve(job["device"])
     cfg = build_config({"student": job["student"], "teacher": job["teacher"], "batch_size": job["batch"],
@@ -130,7 +141,11 @@ def trl_steps(job: dict) -> dict:
 
 def measure(job: dict, pythonpath: Path | None = None) -> dict:
     """Run one worker in a fresh process; its result."""
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(job["threads"]))
+    # glibc raises its mmap threshold to the size of each large block freed, after which freed tensors stay in the
+    # heap and in the resident set: peaks would then measure its caching, not what is live. A fixed threshold
+    # returns every block of 1 MiB or more to the system when it is freed (as CUDA's allocator statistics count).
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(job["threads"]),
+               MALLOC_MMAP_THRESHOLD_=str(1 << 20))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath or REPO), env.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)],
                           capture_output=True, text=True, env=env, cwd=str(pythonpath or REPO))
@@ -203,6 +218,10 @@ def main():
         step, probe, evals = zip(*[iter(map(measure, jobs))] * 2)
     result = {"step_bnv": growth(*step, B * (n2 - n1)), "admit_bnv": growth(*probe, B * (n2 - n1)),
               "eval_bnv": growth(*evals, (e2 - e1) * args.eval_tokens)}
+    load = measure(common | {"kind": "load"})
+    result["load_peak_over_model"] = load["peak"] / load["model"]
+    print(f"loading the teacher (a bf16 file of half the model's size, mapped; a float32 model of "
+          f"{gib(load['model'])}): the process grew by at most {gib(load['peak'])}")
     print(f"{'':8} {'peak (small)':>14} {'peak (large)':>14} {'growth / [rows, V] f32':>24}")
     for name, (a, b) in (("step", step), ("admit", probe), ("eval", evals)):
         print(f"{name:8} {gib(a['peak']):>14} {gib(b['peak']):>14} {result[name + '_bnv']:>24.3f}")
@@ -211,8 +230,8 @@ def main():
     if not args.quick and args.device == "cpu":  # BASELINE runs on the CPU only
         result |= compare_baseline(args.threads)
     if args.quick:
-        print("(--quick: peaks grow by less than the allocator's noise, ~0.1 GiB, at these sizes: the ratios are a "
-              "smoke test, not a measurement)")
+        print("(--quick: a [rows, V] tensor is only 0.07 GiB at these sizes, and peaks vary by ~0.015 GiB between "
+              "runs: the ratios carry about +-0.2)")
     print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items())
           + f" batch={B} tokens={n1},{n2} examples={e1},{e2} device={args.device}")
 

@@ -71,6 +71,17 @@ def peak_memory(device: torch.device) -> int:
     raise OSError("no VmHWM in /proc/self/status")
 
 
+def current_memory(device: torch.device) -> int:
+    """Bytes allocated on the device now (CUDA), or this process's resident set (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmRSS in /proc/self/status")
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak: CUDA's allocator statistics, or the kernel's resident-set high-water mark (Linux: writing 5
     to /proc/self/clear_refs)."""
