@@ -139,13 +139,14 @@ def trl_steps(job: dict) -> dict:
     return {"peak": devices.peak_memory(device), "times": times}
 
 
-def measure(job: dict, pythonpath: Path | None = None) -> dict:
-    """Run one worker in a fresh process; its result."""
+def measure(job: dict, pythonpath: Path | None = None, for_memory: bool = True) -> dict:
+    """Run one worker in a fresh process; its result. for_memory: with glibc's mmap threshold fixed (below), which
+    makes every large allocation a system call: right for peaks, ~40% slower steps, so timings run without it."""
     # glibc raises its mmap threshold to the size of each large block freed, after which freed tensors stay in the
     # heap and in the resident set: peaks would then measure its caching, not what is live. A fixed threshold
     # returns every block of 1 MiB or more to the system when it is freed (as CUDA's allocator statistics count).
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(job["threads"]),
-               MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+               **({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)} if for_memory else {}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath or REPO), env.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)],
                           capture_output=True, text=True, env=env, cwd=str(pythonpath or REPO))
@@ -237,21 +238,22 @@ def main():
 
 
 def compare_trl(common: dict, tokens: int) -> dict:
-    """One OPD step (plan "": float32 rollouts, like TRL's generate) vs TRL's, 3 steps each, twice, alternating."""
+    """One OPD step (plan "": float32 rollouts, like TRL's generate) vs TRL's: times from 3 steps each, twice,
+    alternating; peaks from 2 more steps each."""
     try:
         import trl
     except ImportError:
         print("TRL not installed (pip install -e '.[bench]'): no TRL comparison")
         return {}
     job = common | {"tokens": tokens, "steps": 3}
-    texts = prompts(job["steps"] * job["batch"])
-    ours, theirs = [], []
-    for _ in range(2):
-        ours.append(measure(job | {"kind": "step", "set": job["set"] | {"plan": ""}}))
-        theirs.append(measure(job | {"kind": "trl", "prompts": texts}))
-    t_ours = statistics.median(t for r in ours for t in r["times"][1:])
-    t_trl = statistics.median(t for r in theirs for t in r["times"][1:])
-    m_ours, m_trl = max(r["peak"] for r in ours), max(r["peak"] for r in theirs)
+    ours = job | {"kind": "step", "set": job["set"] | {"plan": ""}}
+    theirs = job | {"kind": "trl", "prompts": prompts(job["steps"] * job["batch"])}
+    timed_ours, timed_trl = [], []
+    for _ in range(2):  # alternating, with the allocator as users run it
+        timed_ours += measure(ours, for_memory=False)["times"][1:]
+        timed_trl += measure(theirs, for_memory=False)["times"][1:]
+    t_ours, t_trl = statistics.median(timed_ours), statistics.median(timed_trl)
+    m_ours, m_trl = measure(ours | {"steps": 2})["peak"], measure(theirs | {"steps": 2})["peak"]
     print(f"vs TRL {trl.__version__} at batch {job['batch']} x {tokens} new tokens: step "
           f"{t_ours:.1f} s vs {t_trl:.1f} s, peak {gib(m_ours)} vs {gib(m_trl)}")
     return {"trl_step_ratio": t_ours / t_trl, "trl_mem_ratio": m_ours / m_trl}
@@ -267,8 +269,8 @@ def compare_baseline(threads: int) -> dict:
         job = {"kind": "builtin", "family": "llama", "batch": 64, "threads": threads, "steps": 4}
         new_times, old_times = [], []
         for _ in range(2):
-            new_times += measure(job)["times"][1:]
-            old_times += measure(job, pythonpath=old)["times"][1:]
+            new_times += measure(job, for_memory=False)["times"][1:]
+            old_times += measure(job, pythonpath=old, for_memory=False)["times"][1:]
     new, before = statistics.median(new_times), statistics.median(old_times)
     print(f"built-in llama pair, batch 64: {new:.3f} s a step here, {before:.3f} s at {BASELINE}")
     return {"step_s_ratio": new / before}

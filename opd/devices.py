@@ -43,7 +43,7 @@ def resolve(name: str, what: str = "device") -> torch.device:
         if not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
             raise OpdError(f"{what} {name} was asked for, but PyTorch sees no CUDA GPU here (torch "
-                           f"{torch.__version__}, {build})", f"use {what}=cpu or auto")
+                           f"{torch.__version__}, {build})", f"set {what} to cpu or auto")
         count = torch.cuda.device_count()
         require(device.index is None or device.index < count,
                 f"{what} {name} does not exist: this machine has {count} CUDA device(s), cuda:0-{count - 1}",
@@ -56,7 +56,7 @@ def resolve_dtype(name: str, device: torch.device, what: str = "dtype") -> torch
     dtype = DTYPES[name]
     if dtype == torch.bfloat16 and device.type == "cuda":
         require(torch.cuda.is_bf16_supported(), f"{what} bf16 is not supported by {device} "
-                f"({torch.cuda.get_device_name(device)})", f"use {what}=float32")
+                f"({torch.cuda.get_device_name(device)})", f"set {what} to float32")
     return dtype
 
 

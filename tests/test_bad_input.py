@@ -199,7 +199,7 @@ def missing_teacher_device(ctx):
 
 
 if not torch.cuda.is_available():
-    @case("device cuda was asked for, but PyTorch sees no CUDA GPU here", "use device=cpu or auto")
+    @case("device cuda was asked for, but PyTorch sees no CUDA GPU here", "set device to cpu or auto")
     def cuda_without_a_gpu(ctx):
         return ctx.train("device=cuda")
 
