@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from opd.errors import OpdError, require
 from opd.model import ModelConfig, Transformer, empty_model
+from opd.rope import check_scaling
 from opd.tokenizer import TextTokenizer
 
 MANIFEST = "opd_manifest.json"
@@ -37,13 +38,15 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         require(cfg.qkv_bias == cfg.o_bias, f"{cfg.arch}: q/k/v and o biases must match (attention_bias)")
         require(cfg.qk_norm == (cfg.arch == "qwen3"), "QK-norm is what distinguishes qwen3 from llama")
         require(not (cfg.mlp_bias and cfg.arch == "qwen3"), "qwen3 has no MLP bias")
+    require(cfg.arch != "llama" or not cfg.layer_types, "llama has no sliding-window attention")
     out = {
         "architectures": [HF_CLASSES[cfg.arch]], "model_type": cfg.arch,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", **cfg.rope_scaling, "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id, "torch_dtype": "float32",
         "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
@@ -53,43 +56,87 @@ def to_hf_config(cfg: ModelConfig) -> dict:
     if cfg.arch == "llama":
         out["mlp_bias"] = cfg.mlp_bias
     else:
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+        sliding = [i for i in range(cfg.num_layers) if cfg.sliding(i)]
+        out.update(use_sliding_window=bool(sliding), sliding_window=cfg.sliding_window or None,
+                   max_window_layers=sliding[0] if sliding else cfg.num_layers,
+                   layer_types=list(cfg.layer_types) or ["full_attention"] * cfg.num_layers)
     return out
 
 
-def from_hf_config(d: dict, where: str = "config.json") -> ModelConfig:
+def rope_settings(d: dict, where: str) -> tuple[float, dict]:
+    """(rope_theta, the scaling parameters) from a config's `rope_parameters` (transformers 5) or `rope_scaling` and
+    top-level `rope_theta`/`partial_rotary_factor` (earlier); refuses what rope.py does not compute."""
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    require(not any(isinstance(v, dict) for v in rope.values()), f"{where}: per-layer-type RoPE is not supported",
+            "give one rope_parameters mapping")
+    if "type" in rope:
+        rope.setdefault("rope_type", rope.pop("type"))
+    if d.get("partial_rotary_factor") is not None:
+        rope.setdefault("partial_rotary_factor", d["partial_rotary_factor"])
+    theta = float(rope.pop("rope_theta", None) or d.get("rope_theta") or 10000.0)
+    if rope.get("rope_type", "default") == "default":
+        rope = {k: v for k, v in rope.items() if k == "partial_rotary_factor"}
+    check_scaling(rope, where)
+    rope.pop("partial_rotary_factor", None)
+    return theta, rope
+
+
+def attention_layers(d: dict, arch: str, layers: int, where: str) -> tuple[int, tuple]:
+    """(sliding_window, layer_types): Qwen2/Qwen3's `layer_types`, or sliding from `max_window_layers` on when
+    `use_sliding_window` (as transformers derives it); Llama has none."""
+    if arch == "llama" or not (d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or [])):
+        return 0, ()
+    window = d.get("sliding_window")
+    require(isinstance(window, int) and window > 0, f"{where}: sliding-window attention without a sliding_window",
+            "set sliding_window to the window's length, or use_sliding_window to false")
+    types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", layers) else
+                                     "full_attention" for i in range(layers)]
+    return window, tuple(types)
+
+
+def from_hf_config(d: dict, where: str = "config.json", generation: dict | None = None) -> ModelConfig:
+    """Our ModelConfig from an HF config.json (and the generation config, whose eos_token_id is used when the
+    config names none). Every field that changes what the model computes is read or refused by name."""
+    require(isinstance(d, dict), f"{where}: expected a JSON object", "re-create the file")
     arch = d.get("model_type")
     require(arch in HF_CLASSES, f"{where}: model_type {arch!r} is not supported",
             f"opd reads {', '.join(HF_CLASSES)} checkpoints")
     require(d.get("hidden_act", "silu") == "silu", f"{where}: hidden_act {d.get('hidden_act')!r} is not supported",
             "only silu (SwiGLU) MLPs are implemented")
-    require(not d.get("use_sliding_window", False), f"{where}: sliding-window attention is not supported",
-            "set use_sliding_window to false")
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    require(rope.get("rope_type", rope.get("type", "default")) == "default",
-            f"{where}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported",
-            "only default RoPE (no scaling) is implemented")
-    eos = d.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos
-    require(isinstance(eos, int), f"{where}: no eos_token_id", "generation needs it: add eos_token_id to config.json")
+    theta, scaling = rope_settings(d, where)
+    eos = stop_ids(d, generation or {})
+    require(bool(eos), f"{where}: no eos_token_id", "generation needs it: add eos_token_id to config.json")
     try:
-        heads = d["num_attention_heads"]
+        heads, layers = d["num_attention_heads"], d["num_hidden_layers"]
         bias = bool(d.get("attention_bias", False))
+        window, types = attention_layers(d, arch, layers, where)
         return ModelConfig(
             arch=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"], num_heads=heads,
+            intermediate_size=d["intermediate_size"], num_layers=layers, num_heads=heads,
             num_kv_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+            rope_theta=theta, rope_scaling=scaling, sliding_window=window, layer_types=types,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             qkv_bias=True if arch == "qwen2" else bias, o_bias=False if arch == "qwen2" else bias,
             mlp_bias=bool(d.get("mlp_bias", False)) if arch == "llama" else False, qk_norm=arch == "qwen3",
-            bos_token_id=d.get("bos_token_id"), eos_token_id=eos,
-            pad_token_id=d.get("pad_token_id") if d.get("pad_token_id") is not None else eos)
+            bos_token_id=d.get("bos_token_id"), eos_token_id=eos[0],
+            pad_token_id=d.get("pad_token_id") if d.get("pad_token_id") is not None else eos[0])
     except KeyError as e:
         raise OpdError(f"{where}: missing field {e.args[0]!r}", "the file is not a complete model config") from None
+
+
+def stop_ids(config: dict, generation: dict) -> list[int]:
+    """Every stop token id: config.json's eos_token_id (an id or a list), then generation_config.json's, in order,
+    each once."""
+    out = []
+    for source in (config, generation):
+        value = source.get("eos_token_id")
+        for i in value if isinstance(value, list) else [value]:
+            if isinstance(i, int) and not isinstance(i, bool) and i not in out:
+                out.append(i)
+    return out
 
 
 def read_json(path: Path, what: str) -> dict:

@@ -149,9 +149,8 @@ class Engine:
         ids, valid = (t.to(device) for t in left_pad(prompts, self.pad_id))  # [B, P]
         B, P = ids.shape
         N = params.max_new_tokens
-        require(P + N <= self.model.cfg.max_position_embeddings,
-                f"prompt ({P}) + max_new_tokens ({N}) exceeds the model's context "
-                f"({self.model.cfg.max_position_embeddings})", "shorten the prompts or lower max_new_tokens")
+        require(P + N <= self.model.cfg.context, f"prompt ({P}) + max_new_tokens ({N}) exceeds the model's context "
+                f"({self.model.cfg.context})", "shorten the prompts or lower max_new_tokens")
         cache = self.new_cache(B, P + N)
         h, logits = self.forward(ids, (valid.cumsum(1) - 1).clamp(min=0), prefill_mask(valid), cache)  # [B, V]
         next_pos = valid.sum(1, keepdim=True)  # [B, 1]

@@ -5,20 +5,24 @@ The three differ only in small switches, all carried by `ModelConfig`:
 - Qwen2: bias on q/k/v, none on o;
 - Qwen3: RMSNorm over each head's q and k before RoPE (QK-norm), which bounds the key magnitudes;
   this is why an FP8 KV cache is expected to hurt Qwen3-style models less than the others.
-All use RMSNorm (computed in float32, as Hugging Face does), SwiGLU, rotate-half RoPE and grouped-query
-attention. Parameter names equal Hugging Face's minus the leading `model.`, so checkpoints map 1:1.
+All use RMSNorm (computed in float32, as Hugging Face does), SwiGLU, rotate-half RoPE (optionally scaled: linear,
+dynamic, YaRN, Llama 3; rope.py) and grouped-query attention. Layers listed as `sliding_attention` in `layer_types`
+(Qwen2/Qwen3 with `use_sliding_window`, from `max_window_layers` on) attend only to the last `sliding_window`
+positions, themselves included. Parameter names equal Hugging Face's minus the leading `model.`, so checkpoints map
+1:1.
 
 The model is a pure function of (tokens, positions, mask, cache): it never stores a KV cache. A cache is any
 object with `update(layer_idx, k, v) -> (k_all, v_all)` and `advance(T)` (see kv_cache.py); keys arrive after
 RoPE (vLLM's convention), so a quantizing cache sees exactly what a real engine would store.
 """
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from opd.errors import require
+from opd.errors import OpdError, require
+from opd.rope import check_scaling, frequencies
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -44,6 +48,9 @@ class ModelConfig:
     bos_token_id: int = 1
     eos_token_id: int = 2
     pad_token_id: int = 0
+    rope_scaling: dict = field(default_factory=dict)  # rope.py's parameters besides rope_theta; {}: default RoPE
+    sliding_window: int = 0  # the window of the layers whose layer_types entry is "sliding_attention"
+    layer_types: tuple = ()  # per layer "full_attention" or "sliding_attention"; (): all full
 
     def __post_init__(self):
         require(self.arch in ARCHITECTURES, f"unknown architecture {self.arch!r}",
@@ -55,6 +62,24 @@ class ModelConfig:
                 f"model config: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}",
                 "grouped-query attention needs num_heads divisible by num_kv_heads")
         require(self.head_dim % 2 == 0, f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+        check_scaling(self.rope_scaling, "model config")
+        self.layer_types = tuple(self.layer_types)
+        require(not self.layer_types or len(self.layer_types) == self.num_layers,
+                f"model config: layer_types names {len(self.layer_types)} layers, the model has {self.num_layers}")
+        for kind in sorted(set(self.layer_types) - {"full_attention", "sliding_attention"}):
+            raise OpdError(f"model config: layer type {kind!r} is not supported",
+                           "opd runs full_attention and sliding_attention layers")
+        require("sliding_attention" not in self.layer_types or self.sliding_window > 0,
+                "model config: sliding_attention layers need a positive sliding_window")
+
+    @property
+    def context(self) -> int:
+        """The longest sequence the model runs: max_position_embeddings, unbounded for dynamic RoPE (whose scaling
+        grows with the sequence: that is what it is for)."""
+        return 1 << 40 if self.rope_scaling.get("rope_type") == "dynamic" else self.max_position_embeddings
+
+    def sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,27 +98,44 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-_INV_FREQ: dict[tuple, torch.Tensor] = {}  # (head_dim, theta, device) -> RoPE inverse frequencies, made once
+_INV_FREQ: dict[tuple, tuple] = {}  # (head_dim, theta, scaling, max positions, device) -> (inv_freq, scale), made once
 
 
-def _inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+def _inv_freq(cfg: ModelConfig, device: torch.device, seq_len: int | None) -> tuple[torch.Tensor, float]:
     """Cached for eager decoding (~20 us a forward otherwise). Inside torch.compile it is computed in the graph:
-    a global cache there would be guarded on, and its first fill would cost a recompile."""
+    a global cache there would be guarded on, and its first fill would cost a recompile. Dynamic RoPE depends on
+    the sequence length and is not cached."""
     def compute():
-        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
-    if torch.compiler.is_compiling():
+        return frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, seq_len,
+                           device)
+    if torch.compiler.is_compiling() or cfg.rope_scaling.get("rope_type") == "dynamic":
         return compute()
-    key = (head_dim, theta, str(device))
+    key = (cfg.head_dim, cfg.rope_theta, tuple(sorted(cfg.rope_scaling.items())), cfg.max_position_embeddings,
+           str(device))
     if key not in _INV_FREQ:
         _INV_FREQ[key] = compute()
     return _INV_FREQ[key]
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: [B, T] -> cos, sin: [B, 1, T, head_dim] in float32."""
-    freqs = positions.float()[..., None] * _inv_freq(head_dim, theta, positions.device)  # [B, T, D/2]
+    dynamic = cfg.rope_scaling.get("rope_type") == "dynamic"
+    inv_freq, scale = _inv_freq(cfg, positions.device, int(positions.max()) + 1 if dynamic else None)
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-    return emb.cos(), emb.sin()
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def window_mask(mask: torch.Tensor | None, T: int, S: int, window: int, device) -> torch.Tensor:
+    """mask [B, 1, T, S] (None: causal over T = S) restricted to the last `window` keys of each query. The T queries
+    are the last T of the S positions (a cache holds the S - T before them); a left pad shifts a row's queries and
+    keys alike, so index distance is token distance."""
+    q = torch.arange(S - T, S, device=device)[:, None]
+    k = torch.arange(S, device=device)[None, :]
+    allowed = (q - k < window) & (k <= q)  # [T, S]
+    return allowed[None, None] if mask is None else mask & allowed
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -207,10 +249,14 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         assert positions.shape == (B, T), f"positions {tuple(positions.shape)} != {(B, T)}"
         assert mask is not None or cache is None or T == 1, "a multi-token forward with a cache needs a mask"
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.cfg)
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache)
+        windowed = None
+        if "sliding_attention" in self.cfg.layer_types:
+            S = T + (cache.length if cache is not None else 0)
+            windowed = window_mask(mask, T, S, self.cfg.sliding_window, input_ids.device)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, windowed if self.cfg.sliding(i) else mask, cache)
         if cache is not None:
             cache.advance(T)
         return self.norm(x)

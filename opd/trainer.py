@@ -254,7 +254,7 @@ def setup(cfg: TrainConfig) -> Run:
     asynchronous = cfg.schedule == "async"
     torch.set_num_threads(cfg.threads - cfg.worker_threads if asynchronous else cfg.threads)
     student, teacher, tok, student_dir = load_pair(cfg)
-    context = min(student.cfg.max_position_embeddings, teacher.cfg.max_position_embeddings)
+    context = min(student.cfg.context, teacher.cfg.context)
     plan = parse_plan(cfg, student.cfg.num_layers)
     if cfg.engine_compile:
         print("opd: engine_compile: the rollout engine compiles before step 0 (about a minute on a cold cache)",
@@ -291,7 +291,7 @@ def probe_setup(cfg: TrainConfig, n: int) -> tuple[ProbeSetup, Plan]:
     """The admission probe of a training config: its pair, an engine factory, its first n training prompts."""
     torch.set_num_threads(cfg.threads)
     student, teacher, tok, student_dir = load_pair(cfg)
-    context = min(student.cfg.max_position_embeddings, teacher.cfg.max_position_embeddings)
+    context = min(student.cfg.context, teacher.cfg.context)
     prompts = PromptSource(replace(cfg, batch_size=n), tok, context).batch(0)
     probe_cfg = replace(cfg, engine_compile=False)  # 16 rollouts per engine: compiling would cost more than it saves
     return ProbeSetup(cfg, student, teacher, tok, lambda plan: build_engine(probe_cfg, student, tok, plan, student_dir),

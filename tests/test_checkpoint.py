@@ -92,7 +92,7 @@ def test_save_replaces_an_existing_checkpoint_whole(tmp_path):
     ("bad_json", "is not valid JSON"),
     ("wrong_shape", "config.json implies"),
     ("no_eos", "no eos_token_id"),
-    ("rope_scaling", "rope type 'yarn' is not supported"),
+    ("rope_scaling", "rope type 'longrope' is not supported"),
 ])
 def test_broken_checkpoints_are_clear_errors(tmp_path, breakage, message):
     """Folders without a manifest (as transformers saves them) are checked field by field."""
@@ -108,6 +108,6 @@ def test_broken_checkpoints_are_clear_errors(tmp_path, breakage, message):
     elif breakage == "no_eos":
         (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": None}))
     elif breakage == "rope_scaling":
-        (folder / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "yarn"}}))
+        (folder / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "longrope"}}))
     with pytest.raises(OpdError, match=message):
         load_checkpoint(folder)

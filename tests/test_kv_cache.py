@@ -84,7 +84,7 @@ def test_calibrated_scales_follow_vllm_rule_and_are_kept(model):
     with torch.no_grad():
         k = model.layers[0].self_attn.k_proj(model.layers[0].input_layernorm(model.embed_tokens(x)))
     from opd.model import apply_rope, rope_cos_sin
-    cos, sin = rope_cos_sin(torch.arange(x.shape[1]).expand_as(x), CFG.head_dim, CFG.rope_theta)
+    cos, sin = rope_cos_sin(torch.arange(x.shape[1]).expand_as(x), CFG)
     k = apply_rope(k.view(3, 40, 2, 32).transpose(1, 2), cos, sin)
     assert torch.allclose(k_scale, k.abs().amax() / 200)
     before = {i: [s.clone() for s in pair] for i, pair in scales.items()}

@@ -105,6 +105,94 @@ def test_parity_our_save_hf_load(arch, tmp_path):
     assert tok("12+34=").input_ids == TextTokenizer.builtin().encode("12+34=")
 
 
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             initializer_range=0.25, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+VARIANTS = {  # architecture switches that change the computation: RoPE scaling, sliding windows, head_dim
+    "llama-llama3-rope": lambda: transformers.LlamaConfig(**SMALL, num_key_value_heads=2, max_position_embeddings=256,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "llama-linear-rope-head_dim": lambda: transformers.LlamaConfig(**SMALL, num_key_value_heads=1, head_dim=24,
+        max_position_embeddings=256, rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 3.0}),
+    "qwen2-dynamic-rope": lambda: transformers.Qwen2Config(**SMALL, num_key_value_heads=2, max_position_embeddings=24,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+    "qwen3-yarn-rope": lambda: transformers.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=128, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                      "original_max_position_embeddings": 32}),
+    "qwen2-sliding-window": lambda: transformers.Qwen2Config(**SMALL, num_key_value_heads=1, max_position_embeddings=256,
+        use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    "qwen3-sliding-window-yarn": lambda: transformers.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=24,
+        max_position_embeddings=128, use_sliding_window=True, sliding_window=5, max_window_layers=2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0, "original_max_position_embeddings": 64,
+                         "beta_fast": 16, "mscale": 1.0, "mscale_all_dim": 0.5}),
+}
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant(request, tmp_path):
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForCausalLM.from_config(VARIANTS[request.param](), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(tmp_path)
+    TextTokenizer.builtin().save(tmp_path)
+    return request.param, hf, tmp_path
+
+
+def test_parity_variants_logits_cached_and_uncached(variant):
+    """Each variant against transformers on 40-token sequences (beyond every window and original context): the
+    uncached forward's logits, greedy decoding with the KV cache (one prompt at a time: dynamic RoPE scales with the
+    batch's longest sequence, in transformers too), and our cached decoding against our uncached loop (except for
+    dynamic RoPE, whose cached keys keep the rotation of the length at which they were cached, in transformers too:
+    there cached and uncached decoding differ by design)."""
+    name, hf, folder = variant
+    ours, _ = load_checkpoint(folder)
+    assert ours.cfg.rope_scaling or ours.cfg.layer_types or ours.cfg.head_dim != 16, name
+    ids = random_ids(11, 2, 40)
+    with torch.no_grad():
+        diff = (ours(ids) - hf(ids).logits).abs().max().item()
+    assert diff <= 1e-4, f"{name}: max |logit diff| {diff}"
+    for prompt in (random_ids(12, 1, 9)[0].tolist(), random_ids(13, 1, 14)[0].tolist()):
+        got = greedy(ours, [prompt], 26)[0]
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=26, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert got == ref, f"{name}: cached greedy decoding differs from transformers"
+        if "dynamic" not in name:  # dynamic RoPE: cached keys keep the rotation of the length they were made at
+            assert got == naive_greedy(ours, prompt, 26, eos_id=-1), f"{name}: cached != uncached"
+
+
+def test_parity_variants_round_trip(variant, tmp_path):
+    """Our saved config.json carries the scaling and the windows: transformers reads back the same model."""
+    name, hf, folder = variant
+    ours, tok = load_checkpoint(folder)
+    save_checkpoint(tmp_path / "again", ours, tok)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again", dtype=torch.float32).eval()
+    ids = random_ids(14, 2, 40)
+    with torch.no_grad():
+        assert (again(ids).logits - hf(ids).logits).abs().max().item() <= 1e-5, name
+
+
+def test_unsupported_config_fields_are_refused_by_name(tmp_path):
+    import json
+    from opd.errors import OpdError
+    hf = hf_random_model("qwen3")
+    hf.save_pretrained(tmp_path)
+    TextTokenizer.builtin().save(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for change, message in (({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "'longrope'"),
+                            ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+                            ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "ntk_alpha": 2}},
+                             "'ntk_alpha'"),
+                            ({"layer_types": ["chunked_attention"] * 3, "sliding_window": 4,
+                              "use_sliding_window": True}, "'chunked_attention'"),
+                            ({"use_sliding_window": True, "sliding_window": None}, "without a sliding_window")):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(OpdError, match=message):
+            load_checkpoint(tmp_path)
+
+
 def test_cached_decoding_equals_uncached_oracle():
     """Batched, left-padded, KV-cached greedy decoding == the naive loop that re-runs the whole context."""
     model = Transformer(ModelConfig(arch="qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,

@@ -99,7 +99,7 @@ def test_weight_plan_touches_only_chosen_layers_and_keeps_embeddings(model):
 
 def _rope(x):
     from opd.model import rope_cos_sin
-    return rope_cos_sin(torch.arange(x.shape[1]).expand_as(x), CFG.head_dim, CFG.rope_theta)
+    return rope_cos_sin(torch.arange(x.shape[1]).expand_as(x), CFG)
 
 
 def test_noise_dial_is_monotone_in_logit_error(model):
