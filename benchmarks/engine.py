@@ -24,7 +24,6 @@ import torch
 import transformers
 
 from opd.checkpoint import load_checkpoint, save_checkpoint
-from opd.data import encode_prompt
 from opd.engine import Engine
 from opd.generate import left_pad
 from opd.model import ModelConfig, Transformer
@@ -73,12 +72,12 @@ def main():
                         TextTokenizer.builtin())
     ours, tok = load_checkpoint(folder, device=args.device)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().to(args.device)
-    prompts = [encode_prompt(tok, ex.prompt) for ex in held_out_examples(get_task("chain"), args.batch)]
+    prompts = [tok.encode_prompt(ex.prompt) for ex in held_out_examples(get_task("chain"), args.batch)]
     params = SamplingParams(args.new_tokens, temperature=0.0)
     tokens = args.batch * args.new_tokens
 
     def run_ours(engine=None):
-        engine = engine or Engine(ours, eos_id=-1, pad_id=tok.pad_id)
+        engine = engine or Engine(ours, stop_ids=-1, pad_id=tok.pad_id)
         return lambda: engine.generate(prompts, params, 0)
 
     ids, valid = (t.to(args.device) for t in left_pad(prompts, tok.pad_id))
@@ -92,7 +91,7 @@ def main():
     def compiled(plan: str = "") -> tuple[Engine, float]:
         """A compiled engine and the seconds it took to build (it compiles all its graphs then)."""
         start = time.perf_counter()
-        engine = Engine(ours, eos_id=-1, pad_id=tok.pad_id, plan=plan, compile=True)
+        engine = Engine(ours, stop_ids=-1, pad_id=tok.pad_id, plan=plan, compile=True)
         return engine, time.perf_counter() - start
 
     run_ours()(), run_hf()  # warm-up
@@ -137,7 +136,7 @@ def main():
     base = None
     results = {}
     for name, plan in PLANS.items():
-        engine = Engine(ours, eos_id=-1, pad_id=tok.pad_id, plan=plan)
+        engine = Engine(ours, stop_ids=-1, pad_id=tok.pad_id, plan=plan)
         fast = None if args.no_compile or name not in COMPILED_PLANS else compiled(plan)[0]
         times, fast_times = [], []
         for _ in range(args.repeats):  # interleaved with the same plan compiled

@@ -66,7 +66,8 @@ def trl_block(student_dir, teacher_dir, prompts: list[str], batch: int, new_toke
     from transformers import AutoTokenizer
     from trl import DistillationConfig, DistillationTrainer
     tok = AutoTokenizer.from_pretrained(str(student_dir), padding_side="left")
-    texts = [tok.bos_token + p for p in prompts]  # opd prepends <bos> too (data.encode_prompt)
+    bos = tok(prompts[0]).input_ids[:1] == [tok.bos_token_id]  # saved before the post-processor: prepend <bos>
+    texts = prompts if bos else [tok.bos_token + p for p in prompts]  # as opd's prompts (tokenizer.py)
     ref = {}
     timer = _StepTimer(ref)
     with tempfile.TemporaryDirectory() as out:

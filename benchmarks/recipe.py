@@ -45,7 +45,7 @@ def time_to(rows: list[dict], reached) -> float:
 
 def kv_bytes(cfg) -> int:
     student, _, tok, _ = load_pair(cfg)
-    engine = Engine(copy.deepcopy(student), tok.eos_id, tok.pad_id, parse_plan(cfg, student.cfg.num_layers))
+    engine = Engine(copy.deepcopy(student), tok.stop_ids, tok.pad_id, parse_plan(cfg, student.cfg.num_layers))
     return engine.new_cache(1, 1).bytes_per_token()
 
 

@@ -244,7 +244,7 @@ def measure(setup: ProbeSetup, plan: Plan) -> dict:
     cfg = setup.cfg
     engine = setup.make_engine(plan)
     builtin = isinstance(engine, Engine)
-    params = SamplingParams(cfg.new_tokens, temperature=cfg.temperature)
+    params = SamplingParams(cfg.new_tokens, **cfg.sampling)
     if builtin:
         engine.count_clipped = True
     try:

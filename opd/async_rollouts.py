@@ -86,7 +86,7 @@ def sampler_seed(seed: int, index: int, attempt: int = 0) -> int:
 class WorkerSpec:
     """What a rollout worker needs besides weights: plain values only."""
     model_config: dict
-    eos_id: int
+    stop_ids: list[int]
     pad_id: int
     plan: Plan
     noise_seed: int
@@ -147,12 +147,12 @@ def worker_main(address: str, inbox, outbox, init: bytes) -> None:
         model.requires_grad_(False)
         if spec.vllm_model_dir:  # in this process (env set at spawn); the published weights are loaded into it
             from opd.vllm_engine import VllmEngine
-            engine = VllmEngine(spec.vllm_model_dir, spec.eos_id, spec.pad_id, spec.plan, version,
+            engine = VllmEngine(spec.vllm_model_dir, spec.stop_ids, spec.pad_id, spec.plan, version,
                                 max_model_len=model.cfg.max_position_embeddings, tied=model.cfg.tie_word_embeddings,
                                 in_process=True)
             engine.update_weights(model.state_dict(), version)
         else:
-            engine = Engine(model, spec.eos_id, spec.pad_id, spec.plan, version, spec.noise_seed, spec.compile)
+            engine = Engine(model, spec.stop_ids, spec.pad_id, spec.plan, version, spec.noise_seed, spec.compile)
         engine.scales.update(scales)
         outbox.put(("ready", address, os.getpid()))
         while True:
@@ -423,7 +423,7 @@ class AsyncRollouts:
 
 def worker_spec(cfg, model: Transformer, tok, plan: Plan, params: SamplingParams, return_hidden: bool,
                 model_dir: str = "") -> WorkerSpec:
-    return WorkerSpec(asdict(model.cfg), tok.eos_id, tok.pad_id, plan, cfg.noise_seed, params, cfg.worker_threads,
+    return WorkerSpec(asdict(model.cfg), tok.stop_ids, tok.pad_id, plan, cfg.noise_seed, params, cfg.worker_threads,
                       return_hidden, recompute=cfg.lookahead > 0, recompute_fraction=cfg.recompute_fraction,
                       vllm_model_dir=str(model_dir) if cfg.engine == "vllm" else "", compile=cfg.engine_compile,
                       device=str(model.embed_tokens.weight.device), chunk_tokens=cfg.chunk_tokens, dtype=cfg.dtype)

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from opd.errors import OpdError, require
 from opd.model import ModelConfig, Transformer, empty_model
 from opd.rope import check_scaling
-from opd.tokenizer import TextTokenizer
+from opd.tokenizer import GENERATION_KEYS, TextTokenizer
 
 MANIFEST = "opd_manifest.json"
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -210,7 +210,8 @@ def load_model(folder, dtype: torch.dtype = torch.float32, device: torch.device 
     folder = Path(folder)
     require(folder.is_dir(), f"checkpoint folder not found: {folder}", "check the path, or run `opd pretrain`")
     verify_checkpoint(folder)
-    cfg = from_hf_config(read_json(folder / "config.json", "config.json"), str(folder / "config.json"))
+    cfg = from_hf_config(read_json(folder / "config.json", "config.json"), str(folder / "config.json"),
+                         generation_config(folder))
     model = empty_model(cfg)
     state = {k.removeprefix("model."): v for k, v in _read_tensors(folder, dtype, torch.device(device)).items()}
     if cfg.tie_word_embeddings:
@@ -230,8 +231,26 @@ def load_model(folder, dtype: torch.dtype = torch.float32, device: torch.device 
     return model.eval()
 
 
+def generation_config(folder) -> dict:
+    """generation_config.json of a checkpoint folder ({} when it has none)."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    data = read_json(path, "generation_config.json")
+    require(isinstance(data, dict), f"{path}: expected a JSON object", "re-create the file")
+    return data
+
+
 def load_tokenizer(folder, cfg: ModelConfig) -> TextTokenizer:
-    return TextTokenizer.load(Path(folder), cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
+    """The folder's tokenizer with every stop id of config.json and generation_config.json, and the generation
+    defaults (tokenizer.py)."""
+    folder = Path(folder)
+    generation = generation_config(folder)
+    config = read_json(folder / "config.json", "config.json")
+    stops = stop_ids(config, generation) or [cfg.eos_token_id]
+    defaults = {k: generation[k] for k in GENERATION_KEYS if generation.get(k) is not None}
+    pad = config.get("pad_token_id") if config.get("pad_token_id") is not None else generation.get("pad_token_id")
+    return TextTokenizer.load(folder, cfg.bos_token_id, stops, pad, defaults)
 
 
 def load_checkpoint(folder, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") \

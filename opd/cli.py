@@ -14,7 +14,9 @@ from pathlib import Path
 
 from opd import devices
 from opd.checkpoint import load_checkpoint
-from opd.data import encode_prompt, load_prompts
+from opd.prompts import PromptFormat, read_prompts
+from opd.scoring import SCORERS
+from opd.scoring import check_name as check_scoring
 from opd.engine import Engine
 from opd.errors import OpdError, require
 from opd.evaluate import greedy_accuracy
@@ -52,37 +54,55 @@ def _pretrain_job(args) -> tuple[Path, dict]:
     return pretrain(cfg, cache_dir, force=force, progress=progress)
 
 
-def cmd_eval(model: Path, task: str, prompts: Path | None, n: int, max_new_tokens: int, plan: str,
-             device: str) -> None:
-    """Greedy exact-match accuracy of a checkpoint on the task's held-out split or a JSONL prompt file."""
-    require(max_new_tokens >= 0, f"--max-new-tokens must be >= 0, got {max_new_tokens}", "0 means the task's default")
+def cmd_eval(model: Path, task: str, prompts: Path | None, prompt_key: str, answer_key: str, chat: bool,
+             scoring: str, n: int, max_new_tokens: int, plan: str, device: str) -> None:
+    """Greedy accuracy of a checkpoint on the task's held-out split or a JSONL prompt file (its first n lines)."""
+    require(max_new_tokens >= 0, f"--max-new-tokens must be >= 0, got {max_new_tokens}", "0 means the default")
+    check_scoring(scoring)
     net, tok = load_checkpoint(model, device=devices.resolve(device))
     parsed = Plan.parse(plan, net.cfg.num_layers)
-    examples = load_prompts(prompts) if prompts else held_out_examples(get_task(task), n)
-    if not any(ex.answer is not None for ex in examples):
-        raise OpdError(f"no prompt in {prompts} has an answer to score", 'add "answer" fields to the JSONL lines')
-    result = greedy_accuracy(net, tok, examples, max_new_tokens or get_task(task).max_new_tokens, plan=parsed)
-    print(json.dumps({**result, "eval/plan": str(parsed)}))
+    examples = read_prompts(prompts, PromptFormat(prompt_key, answer_key, chat))[:n] if prompts \
+        else held_out_examples(get_task(task), n)
+    if scoring != "none" and not any(ex.answer is not None for ex in examples):
+        raise OpdError(f"no prompt in {prompts} has an answer ({answer_key!r}) to score",
+                       "add the answers, set --answer-key, or use --scoring none")
+    new_tokens = default_new_tokens(max_new_tokens, tok, prompts, task)
+    result = greedy_accuracy(net, tok, examples, new_tokens, plan=parsed, scoring=scoring)
+    print(json.dumps({**result, "eval/plan": str(parsed), "eval/scoring": scoring}))
 
 
-def cmd_generate(model: Path, prompt: list[str] | None, prompts: Path | None, task: str, n: int, plan: str,
-                 temperature: float, top_k: int, top_p: float, max_new_tokens: int, seed: int,
-                 as_json: bool, engine_name: str, device: str) -> None:
-    """Sample completions from a checkpoint under a precision plan; print them with their log-probs."""
+def default_new_tokens(max_new_tokens: int, tok, prompts, task: str) -> int:
+    """--max-new-tokens, else the checkpoint's generation_config.json, else the task's or FILE_PROMPT_TOKENS."""
+    from opd.config import FILE_PROMPT_TOKENS
+    return max_new_tokens or tok.generation.get("max_new_tokens") or \
+        (FILE_PROMPT_TOKENS if prompts else get_task(task).max_new_tokens)
+
+
+def cmd_generate(model: Path, prompt: list[str] | None, prompts: Path | None, prompt_key: str, chat: bool, task: str,
+                 n: int, plan: str, temperature: float | None, top_k: int | None, top_p: float | None,
+                 max_new_tokens: int, seed: int, as_json: bool, engine_name: str, device: str) -> None:
+    """Sample completions from a checkpoint under a precision plan; print them with their log-probs. Sampling
+    settings not given come from the checkpoint's generation_config.json (else temperature 1, no top-k/top-p)."""
     if engine_name == "vllm":
         import_vllm()
     net, tok = load_checkpoint(model, device=devices.resolve(device) if engine_name == "builtin" else "cpu")
-    texts = prompt or [ex.prompt for ex in (load_prompts(prompts) if prompts else held_out_examples(get_task(task), n))]
+    fmt = PromptFormat(prompt_key, chat=chat)
+    texts = [[{"role": "user", "content": p}] if chat else p for p in prompt] if prompt else \
+        [ex.prompt for ex in (read_prompts(prompts, fmt)[:n] if prompts else held_out_examples(get_task(task), n))]
+    defaults = tok.generation
+    temperature = temperature if temperature is not None else defaults.get("temperature", 1.0)
+    top_k = top_k if top_k is not None else defaults.get("top_k", 0)
+    top_p = top_p if top_p is not None else defaults.get("top_p", 1.0)
     if engine_name == "vllm":
-        engine = VllmEngine(model, tok.eos_id, tok.pad_id, Plan.parse(plan, net.cfg.num_layers), seed=seed,
+        engine = VllmEngine(model, tok.stop_ids, tok.pad_id, Plan.parse(plan, net.cfg.num_layers), seed=seed,
                             max_model_len=net.cfg.max_position_embeddings, tied=net.cfg.tie_word_embeddings)
         kv_bytes = None  # vLLM's own cache: not read here
     else:
-        engine = Engine(net, tok.eos_id, tok.pad_id, plan)
+        engine = Engine(net, tok.stop_ids, tok.pad_id, plan)
         kv_bytes = engine.new_cache(1, 1).bytes_per_token()
-    params = SamplingParams(max_new_tokens or get_task(task).max_new_tokens, temperature, top_k, top_p)
+    params = SamplingParams(default_new_tokens(max_new_tokens, tok, prompts, task), temperature, top_k, top_p)
     try:
-        rollouts = engine.generate([encode_prompt(tok, t) for t in texts], params, seed)
+        rollouts = engine.generate([tok.encode_prompt(t) for t in texts], params, seed)
     finally:
         if engine_name == "vllm":
             engine.close()
@@ -117,7 +137,8 @@ def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, r
     print(f"{'':10} {'accuracy':>9} {'sampled':>9} {'rkl':>9}")
     for name, row in (("before", before), ("after", after)):
         if row:
-            print(f"{name:10} {row['eval/accuracy']:>9.3f} {row['eval/sampled_accuracy']:>9.3f} {row['eval/rkl']:>9.4f}")
+            cells = [f"{row[k]:>9.3f}" if k in row else f"{'-':>9}" for k in ("eval/accuracy", "eval/sampled_accuracy")]
+            print(f"{name:10} {' '.join(cells)} {row['eval/rkl']:>9.4f}")
     print(f"{summary['steps']} steps in {summary['time/step']:.0f} s (+{summary['time/eval']:.0f} s eval), "
           f"plan: {summary['plan']}; logs in {run_dir}")
 
@@ -245,7 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, required=True, help="HF checkpoint folder")
     p.add_argument("--task", choices=list(TASKS), default="chain")
     p.add_argument("--prompts", type=Path, help="JSONL prompt file instead of the task's held-out split")
-    p.add_argument("--n", type=positive_int, default=500, help="held-out examples")
+    p.add_argument("--prompt-key", default="prompt", help="the prompt's field in each line (text or chat messages)")
+    p.add_argument("--answer-key", default="answer", help="the reference answer's field")
+    p.add_argument("--chat", action="store_true", help="send text prompts through the chat template")
+    p.add_argument("--scoring", default="last_hash", help=f"{', '.join(SCORERS)}, or module:function")
+    p.add_argument("--n", type=positive_int, default=500, help="held-out examples (or the first n lines)")
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: the task's default")
     p.add_argument("--plan", default="", help="precision plan to decode under (default: full precision)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
@@ -254,13 +279,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help=cmd_generate.__doc__)
     p.add_argument("--model", type=Path, required=True, help="HF checkpoint folder")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: held-out task prompts")
-    p.add_argument("--prompts", type=Path, help="JSONL prompt file")
+    p.add_argument("--prompts", type=Path, help="JSONL prompt file (its first --n lines)")
+    p.add_argument("--prompt-key", default="prompt", help="the prompt's field in each line (text or chat messages)")
+    p.add_argument("--chat", action="store_true", help="send text prompts through the chat template")
     p.add_argument("--task", choices=list(TASKS), default="chain")
     p.add_argument("--n", type=positive_int, default=4, help="held-out prompts when no prompt is given")
     p.add_argument("--plan", default="", help='precision plan, e.g. "kv=fp8_e4m3; 0,3: kv=bf16" (see plan.py)')
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, help="default: generation_config.json's, else 1")
+    p.add_argument("--top-k", type=int, help="default: generation_config.json's, else 0 (off)")
+    p.add_argument("--top-p", type=float, help="default: generation_config.json's, else 1 (off)")
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: the task's default")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="as_json", action="store_true", help="one JSON record per completion")

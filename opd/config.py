@@ -11,13 +11,14 @@ A YAML file holds any subset of the fields below (the rest keep their defaults);
 types and bad values are errors that name the key.
 """
 import difflib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
 
 from opd.devices import check_dtype_name, check_name
 from opd.errors import OpdError, require
+from opd.scoring import check_name as check_scoring
 from opd.losses import LossConfig
 from opd.pretrain import FAMILIES
 from opd.task import get_task
@@ -27,6 +28,8 @@ ENGINES = ("builtin", "vllm")
 STALE_POLICIES = ("requeue", "drop")
 GUARD_ACTIONS = ("warn", "fallback", "stop")
 LR_SCHEDULES = ("cosine", "constant")
+LONG_PROMPTS = ("refuse", "drop")
+FILE_PROMPT_TOKENS = 512  # max_new_tokens with a prompt file when neither the config nor the checkpoint sets it
 
 
 @dataclass
@@ -34,12 +37,22 @@ class TrainConfig:
     family: str = "llama"  # built-in pair (pretrained on first use) when student/teacher are empty
     student: str = ""  # HF checkpoint folder of the student
     teacher: str = ""  # HF checkpoint folder of the teacher
-    task: str = "chain"  # held-out evaluation (and training prompts unless `prompts` is given)
-    prompts: str = ""  # JSONL training prompts (data.py); default: the task's training stream
+    task: str = "chain"  # the built-in task: training prompts and held-out evaluation unless `prompts` is given
+    prompts: str = ""  # JSONL prompt file (prompts.py); default: the task's training stream
+    prompt_key: str = "prompt"  # the prompt's field in each line (text, or chat messages); "messages" also works
+    answer_key: str = "answer"  # the reference answer's field (optional per line)
+    chat: bool = False  # send text prompts through the student's chat template as one user message
+    eval_prompts: str = ""  # JSONL held-out prompts for evaluation; "": eval_fraction of `prompts`
+    eval_fraction: float = 0.1  # share of `prompts` held out for evaluation (by a hash of the prompt)
+    max_prompt_tokens: int = 0  # 0: what the context leaves after max_new_tokens
+    long_prompts: str = "refuse"  # a prompt over max_prompt_tokens: "refuse" (an error) or "drop" (counted)
+    scoring: str = "last_hash"  # answer extraction (scoring.py): last_hash, gsm8k, boxed, exact, none, module:fn
     steps: int = 150
     batch_size: int = 64  # prompts (= rollouts) per optimizer step
-    max_new_tokens: int = 0  # 0: the task's default
-    temperature: float = 1.0
+    max_new_tokens: int = 0  # 0: generation_config.json's, else the task's default (512 with a prompt file)
+    temperature: float | None = None  # sampling temperature; None: generation_config.json's, else 1.0
+    top_k: int | None = None  # None: generation_config.json's, else 0 (off)
+    top_p: float | None = None  # None: generation_config.json's, else 1.0 (off)
     plan: str | dict = "kv=bf16 w=bf16"  # rollout precision plan (plan.py): BF16 rollouts; "" = float32
     noise_seed: int = 0
     loss: LossConfig = field(default_factory=LossConfig)
@@ -86,8 +99,20 @@ class TrainConfig:
             require(getattr(self, name) > 0, f"config: {name} must be positive, got {getattr(self, name)}")
         for name in ("max_new_tokens", "warmup_steps", "eval_every", "save_every"):
             require(getattr(self, name) >= 0, f"config: {name} must be >= 0, got {getattr(self, name)}")
-        require(self.temperature > 0, f"config: temperature must be > 0, got {self.temperature}",
+        require(self.temperature is None or self.temperature > 0,
+                f"config: temperature must be > 0, got {self.temperature}",
                 "on-policy training samples; greedy rollouts are not on-policy")
+        require(self.top_k is None or self.top_k >= 0, f"config: top_k must be >= 0, got {self.top_k}", "0 is off")
+        require(self.top_p is None or 0 < self.top_p <= 1, f"config: top_p must be in (0, 1], got {self.top_p}")
+        require(0 <= self.eval_fraction < 1, f"config: eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        require(not self.prompts or self.eval_prompts or self.eval_fraction > 0,
+                "config: a prompt file needs held-out prompts for evaluation", "set eval_fraction > 0 or eval_prompts")
+        require(self.max_prompt_tokens >= 0, f"config: max_prompt_tokens must be >= 0, got {self.max_prompt_tokens}")
+        require(self.long_prompts in LONG_PROMPTS, f"unknown long_prompts {self.long_prompts!r}",
+                f"use one of {', '.join(LONG_PROMPTS)}")
+        for name in ("prompt_key", "answer_key"):
+            require(getattr(self, name) != "", f"config: {name} must not be empty")
+        check_scoring(self.scoring)
         require(self.lr > 0, f"config: lr must be positive, got {self.lr}")
         require(self.grad_clip > 0, f"config: grad_clip must be positive, got {self.grad_clip}")
         require(isinstance(self.plan, (str, dict)), f"config: plan must be a string or a mapping, got {self.plan!r}")
@@ -136,7 +161,13 @@ class TrainConfig:
 
     @property
     def new_tokens(self) -> int:
-        return self.max_new_tokens or get_task(self.task).max_new_tokens
+        return self.max_new_tokens or (FILE_PROMPT_TOKENS if self.prompts else get_task(self.task).max_new_tokens)
+
+    @property
+    def sampling(self) -> dict:
+        """temperature, top_k, top_p as the rollouts use them (call on a resolved config: resolve_generation)."""
+        return {"temperature": self.temperature or 1.0, "top_k": self.top_k or 0,
+                "top_p": 1.0 if self.top_p is None else self.top_p}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -152,8 +183,13 @@ def _checked_keys(values: dict, cls, prefix: str = "") -> dict:
     return values
 
 
+OPTIONAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # fields whose default is None: a value of this type
+
+
 def _typed(key: str, value, default):
     """Check a YAML value against the type of the field's default (ints are accepted for floats)."""
+    if default is None and key in OPTIONAL:
+        return None if value is None else _typed(key, value, OPTIONAL[key])
     if isinstance(default, bool):
         ok = isinstance(value, bool)
     elif isinstance(default, float):
@@ -235,6 +271,22 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> TrainConfig:
             raise OpdError(f"{path}: not valid YAML ({str(e).splitlines()[0]})", "fix the file") from None
         require(isinstance(values, dict), f"{path}: expected a mapping of config keys", "write key: value lines")
     return build_config(merge(values, parse_overrides(list(overrides))))
+
+
+def resolve_generation(cfg: TrainConfig, generation: dict) -> TrainConfig:
+    """The config with the sampling settings the user left unset taken from the student's generation_config.json
+    (`generation`: its temperature, top_k, top_p, max_new_tokens), else the defaults (1.0, off, off, the task's or
+    FILE_PROMPT_TOKENS): what a run actually uses, and what it saves and compares on resume."""
+    def pick(name, fallback):
+        value = getattr(cfg, name)
+        return value if value is not None else generation.get(name, fallback)
+    new_tokens = cfg.max_new_tokens or generation.get("max_new_tokens") or cfg.new_tokens
+    out = replace(cfg, temperature=float(pick("temperature", 1.0)), top_k=int(pick("top_k", 0)),
+                  top_p=float(pick("top_p", 1.0)), max_new_tokens=int(new_tokens))
+    require(out.temperature > 0 and out.top_k >= 0 and 0 < out.top_p <= 1,
+            f"generation_config.json's sampling settings are out of range (temperature {out.temperature}, top_k "
+            f"{out.top_k}, top_p {out.top_p})", "set temperature, top_k and top_p in the config")
+    return out
 
 
 def dump_config(cfg: TrainConfig) -> str:

@@ -2,7 +2,7 @@
 
 Token ids in, `Rollout` records out; no tokenizer, loss or optimizer here. One `generate` call is one batch:
 left-pad the prompts, prefill them in one forward, then decode one token per step for every sequence until
-each has stopped (eos or a stop token, kept in the completion) or hit `max_new_tokens`. Finished sequences keep
+each has stopped (one of the stop ids, kept in the completion) or hit `max_new_tokens`. Finished sequences keep
 being decoded with their outputs discarded, so the randomness drawn per step does not depend on which rows
 finished: that is what lets the naive loop in generate.py reproduce the engine token for token. The output layer
 runs only where a token is drawn: at each prompt's last position in the prefill, and at the new position of each
@@ -73,14 +73,15 @@ def drawn_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, params: Sampl
 
 
 class Engine:
-    def __init__(self, model: Transformer, eos_id: int, pad_id: int, plan: Plan | str | None = None,
+    def __init__(self, model: Transformer, stop_ids: int | list[int], pad_id: int, plan: Plan | str | None = None,
                  version: int = 0, noise_seed: int = 0, compile: bool = False, shadows: bool | None = None):
         """shadows: keep dequantized copies of quantized weights and KV caches (weight_quant.QuantLinear, kv_cache);
         default: on the CPU, where they make the emulation fast; the results are the same without them."""
         n = model.cfg.num_layers
         plan = Plan.parse(plan, n) if isinstance(plan, str) else plan or Plan.full(n)
         require(len(plan.layers) == n, f"precision plan has {len(plan.layers)} layers, the model has {n}")
-        self.base, self.plan, self.eos_id, self.pad_id, self.version = model.eval(), plan, eos_id, pad_id, version
+        self.stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)  # [-1]: never stop
+        self.base, self.plan, self.pad_id, self.version = model.eval(), plan, pad_id, version
         self.kv_plan, self.noise_seed, self.compile = plan.kv_specs, noise_seed, compile
         self.weights = [LayerWeights(p.weights, p.noise, p.key_outlier) for p in plan.layers]
         self.device = model.embed_tokens.weight.device
@@ -100,13 +101,13 @@ class Engine:
         failure shows at start. Sizes of 2 or more stay symbolic: other batch, prompt and completion sizes reuse the
         graphs. Twice: a calibrated KV cache's prefill has one graph that calibrates and one that reuses scales."""
         from torch._inductor.async_compile import shutdown_compile_workers
-        saved, eos = {i: list(pair) for i, pair in self.scales.items()}, self.eos_id
-        self.eos_id = -1  # every step is decoded, whatever the dummy batch samples
+        saved, stops = {i: list(pair) for i, pair in self.scales.items()}, self.stop_ids
+        self.stop_ids = [-1]  # every step is decoded, whatever the dummy batch samples
         try:
             for _ in range(2):
                 self.generate([[1] * 7] * 3, SamplingParams(5, temperature=0.0), 0)
         finally:
-            self.eos_id = eos
+            self.stop_ids = stops
             self.scales.clear()  # the dummy batch must not calibrate anything
             self.scales.update(saved)
             # inductor's compiler processes are done: stop them now rather than leave them idle (and, in a rollout
@@ -155,7 +156,7 @@ class Engine:
         h, logits = self.forward(ids, (valid.cumsum(1) - 1).clamp(min=0), prefill_mask(valid), cache)  # [B, V]
         next_pos = valid.sum(1, keepdim=True)  # [B, 1]
         key_valid = torch.cat([valid, torch.ones(B, N, dtype=torch.bool, device=device)], 1)
-        stops = torch.tensor([self.eos_id, *params.stop_token_ids], device=device)
+        stops = torch.tensor([*self.stop_ids, *params.stop_token_ids], device=device)
         tokens = torch.zeros(B, N, dtype=torch.long, device=device)
         mu, raw = torch.zeros(B, N, device=device), torch.zeros(B, N, device=device)
         lengths = torch.full((B,), N, device=device)

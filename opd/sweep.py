@@ -33,7 +33,7 @@ from pathlib import Path
 import yaml
 
 from opd.admission import estimator_class, probe, staleness
-from opd.config import TrainConfig, build_config, merge
+from opd.config import TrainConfig, build_config, merge, resolve_generation
 from opd.errors import OpdError, require
 from opd.plan import Plan
 from opd.runlog import read_metrics
@@ -102,9 +102,12 @@ def expand(grid: dict, families: list[str] | None = None) -> list[dict]:
 
 
 def config_key(cfg) -> str:
-    """A hash of the config's non-default values: a release that adds config fields (with defaults that change
-    nothing) does not invalidate earlier results."""
-    return hashlib.sha256(json.dumps(_non_default(cfg.to_dict(), TrainConfig().to_dict()),
+    """A hash of the config's non-default values, with its sampling settings resolved as the run resolves them
+    (config.resolve_generation): a release that adds config fields (with defaults that change nothing) does not
+    invalidate earlier results, and a setting left to the checkpoint hashes as the value it takes."""
+    from opd.checkpoint import generation_config
+    resolved = resolve_generation(cfg, generation_config(cfg.student) if cfg.student else {})
+    return hashlib.sha256(json.dumps(_non_default(resolved.to_dict(), TrainConfig().to_dict()),
                                      sort_keys=True).encode()).hexdigest()[:16]
 
 

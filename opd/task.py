@@ -15,13 +15,12 @@ identical on every machine, and independent of how many training examples are dr
 """
 import hashlib
 import random
-import re
 from dataclasses import dataclass
 
 from opd.errors import OpdError
+from opd.scoring import last_hash, same_answer
 
 HELD_OUT_SEED = 20261130
-_INTEGER = re.compile(r"-?\d+")
 
 
 @dataclass(frozen=True)
@@ -33,17 +32,13 @@ class Example:
 
 def extract_answer(completion: str) -> str | None:
     """The text after the last '#' (the whole completion if it has none), stripped; None if empty."""
-    return completion.rsplit("#", 1)[-1].strip() or None
+    return last_hash(completion)
 
 
 def is_correct(completion: str, answer: str) -> bool:
-    """Exact match of the extracted answer: as integers when both are integers (`#0579` == `579`), else as text."""
-    got, want = extract_answer(completion), str(answer).strip()
-    if got is None:
-        return False
-    if _INTEGER.fullmatch(got) and _INTEGER.fullmatch(want):
-        return int(got) == int(want)
-    return got == want
+    """Exact match of the extracted answer: as numbers when both are numbers (`#0579` == `579`), else as text
+    (scoring.py's `last_hash`)."""
+    return same_answer(extract_answer(completion), str(answer).strip())
 
 
 def is_held_out(prompt: str) -> bool:

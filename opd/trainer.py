@@ -26,7 +26,6 @@ import functools
 import io
 import json
 import math
-import random
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -40,8 +39,7 @@ from opd.admission import (FLOOR_PLAN, METRIC, MIN_ESS_FRAC, ProbeSetup, calibra
 from opd.async_rollouts import AsyncRollouts, sampler_seed, worker_spec
 from opd import devices
 from opd.checkpoint import load_checkpoint, recover_checkpoint, save_checkpoint
-from opd.config import TrainConfig
-from opd.data import encode_prompt, load_prompts
+from opd.config import TrainConfig, resolve_generation
 from opd.engine import Engine, drawn_logprobs
 from opd.errors import OpdError, require
 from opd.evaluate import greedy_accuracy, sampled_quality
@@ -54,8 +52,9 @@ from opd.plan import Plan
 from opd.pretrain import PretrainConfig, pretrain
 from opd.runlog import RunLog, prepare_run_dir, read_jsonl, read_metrics, save_config, write_atomic
 from opd.sampling import SamplingParams
-from opd.task import get_task, held_out_examples, train_examples
-from opd.tokenizer import TextTokenizer
+from opd.prompts import PromptSet
+from opd.scoring import check_scorer
+from opd.tokenizer import TextTokenizer, first_difference
 from opd.vllm_engine import VllmEngine
 
 def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer, Path]:
@@ -79,39 +78,13 @@ def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer
 
 def check_same_tokenizer(student: Transformer, tok: TextTokenizer, teacher: Transformer,
                          teacher_tok: TextTokenizer) -> None:
-    fix = "OPD compares log-probs token by token: distill between models that share one tokenizer"
-    require(student.cfg.vocab_size == teacher.cfg.vocab_size,
-            f"student and teacher vocabularies differ ({student.cfg.vocab_size} vs {teacher.cfg.vocab_size} tokens)", fix)
-    require(tok.tok.get_vocab(with_added_tokens=True) == teacher_tok.tok.get_vocab(with_added_tokens=True),
-            "student and teacher tokenizers differ (same size, different tokens)", fix)
-    require((tok.bos_id, tok.eos_id, tok.pad_id) == (teacher_tok.bos_id, teacher_tok.eos_id, teacher_tok.pad_id),
-            "student and teacher tokenizers use different bos/eos/pad ids", fix)
-
-
-class PromptSource:
-    """Training prompts by step: a pure function of (seed, step), so a resumed run draws what it would have drawn."""
-
-    def __init__(self, cfg: TrainConfig, tok: TextTokenizer, context: int):
-        self.cfg, self.tok = cfg, tok
-        self.file = [encode_prompt(tok, ex.prompt) for ex in load_prompts(cfg.prompts)] if cfg.prompts else None
-        for i, ids in enumerate(self.file or []):
-            require(len(ids) + cfg.new_tokens <= context,
-                    f"prompt {i + 1} of {cfg.prompts} has {len(ids)} tokens; with max_new_tokens {cfg.new_tokens} "
-                    f"it exceeds the model's context ({context})", "shorten it or lower max_new_tokens")
-
-    def batch(self, step: int) -> list[list[int]]:
-        B = self.cfg.batch_size
-        if self.file is None:
-            stream = train_examples(get_task(self.cfg.task), seed=self.cfg.seed * 1_000_003 + step)
-            return [encode_prompt(self.tok, next(stream).prompt) for _ in range(B)]
-        n = len(self.file)
-        out = []
-        for i in range(step * B, (step + 1) * B):  # epochs of seeded permutations
-            epoch, k = divmod(i, n)
-            order = list(range(n))
-            random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
-            out.append(self.file[order[k]])
-        return out
+    """OPD compares the two models' log-probs of the same token ids: their vocabularies must be the same, token for
+    token (the student's tokenizer, chat template and stop ids are the ones used)."""
+    fix = "distill between models that share one tokenizer (cross-tokenizer distillation is not supported)"
+    difference = first_difference(tok.vocab(), teacher_tok.vocab())
+    require(difference is None, f"student and teacher tokenizers differ at {difference}", fix)
+    require(student.cfg.vocab_size == teacher.cfg.vocab_size, f"student and teacher output layers differ in size "
+            f"({student.cfg.vocab_size} vs {teacher.cfg.vocab_size} rows) although their tokenizers agree", fix)
 
 
 @dataclass
@@ -135,7 +108,7 @@ class Run:
     rollouts: AsyncRollouts | None  # async: the rollout worker
     plan: Plan
     opt: torch.optim.Optimizer
-    prompts: PromptSource
+    prompts: PromptSet
     params: SamplingParams
     state: State
     exact_kl: bool  # keep the engine's hidden states for mismatch/kl_exact (cfg.exact_kl, builtin engine)
@@ -154,14 +127,16 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def evaluate(run: Run, cfg: TrainConfig) -> dict:
-    """Held-out quality of the learner at full precision (the rollout plan is not used here)."""
+    """Held-out quality of the learner at full precision (the rollout plan is not used here) on the run's held-out
+    examples (prompts.py): greedy and sampled accuracy under `scoring` (none: no accuracy), and the reverse KL to the
+    teacher on the student's own samples."""
     student, teacher, tok, start = run.student, run.teacher, run.tok, time.perf_counter()
-    examples = held_out_examples(get_task(cfg.task), cfg.eval_examples)
+    examples = run.prompts.held_out
     batch_size = cfg.eval_batch_size  # 0: chunked.chunk_size (all 500 prompts at once at the built-in vocabulary)
-    greedy = greedy_accuracy(student, tok, examples, cfg.new_tokens, batch_size)
-    sampled = sampled_quality(student, teacher, tok, examples, cfg.new_tokens, cfg.seed + 1, cfg.temperature,
-                              batch_size, cfg.micro_batch_size, cfg.chunk_tokens)
-    return {"eval/accuracy": greedy["eval/accuracy"], **sampled, "eval/truncated": greedy["eval/truncated"],
+    greedy = greedy_accuracy(student, tok, examples, cfg.new_tokens, batch_size, scoring=cfg.scoring)
+    sampled = sampled_quality(student, teacher, tok, examples, cfg.new_tokens, cfg.seed + 1, run.params,
+                              batch_size, cfg.micro_batch_size, cfg.chunk_tokens, cfg.scoring)
+    return {**{k: v for k, v in greedy.items() if k in ("eval/accuracy", "eval/truncated", "eval/n", "eval/scored")}, **sampled,
             "time/eval": time.perf_counter() - start}
 
 
@@ -254,6 +229,7 @@ def setup(cfg: TrainConfig) -> Run:
     asynchronous = cfg.schedule == "async"
     torch.set_num_threads(cfg.threads - cfg.worker_threads if asynchronous else cfg.threads)
     student, teacher, tok, student_dir = load_pair(cfg)
+    cfg = resolve_generation(cfg, tok.generation)
     context = min(student.cfg.context, teacher.cfg.context)
     plan = parse_plan(cfg, student.cfg.num_layers)
     if cfg.engine_compile:
@@ -265,7 +241,9 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.exact_kl and cfg.engine == "vllm":
         print("opd: exact_kl off: vllm returns the sampled tokens' log-probs only; mismatch/kl_k3 estimates the "
               "same KL", file=sys.stderr)
-    prompts, params = PromptSource(cfg, tok, context), SamplingParams(cfg.new_tokens, temperature=cfg.temperature)
+    prompts = PromptSet(cfg, tok, context, cfg.new_tokens)
+    check_scorer(cfg.scoring, prompts.held_out)
+    params = SamplingParams(cfg.new_tokens, **cfg.sampling)
     rollouts = AsyncRollouts(cfg, worker_spec(cfg, student, tok, plan, params, exact_kl, student_dir), prompts) \
         if asynchronous else None
     thresholds = load_thresholds(cfg.guard_thresholds) if cfg.guard_every and not cfg.guard_limit else None
@@ -278,9 +256,9 @@ def build_engine(cfg: TrainConfig, student: Transformer, tok: TextTokenizer, pla
     precision (it samples only between optimizer steps, so those are the published version) and its own copy of the
     layers the plan changes, re-made at every publish (engine.py)."""
     if cfg.engine == "vllm":
-        return VllmEngine(student_dir, tok.eos_id, tok.pad_id, plan, seed=cfg.seed,
+        return VllmEngine(student_dir, tok.stop_ids, tok.pad_id, plan, seed=cfg.seed,
                           max_model_len=student.cfg.max_position_embeddings, tied=student.cfg.tie_word_embeddings)
-    return Engine(student, tok.eos_id, tok.pad_id, plan, noise_seed=cfg.noise_seed, compile=cfg.engine_compile)
+    return Engine(student, tok.stop_ids, tok.pad_id, plan, noise_seed=cfg.noise_seed, compile=cfg.engine_compile)
 
 
 def parse_plan(cfg: TrainConfig, num_layers: int) -> Plan:
@@ -291,8 +269,9 @@ def probe_setup(cfg: TrainConfig, n: int) -> tuple[ProbeSetup, Plan]:
     """The admission probe of a training config: its pair, an engine factory, its first n training prompts."""
     torch.set_num_threads(cfg.threads)
     student, teacher, tok, student_dir = load_pair(cfg)
+    cfg = resolve_generation(cfg, tok.generation)
     context = min(student.cfg.context, teacher.cfg.context)
-    prompts = PromptSource(replace(cfg, batch_size=n), tok, context).batch(0)
+    prompts = PromptSet(replace(cfg, batch_size=n), tok, context, cfg.new_tokens).batch(0)
     probe_cfg = replace(cfg, engine_compile=False)  # 16 rollouts per engine: compiling would cost more than it saves
     return ProbeSetup(cfg, student, teacher, tok, lambda plan: build_engine(probe_cfg, student, tok, plan, student_dir),
                       prompts), parse_plan(cfg, student.cfg.num_layers)
@@ -341,6 +320,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
     on_step(step, run), if given, is called after each logged step (tests use it to inject faults)."""
     run_dir = Path(run_dir)
     run = setup(cfg)
+    cfg = run.cfg  # with the sampling settings resolved (config.resolve_generation): what is saved and compared
     try:
         prepare_run_dir(run_dir, cfg, resume, overwrite)
         saved = {}
@@ -473,7 +453,8 @@ def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step) -
                     metrics |= guard(run, window, step, run_dir)
             log.write(step, metrics)
             bar.set_postfix(rkl=f"{metrics['loss/rkl_sampled']:.4f}", kl_k3=f"{metrics.get('mismatch/kl_k3', 0):.1e}",
-                            acc=f"{last_eval['eval/accuracy']:.3f}" if last_eval else "-")
+                            acc=f"{last_eval['eval/accuracy']:.3f}" if last_eval and "eval/accuracy" in last_eval
+                            else "-")
             if run.state.bad_steps >= cfg.max_bad_steps:
                 raise OpdError(f"the loss or gradient was not finite for {run.state.bad_steps} steps in a row "
                                f"(last at step {step})", "lower lr, check the checkpoints for NaN/Inf weights, "

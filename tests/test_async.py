@@ -87,7 +87,7 @@ def test_worker_recompute_matches_the_trainers_forward(pair):
     model, tok = load_checkpoint(pair[0])
     prompts = [[1, 20, 21], [1, 22, 23, 24, 25]]
     for plan in ("", "kv=fp8_e5m2"):
-        engine = Engine(model, tok.eos_id, tok.pad_id, plan)
+        engine = Engine(model, tok.stop_ids, tok.pad_id, plan)
         with recorded_distributions(engine) as dists:
             rollouts = engine.generate(prompts, SamplingParams(12), 0, return_hidden=True)
         batch = collate(rollouts, tok.pad_id)

@@ -41,7 +41,7 @@ def test_eval_on_prompt_file(tmp_path, tiny_checkpoint):
     result = opd("eval", "--model", tiny_checkpoint, "--prompts", prompts, "--max-new-tokens", 8)
     assert result.returncode == 0, result.stderr
     metrics = json.loads(result.stdout)
-    assert metrics["eval/n"] == 2 and 0 <= metrics["eval/accuracy"] <= 1
+    assert metrics["eval/n"] == 3 and metrics["eval/scored"] == 2 and 0 <= metrics["eval/accuracy"] <= 1
 
 
 def test_pretrain_shortened_run_through_cli(tmp_path):

@@ -1,29 +1,6 @@
-import pytest
-
-from opd.data import IGNORE, load_prompts, sft_batch
-from opd.errors import OpdError
+from opd.data import IGNORE, sft_batch
 from opd.task import Example
 from opd.tokenizer import TextTokenizer
-
-
-def test_load_prompts(tmp_path):
-    path = tmp_path / "p.jsonl"
-    path.write_text('{"prompt": "1+2=", "answer": "3"}\n\n{"prompt": "why?"}\n{"prompt": "2+2=", "answer": 4}\n')
-    assert load_prompts(path) == [Example("1+2=", "", "3"), Example("why?", "", None), Example("2+2=", "", "4")]
-
-
-@pytest.mark.parametrize("content, where", [
-    ('{"prompt": "1+2="}\n{"prompt": \n', ":2:"),
-    ('{"prompt": "1+2="}\n["1+2="]\n', ":2:"),
-    ('{"answer": "3"}\n', ":1:"),
-    ('{"prompt": "1", "answer": [3]}\n', ":1:"),
-    ("\n\n", "no prompts"),
-])
-def test_malformed_prompt_files_name_file_and_line(tmp_path, content, where):
-    path = tmp_path / "bad.jsonl"
-    path.write_text(content)
-    with pytest.raises(OpdError, match=f"bad.jsonl{where}" if where.startswith(":") else where):
-        load_prompts(path)
 
 
 def test_sft_batch_masks_prompt_and_padding():

@@ -46,14 +46,14 @@ def model():
     SamplingParams(16, temperature=0.0),
 ])
 def test_engine_equals_naive_sampling_loop_token_for_token(model, params):
-    engine = Engine(model, eos_id=-1, pad_id=PAD)  # no eos: every row runs the full length
+    engine = Engine(model, stop_ids=-1, pad_id=PAD)  # no eos: every row runs the full length
     got = engine.generate(PROMPTS, params, torch.Generator().manual_seed(7))
     want = naive_sample(model, PROMPTS, params, torch.Generator().manual_seed(7), pad_id=PAD)
     assert [r.completion_ids for r in got] == want.tolist()
 
 
 def test_records_stop_length_and_version(model):
-    engine = Engine(model, eos_id=EOS, pad_id=PAD, version=3)
+    engine = Engine(model, stop_ids=EOS, pad_id=PAD, version=3)
     rollouts = engine.generate(PROMPTS * 8, SamplingParams(12, temperature=1.5), torch.Generator().manual_seed(1))
     reasons = {r.finish_reason for r in rollouts}
     assert reasons == {"stop", "length"}, "pick a seed where both happen"
@@ -80,7 +80,7 @@ def teacher_forced_logprobs(model, prompt, completion):
 
 def test_raw_logprobs_equal_trainer_recomputation_and_processed_differ(model):
     """With an fp32 cache the sampler's raw log-probs are the trainer's q (the mismatch floor is float noise)."""
-    engine = Engine(model, eos_id=-1, pad_id=PAD)
+    engine = Engine(model, stop_ids=-1, pad_id=PAD)
     for r in engine.generate(PROMPTS, SamplingParams(20, temperature=0.6, top_k=20), torch.Generator().manual_seed(2)):
         logits = teacher_forced_logits(model, r.prompt_ids, r.completion_ids)
         tok = torch.tensor(r.completion_ids)[:, None]
@@ -101,7 +101,7 @@ def test_fp8_kv_engine_mismatch_is_small_but_real(model):
     prompts = PROMPTS * 4
     gaps = {}
     for dtype in ("fp32", "fp8_e4m3", "fp8_e5m2"):
-        engine = Engine(model, eos_id=-1, pad_id=PAD, plan=f"kv={dtype}")
+        engine = Engine(model, stop_ids=-1, pad_id=PAD, plan=f"kv={dtype}")
         deltas = []
         for r in engine.generate(prompts, SamplingParams(24), torch.Generator().manual_seed(3)):
             q = teacher_forced_logprobs(model, r.prompt_ids, r.completion_ids)
@@ -172,7 +172,7 @@ def test_sampler_frequencies_match_probabilities():
 
 
 def test_engine_rejects_bad_requests(model):
-    engine = Engine(model, eos_id=EOS, pad_id=PAD)
+    engine = Engine(model, stop_ids=EOS, pad_id=PAD)
     with pytest.raises(OpdError, match="exceeds the model's context"):
         engine.generate([[1] * 500], SamplingParams(100), torch.Generator())
     with pytest.raises(OpdError, match="top_p"):

@@ -43,7 +43,7 @@ def random_ids(seed: int, batch: int = 3, length: int = 17) -> torch.Tensor:
 
 def greedy(model, prompts, n):
     """The engine at temperature 0, with no eos (-1), so every continuation runs n tokens."""
-    rollouts = Engine(model, eos_id=-1, pad_id=0).generate(prompts, SamplingParams(n, temperature=0.0),
+    rollouts = Engine(model, stop_ids=-1, pad_id=0).generate(prompts, SamplingParams(n, temperature=0.0),
                                                             torch.Generator())
     return [r.completion_ids for r in rollouts]
 
@@ -102,7 +102,7 @@ def test_parity_our_save_hf_load(arch, tmp_path):
         diff = (ours(ids) - hf(ids).logits).abs().max().item()
     assert diff <= 1e-4, f"{arch}: max |logit diff| {diff}"
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "ckpt")
-    assert tok("12+34=").input_ids == TextTokenizer.builtin().encode("12+34=")
+    assert tok("12+34=").input_ids == TextTokenizer.builtin().encode_prompt("12+34=")  # <bos> included
 
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,

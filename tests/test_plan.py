@@ -113,7 +113,7 @@ def test_noise_dial_is_monotone_in_logit_error(model):
 
 def test_engine_rebuilds_quantized_copy_on_weight_update():
     model = Transformer(CFG).init_weights(torch.Generator().manual_seed(4), std=0.1).eval()
-    engine = Engine(model, eos_id=-1, pad_id=0, plan="w=fp8")
+    engine = Engine(model, stop_ids=-1, pad_id=0, plan="w=fp8")
     assert engine.model is not engine.base
     before = engine.model.layers[0].mlp.up_proj.weight.clone()
     new = {k: v * 1.5 if "up_proj" in k else v for k, v in model.state_dict().items()}

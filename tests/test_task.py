@@ -63,5 +63,5 @@ def test_tokenizer_roundtrip_is_one_token_per_character(tmp_path):
     ids = tok.encode(text)
     assert len(ids) == len(text) and tok.decode(ids) == text
     tok.save(tmp_path)
-    again = TextTokenizer.load(tmp_path, 1, 2, 0)
+    again = TextTokenizer.load(tmp_path, 1, [2], 0)
     assert again.encode(text) == ids and again.vocab_size == tok.vocab_size == 100

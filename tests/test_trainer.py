@@ -103,7 +103,7 @@ def test_trainer_q_equals_engine_mu_at_full_precision(pair):
     student, _ = pair
     from opd.checkpoint import load_checkpoint
     model, tok = load_checkpoint(student)
-    rollouts = Engine(model, tok.eos_id, tok.pad_id).generate([[1, 20, 21], [1, 22, 23, 24, 25]], SamplingParams(12),
+    rollouts = Engine(model, tok.stop_ids, tok.pad_id).generate([[1, 20, 21], [1, 22, 23, 24, 25]], SamplingParams(12),
                                                               torch.Generator().manual_seed(0))
     batch = collate(rollouts, tok.pad_id)
     with torch.no_grad():
