@@ -283,12 +283,12 @@ def weights_do_not_match_config(ctx):
     return ["eval", "--model", folder, "--task", "add"]
 
 
-@case("vocabularies differ")
+@case("output layers differ in size")
 def vocabulary_mismatch(ctx):
     return ctx.train(f"teacher={make_checkpoint(ctx.dir / 'big', 2, vocab_size=120)}")
 
 
-@case("tokenizers differ")
+@case("student and teacher tokenizers differ at id ", "'a' vs 'b'")
 def tokenizer_mismatch(ctx):
     folder = ctx.copy("teacher", ctx.teacher)
     tok = json.loads((folder / "tokenizer.json").read_text())
@@ -297,6 +297,29 @@ def tokenizer_mismatch(ctx):
     (folder / "tokenizer.json").write_text(json.dumps(tok))
     (folder / MANIFEST).unlink()
     return ctx.train(f"teacher={folder}")
+
+
+@case("has no tokenizer.json", "save the tokenizer next to the weights")
+def folder_without_a_tokenizer(ctx):
+    folder = ctx.copy()
+    (folder / "tokenizer.json").unlink()
+    (folder / MANIFEST).unlink()
+    return ["eval", "--model", folder, "--task", "add"]
+
+
+@case("the chat template failed to render", "Unknown role: tool", "check the messages' roles")
+def chat_template_that_fails_to_render(ctx):
+    import hf_pairs
+    student, _ = hf_pairs.build_pair("qwen3", ctx.dir / "qwen3")
+    chat = [{"role": "tool", "content": "42"}, {"role": "user", "content": "and now?"}]
+    return ["generate", "--model", student, "--prompts", ctx.write("chat.jsonl", json.dumps({"messages": chat}) + "\n"),
+            "--max-new-tokens", 4]
+
+
+@case("the built-in tokenizer has no chat template", "give text prompts")
+def chat_without_a_template(ctx):
+    return ["eval", "--model", ctx.student, "--prompts", ctx.write("p.jsonl", '{"prompt": "1+2=", "answer": "3"}\n'),
+            "--chat", "--max-new-tokens", 4]
 
 
 @case("checkpoint", "is damaged or incomplete", "trainer_state.pt")
@@ -330,10 +353,31 @@ def jsonl_line_without_a_prompt(ctx):
     return ["eval", "--model", ctx.student, "--prompts", ctx.write("prompts.jsonl", '{"question": "1+2="}\n')]
 
 
-@case("prompt 2 of", "exceeds the model's context")
+@case("gsm8k.jsonl:2: no field 'question' (prompt_key)")
+def line_without_the_mapped_key(ctx):
+    lines = json.dumps({"question": "1+2=", "answer": "#### 3"}) + "\n" + json.dumps({"prompt": "2+2="}) + "\n"
+    return ctx.train(f"prompts={ctx.write('gsm8k.jsonl', lines)}", "prompt_key=question", "scoring=gsm8k")
+
+
+@case("scoring 'no_such_module:score' cannot be imported", "ModuleNotFoundError")
+def scoring_function_that_cannot_be_imported(ctx):
+    return ["eval", "--model", ctx.student, "--task", "add", "--scoring", "no_such_module:score"]
+
+
+@case("scoring function json:loads raised TypeError", "fix the function")
+def scoring_function_that_raises(ctx):
+    return ["eval", "--model", ctx.student, "--task", "add", "--n", 4, "--scoring", "json:loads"]
+
+
+@case("scoring function operator:add returned", "a number in [0, 1]")
+def scoring_function_that_returns_a_string(ctx):
+    return ctx.train("scoring=operator:add")
+
+
+@case("a prompt of", "p.jsonl", "has 61 tokens, over the limit of 56", "long_prompts=drop")
 def prompt_longer_than_the_context(ctx):
     prompts = ctx.write("p.jsonl", json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "9" * 60}) + "\n")
-    return ctx.train(f"prompts={prompts}")
+    return ctx.train(f"prompts={prompts}", "max_new_tokens=8", "eval_fraction=0.5")
 
 
 # --- the engine and precision plans --------------------------------------------------------------------------------

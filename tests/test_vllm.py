@@ -63,7 +63,7 @@ def test_vllm_matches_the_trainer_and_follows_weight_syncs(pair):
     follow B's recomputation, not A's (without the tied-lm-head repack and the prefix-cache reset they would not)."""
     from opd.vllm_engine import VllmEngine
     (a, tok), (b, _) = load_checkpoint(pair[0]), load_checkpoint(pair[1])
-    engine = VllmEngine(pair[0], tok.eos_id, tok.pad_id, Plan.parse("", 2), max_model_len=256)
+    engine = VllmEngine(pair[0], tok.stop_ids, tok.pad_id, Plan.parse("", 2), max_model_len=256)
     try:
         assert delta(engine, a, tok).max() < 1e-3
         engine.update_weights(b.state_dict(), version=1)
@@ -102,7 +102,7 @@ def test_fp8_kv_cache_raises_the_mismatch_above_the_bf16_floor(pair):
     means = {}
     for plan in ("kv=fp8_e4m3 w=bf16", "kv=bf16 w=bf16"):
         try:
-            engine = VllmEngine(pair[0], tok.eos_id, tok.pad_id, Plan.parse(plan, 2), max_model_len=256)
+            engine = VllmEngine(pair[0], tok.stop_ids, tok.pad_id, Plan.parse(plan, 2), max_model_len=256)
         except OpdError as e:
             assert "AVX-512 or AMX" in str(e)  # the one refusal expected here; anything else fails the test
             pytest.skip(f"this CPU cannot run vllm's fp8 KV cache: {e}")
@@ -155,3 +155,27 @@ def test_async_schedule_on_vllm(pair, tmp_path):
     assert summary["steps"] == 4 and [r["stale/version_gap_max"] for r in rows] == [0, 1, 1, 1]
     assert all(r["mismatch/abs_dlogp_max"] < 1e-3 for r in rows)
     assert all(r["stale/upd_kl_k3"] > 1e-6 for r in rows[1:])
+
+
+@vllm_test
+def test_vllm_stops_at_each_stop_id_as_transformers_does(tmp_path):
+    """vLLM's greedy completions of a Qwen3-style student (tests/hf_pairs.py; `<|im_end|>` is a stop id only in its
+    generation_config.json) equal transformers' generate with those stop ids, each prompt ending at another one.
+    (The Llama-3-style pair's three stop ids go through the same stop_ids list: tested with the built-in engine,
+    tests/test_own_models.py, about 40 s of vLLM start-up saved.)"""
+    import hf_pairs
+    family = "qwen3"
+    from opd.vllm_engine import VllmEngine
+    student, _ = hf_pairs.build_pair(family, tmp_path)
+    prompts = hf_pairs.stopping_prompts(family, student, [f"How many clips are {i} and {2 * i}?" for i in range(3)])
+    net, tok = load_checkpoint(student)
+    engine = VllmEngine(student, tok.stop_ids, tok.pad_id, Plan.parse("", net.cfg.num_layers), max_model_len=256,
+                        tied=False)
+    try:
+        rollouts = engine.generate(prompts, SamplingParams(12, temperature=0.0), 0)
+    finally:
+        engine.close()
+    stops = [tok.hf.convert_tokens_to_ids(name) for name in hf_pairs.STOPS[family]]
+    for prompt, rollout, stop in zip(prompts, rollouts, stops):
+        assert rollout.completion_ids == hf_pairs.hf_greedy(student, prompt, 12, tok.stop_ids)
+        assert rollout.completion_ids[-1] == stop and rollout.finish_reason == "stop"
