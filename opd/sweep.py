@@ -9,7 +9,7 @@ A grid is YAML (`DEFAULT_GRID` below is the one the README's tolerance study ran
     seeds: [0]                                          # a point's seeds unless it names its own
     points:                                             # mismatch source, level, TrainConfig keys
       - {source: bf16, level: 0, set: {}, seeds: [0, 1, 2, 3, 4]}
-      - {source: kv, level: fp8_e4m3, set: {plan: "kv=fp8_e4m3 w=bf16"}, seeds: [0, 1, 2]}
+      - {source: kv, level: fp8_e4m3, set: {plan: "forward=bf16 kv=fp8_e4m3"}, seeds: [0, 1, 2]}
 
 Every run = family x estimator x point x seed. For each, the admission probe runs first on the initial student (what
 `opd admit` would see for that configuration), then the training run; then one line is appended to the results file:
@@ -50,11 +50,13 @@ estimators:
 seeds: [0]
 points:
   - {source: bf16, level: 0, set: {}, seeds: [0, 1, 2, 3, 4]}
-  - {source: kv, level: fp8_e4m3, set: {plan: "kv=fp8_e4m3 w=bf16"}, seeds: [0, 1, 2]}
-  - {source: kv, level: fp8_e5m2, set: {plan: "kv=fp8_e5m2 w=bf16"}}
-  - {source: noise, level: 0.1, set: {plan: "kv=bf16 w=bf16 noise=0.1"}}
-  - {source: noise, level: 0.3, set: {plan: "kv=bf16 w=bf16 noise=0.3"}}
-  - {source: noise, level: 1.0, set: {plan: "kv=bf16 w=bf16 noise=1.0"}}
+  - {source: kv, level: fp8_e4m3, set: {plan: "forward=bf16 kv=fp8_e4m3"}, seeds: [0, 1, 2]}
+  - {source: kv, level: fp8_e5m2, set: {plan: "forward=bf16 kv=fp8_e5m2"}}
+  - {source: kv_trunc, level: fp8_e4m3, set: {plan: "forward=bf16 kv=fp8_e4m3 kv_round=zero"}, seeds: [0, 1, 2]}
+  - {source: kv_trunc, level: fp8_e5m2, set: {plan: "forward=bf16 kv=fp8_e5m2 kv_round=zero"}}
+  - {source: noise, level: 0.1, set: {plan: "forward=bf16 kv=bf16 noise=0.1"}}
+  - {source: noise, level: 0.3, set: {plan: "forward=bf16 kv=bf16 noise=0.3"}}
+  - {source: noise, level: 1.0, set: {plan: "forward=bf16 kv=bf16 noise=1.0"}}
   - {source: staleness, level: 1, set: {schedule: async, max_staleness: 1, threads: 2}}
   - {source: staleness, level: 4, set: {schedule: async, max_staleness: 4, threads: 2}}
 """

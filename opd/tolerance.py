@@ -25,7 +25,7 @@ from opd.figures import pyplot, save
 from opd.runlog import write_atomic
 
 QUALITY, MISMATCH = "eval/rkl", "stale/total_kl_k3"
-MARKERS = {"bf16": "o", "kv": "s", "noise": "^", "staleness": "D", "weights": "v"}
+MARKERS = {"bf16": "o", "kv": "s", "kv_trunc": "P", "noise": "^", "staleness": "D", "weights": "v"}
 
 
 def groups(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:

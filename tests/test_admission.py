@@ -211,7 +211,7 @@ def test_the_guards_window_means():
 
 def test_the_guards_fallback_ladder():
     from opd.trainer import safer_plan
-    n, floor = 4, Plan.parse("kv=bf16 w=bf16", 4)
+    n, floor = 4, Plan.parse("forward=bf16 kv=bf16", 4)  # admission.FLOOR_PLAN
     fixed = Plan.parse("kv=fp8_e4m3 w=bf16 key_outlier=300; 0: kv=bf16", n)
     calibrated = "kv=fp8_e4m3 kv_scale=calibrate w=bf16 key_outlier=300; 0: kv=bf16 kv_scale=fixed"
     assert safer_plan(fixed) == Plan.parse(calibrated, n)

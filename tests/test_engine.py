@@ -74,7 +74,7 @@ def teacher_forced_logits(model, prompt, completion):
 
 
 def teacher_forced_logprobs(model, prompt, completion):
-    lp = teacher_forced_logits(model, prompt, completion).log_softmax(-1)
+    lp = teacher_forced_logits(model, prompt, completion).float().log_softmax(-1)
     return lp.gather(1, torch.tensor(completion)[:, None])[:, 0]
 
 
@@ -181,3 +181,32 @@ def test_engine_rejects_bad_requests(model):
         Engine(model, EOS, PAD, plan="1: kv=int4")
     with pytest.raises(OpdError, match="precision plan has 3 layers"):
         Engine(model, EOS, PAD, plan=Plan.full(3))
+
+
+def test_bf16_forward_engine_equals_an_uncached_bf16_forward(model):
+    """forward=bf16: the engine's teacher-forced log-probs (KV-cached, one token a step) against the oracle, the
+    same tokens through the model's bf16 copy in one uncached forward. They differ only in the float32 attention's
+    summation order (SDPA vs the decode matmul), which can move a bf16 rounding by one step: the mean difference
+    must be under a tenth of the bf16 forward's own distance from float32 (seen: ~1/40), and the copy all bf16."""
+    from opd.weight_quant import bf16_copy
+    engine = Engine(model, -1, PAD, "forward=bf16 kv=bf16")
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}  # norms, embeddings, head
+    assert engine.model.layers[0].self_attn.q_proj.values.dtype == torch.bfloat16  # projections: bf16 storage
+    rollouts = engine.generate(PROMPTS, SamplingParams(12), 0)
+    forced = engine.teacher_force(PROMPTS, [r.completion_ids for r in rollouts], SamplingParams(12))
+    assert [r.logprobs for r in forced] == [r.logprobs for r in rollouts]  # teacher forcing == generation
+    oracle = bf16_copy(model)
+    cached = torch.cat([torch.tensor(r.raw_logprobs) for r in rollouts])
+    uncached = torch.cat([teacher_forced_logprobs(oracle, r.prompt_ids, r.completion_ids) for r in rollouts])
+    fp32 = torch.cat([teacher_forced_logprobs(model, r.prompt_ids, r.completion_ids) for r in rollouts])
+    assert (cached - uncached).abs().mean() < 0.1 * (cached - fp32).abs().mean()
+
+
+def test_bf16_forward_copy_follows_weight_updates(model):
+    engine = Engine(copy.deepcopy(model), -1, PAD, "forward=bf16 kv=fp8_e4m3 kv_round=zero; 1: w=int8")
+    new = {k: v + 0.01 for k, v in model.state_dict().items()}
+    engine.update_weights(new, version=1)
+    assert torch.equal(engine.model.embed_tokens.weight, new["embed_tokens.weight"].to(torch.bfloat16))
+    assert torch.equal(engine.model.layers[0].mlp.up_proj.values, new["layers.0.mlp.up_proj.weight"].to(torch.bfloat16))
+    assert torch.equal(engine.model.norm.weight, new["norm.weight"].to(torch.bfloat16))
+    assert engine.model.layers[1].mlp.up_proj.scheme == "int8"  # the plan's changed layer keeps its scheme

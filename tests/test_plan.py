@@ -41,6 +41,13 @@ def test_parse_ranges_weights_noise_and_round_trip():
     assert Plan.parse(str(stress), 4) == stress and "key_outlier=300" in str(stress)
 
 
+def test_forward_and_kv_round_parse_and_round_trip():
+    plan = Plan.parse("forward=bf16 kv=fp8_e5m2 kv_round=zero; 0: kv=bf16", 4)
+    assert plan.forward == "bf16" and [l.kv.rounding for l in plan.layers] == ["nearest"] + ["zero"] * 3
+    assert str(plan).startswith("forward=bf16; ") and Plan.parse(str(plan), 4) == plan
+    assert Plan.parse("kv=fp8_e4m3", 4).layers[0].kv.rounding == "nearest" and Plan.parse("", 4).forward == "fp32"
+
+
 @pytest.mark.parametrize("text, message", [
     ("kv=fp9", "unknown KV cache dtype"),
     ("4: kv=bf16", "layer 4 is out of range"),
@@ -53,6 +60,10 @@ def test_parse_ranges_weights_noise_and_round_trip():
     ("key_outlier=0", "key_outlier must be > 0"),
     ("key_outlier=nan", "key_outlier must be > 0 and finite"),
     ("kv=int8", "fixed scale"),
+    ("kv=fp8_e4m3 kv_round=up", "unknown KV rounding"),
+    ("kv=bf16 kv_round=zero", "kv_round=zero applies to fp8 KV caches"),
+    ("forward=fp16", "unknown forward"),
+    ("0: forward=bf16", "forward applies to the whole model"),
 ])
 def test_bad_plans_are_clear_errors(text, message):
     with pytest.raises(OpdError, match=message):

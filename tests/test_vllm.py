@@ -179,3 +179,14 @@ def test_vllm_stops_at_each_stop_id_as_transformers_does(tmp_path):
     for prompt, rollout, stop in zip(prompts, rollouts, stops):
         assert rollout.completion_ids == hf_pairs.hf_greedy(student, prompt, 12, tok.stop_ids)
         assert rollout.completion_ids[-1] == stop and rollout.finish_reason == "stop"
+
+
+@vllm_test
+def test_vllm_json_output_is_only_json(pair):
+    """vLLM logs to stdout by default; `opd generate --engine vllm --json` must print only its records there."""
+    out = subprocess.run([sys.executable, "-m", "opd.cli", "generate", "--model", str(pair[0]), "--engine", "vllm",
+                          "--prompt", "1+2=", "--prompt", "3+4=", "--max-new-tokens", "4", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["prompt"] for r in records] == ["1+2=", "3+4="] and "INFO" in out.stderr
