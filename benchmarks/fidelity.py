@@ -76,7 +76,8 @@ def main() -> None:
     worst = worst_ratio(list(ratios.values()))
     print(f"\n{2 * len(VLLM_PLANS)} cells, {rows} vLLM rollouts each, {time.perf_counter() - start:.0f} s")
     print(f"RESULT fidelity_worst_ratio={worst:.3f} partial_worst_ratio={worst_ratio(list(partial.values())):.3f} "
-          f"goal_met={int(worst <= 1.25)}")
+          f"goal_met={int(worst <= 1.25)}")  # judged at 64 rollouts: the BF16 cells' kl_k3 (~1e-5) rests on a few
+    # tokens, and on --quick's 16 their ratio wanders (0.88-1.70 seen)
 
 
 def per_layer(golden: Path, rows: int) -> None:
