@@ -132,13 +132,14 @@ def test_plans_map_onto_vllm_settings():
 
 @vllm_test
 def test_opd_generate_on_vllm(pair):
-    """`opd generate --engine vllm --json`: records with finite processed log-probs; raw ones null at T != 1."""
+    """`opd generate --engine vllm --json`: records with finite processed log-probs; raw ones null at T != 1; stdout
+    holds only the records (vLLM logs to stdout by default: opd sends its logs to stderr)."""
     result = subprocess.run([sys.executable, "-m", "opd.cli", "generate", "--model", str(pair[0]), "--engine", "vllm",
                              "--prompt", "12+7=", "--prompt", "3+4=", "--max-new-tokens", "8", "--temperature", "0.7",
                              "--json"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
-    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert [r["prompt"] for r in records] == ["12+7=", "3+4="]
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["prompt"] for r in records] == ["12+7=", "3+4="] and "INFO" in result.stderr
     for r in records:
         assert 0 < len(r["completion_ids"]) <= 8 and len(r["logprobs"]) == len(r["completion_ids"])
         assert all(lp <= 0 for lp in r["logprobs"]) and all(x is None for x in r["raw_logprobs"])
@@ -179,14 +180,3 @@ def test_vllm_stops_at_each_stop_id_as_transformers_does(tmp_path):
     for prompt, rollout, stop in zip(prompts, rollouts, stops):
         assert rollout.completion_ids == hf_pairs.hf_greedy(student, prompt, 12, tok.stop_ids)
         assert rollout.completion_ids[-1] == stop and rollout.finish_reason == "stop"
-
-
-@vllm_test
-def test_vllm_json_output_is_only_json(pair):
-    """vLLM logs to stdout by default; `opd generate --engine vllm --json` must print only its records there."""
-    out = subprocess.run([sys.executable, "-m", "opd.cli", "generate", "--model", str(pair[0]), "--engine", "vllm",
-                          "--prompt", "1+2=", "--prompt", "3+4=", "--max-new-tokens", "4", "--json"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    records = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r["prompt"] for r in records] == ["1+2=", "3+4="] and "INFO" in out.stderr
