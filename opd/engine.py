@@ -189,7 +189,7 @@ class Engine:
             if forced is None:
                 tok, mu[:, t], raw[:, t] = self._step(logits, params, generator)
             else:
-                tok, mu[:, t], raw[:, t] = self._given(logits, params, forced[0][:, t])
+                tok, mu[:, t], raw[:, t] = self._step(logits, params, None, forced[0][:, t])
             if return_hidden:
                 hidden.append(h)
             tokens[:, t] = tok
@@ -209,18 +209,13 @@ class Engine:
                 for b in range(B)]
 
     @staticmethod
-    def _given(logits: torch.Tensor, params: SamplingParams, tok: torch.Tensor):
-        """logits [B, V], the given tokens [B] -> them, their processed and raw log-probs [B]."""
+    def _step(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+              given: torch.Tensor | None = None):
+        """logits [B, V] -> the sampled token [B] (or the given one, teacher forcing), its processed and raw
+        log-probs [B]."""
         raw = logits.float().log_softmax(-1)
         processed = process_logits(logits, params) if params.reshapes_distribution else raw
-        return tok, processed.gather(1, tok[:, None])[:, 0], raw.gather(1, tok[:, None])[:, 0]
-
-    @staticmethod
-    def _step(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
-        """logits [B, V] -> sampled token [B], its processed and raw log-probs [B]."""
-        raw = logits.float().log_softmax(-1)
-        processed = process_logits(logits, params) if params.reshapes_distribution else raw
-        tok = sample(processed, params, generator)
+        tok = sample(processed, params, generator) if given is None else given
         return tok, processed.gather(1, tok[:, None])[:, 0], raw.gather(1, tok[:, None])[:, 0]
 
 
