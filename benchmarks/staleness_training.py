@@ -5,8 +5,10 @@ rollout k versions old differs from the learner by k optimizer steps, so its dri
 the demo trains at lr 1e-3. This grid trains the full-vocabulary loss with the demo's recipe cut to 60 steps (batch
 64, lr 1e-3, 10 warm-up steps, cosine, 100 held-out prompts) on both built-in pairs: BF16 rollouts (5 seeds, the
 band), and async BF16 rollouts with max_staleness 1, 2, 4 (3 seeds each) and 8 (1 seed). Each run is labelled as in
-the study (opd/tolerance.py) and decided with the *shipped* thresholds (opd/thresholds.json, which never saw these
-runs): a run's probe is at the BF16 floor, so the decision is its max_staleness against the class's limit. Beside
+the study (opd/tolerance.py) and decided with the *shipped* thresholds (opd/thresholds.json). Since 2026-12-01
+(issue 22) those are calibrated on these runs too, so the decisions here are in sample; held out, the staleness
+source is a row of benchmarks/admission.py's leave-one-source-out. A run's probe is at the BF16 floor, so the
+decision is its drift budget max_staleness x lr against the class's. Beside
 it: the mean version gap, `stale/total_kl_k3` and `stale/total_nsr` averaged over training (what the runtime guard
 used to judge, before it switched to the numerics alone; dev/LOG.md, 2026-12-01).
 

@@ -6,16 +6,19 @@ tokens and the teacher scores them. From these come the metrics of metrics.py (`
 importance weights, `adv_sign_flip`). The same probe with BF16 rollouts (`forward=bf16 kv=bf16`) is the noise floor: the
 mismatch that an ordinary BF16 engine already has, reported beside the candidate's.
 
-**The decision metric is the noise-to-signal ratio** `nsr = mean |q - mu| / mean |T - q|`: the rollout mismatch
+**The decision statistic is the noise-to-signal ratio** `nsr = mean |q - mu| / mean |T - q|`: the rollout mismatch
 next to the OPD learning signal it perturbs (the sampled-token advantage). The same KL hurts a student that is
-already close to its teacher (small signal) more than one far from it; in the tolerance study, `kl_k3` alone put
-runs of the two built-in families that trained fine above ones that degraded, and `nsr` ordered them better
-(dev/LOG.md has both). The runtime guard compares the trainer's live `opd/nsr` and `is/ess_frac` (the same
-numbers on each training batch: q vs mu, the numerics alone) with the same limit and ESS floor (below); the
-staleness drift it reports beside them decides nothing (trainer.guard). Staleness cannot be probed before
-training: an optimizer step on a probe batch from a fresh optimizer is a sign step of size lr on every weight, and
-overstated the real per-step drift 20-100x (dev/LOG.md). So the configuration's `max_staleness` is compared with the
-largest staleness the sweep saw train fine with its estimator.
+already close to its teacher (small signal) more than one far from it. Held out one mismatch source at a time on the
+stored studies (benchmarks/admission.py, docs/admission.md), nsr decided better than kl_k3, kl_exact, abs_dlogp,
+ESS, gradient-space ratios, per-kind (KV / weights) cuts and nsr divided by the student's distance to its teacher
+(`rkl`, the probe's mean exact KL(q || T) per token, which the probe reports beside it; dev/LOG.md has the numbers).
+The runtime guard compares the trainer's live `opd/nsr` and `is/ess_frac` (the same numbers on each training
+batch: q vs mu, the numerics alone) with the class's band and the same ESS floor (below); the staleness drift it
+reports beside them decides nothing (trainer.guard). Staleness cannot be probed before training: an optimizer step
+on a probe batch from a fresh optimizer is a sign step of size lr on every weight, and overstated the real per-step
+drift 20-100x (dev/LOG.md). It is judged by its drift budget `max_staleness x lr` (Adam moves every weight by about
+lr a step, so that is about how far behind the policy of a stale rollout can be), against the largest budget the
+calibration runs trained fine at with the estimator.
 
 **What is safe depends on the estimator**, so thresholds are kept per estimator class (`estimator_class`):
     full       full-distribution losses (full_rkl, topk_rkl, fkl, jsd): mu never enters the gradient; the mismatch
@@ -24,18 +27,23 @@ largest staleness the sweep saw train fine with its estimator.
                bit of mismatch is added to the advantage
     learner    sampled_rkl with the student term recomputed at learner time
     corrected  sampled_rkl with TIS or MIS
-**Thresholds are calibrated** from sweep results (`calibrate`): per class, the cut on each synchronous run's probe
-`nsr` that best separates the runs that trained fine from the degraded ones (tolerance.py defines "degraded");
-where no run of a class degraded, the cut is the largest mismatch seen to train fine, so the check never
-extrapolates past what was observed. `max_staleness` comes from the same rule applied to the staleness levels of the
-runs whose only mismatch was staleness. A candidate within 2x of the BF16 floor always passes the mismatch test.
+**Thresholds are calibrated** from sweep results (`calibrate`): per class, the cut on each synchronous run's
+nsr that best separates the runs that trained fine from the degraded ones (tolerance.py defines "degraded"),
+over the runs the ESS floor does not already reject; where no run of a class degraded, the cut is the largest
+mismatch seen to train fine, so the check never extrapolates past what was observed. Above the cut, up to `reject`
+(between the largest nsr that trained fine and the next run above it, which degraded), runs of the class both
+trained fine and degraded: the verdict there is **UNCERTAIN** (not admitted; run it only under the runtime guard,
+which acts above `reject`). `max_drift` comes from the same best-cut rule applied to staleness x lr of the runs
+whose only mismatch was staleness; a class without such runs is judged by its form (`UNCALIBRATED_STALENESS`).
+A candidate whose nsr is within 2x of the BF16 floor always passes the mismatch test.
 A probe whose effective sample size fraction (`ess_frac`, importance weights q/mu) is under 0.5 is rejected
 whatever its nsr. For rollouts that broken, the teacher also rejects the sampled tokens, which inflates nsr's
 denominator, so nsr understates them (dev/LOG.md: an FP8 cache saturating outlier keys had kl_k3 3.0, ess_frac
-0.075 and nsr only 0.42). In the study every run that trained fine had ess_frac >= 0.947, and the two under 0.5
-had degraded and were already rejected by nsr, so the rule changes none of the study's decisions.
-The result is a small JSON file (`opd calibrate`); the package ships one calibrated on the built-in pairs
-(thresholds.json), and users can pass their own or override the limit.
+0.075 and nsr only 0.42). No stored run that trained fine had ess_frac under 0.788.
+The verdict is the worst of the mismatch's, the staleness's and the ESS floor's. The result is a small JSON file
+(`opd calibrate`) that states what it was calibrated on; the package ships one calibrated on the built-in pairs'
+stored studies (thresholds.json, written by benchmarks/admission.py), and users can pass their own or override the
+limit.
 
 **When it rejects**, `propose_plan` first tries the same plan with calibrated FP8 KV scales if it had fixed ones
 (they keep all of the memory saving). Otherwise it measures the candidate setting on one layer at a time (the
@@ -56,18 +64,22 @@ from opd.errors import OpdError, require
 from opd.devices import autocast_dtype
 from opd.engine import Engine
 from opd.learner import collate, score_batch
-from opd.losses import LossConfig
+from opd.losses import LossConfig, masked_mean
 from opd.metrics import distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics
 from opd.plan import LayerPrecision, Plan, describe_layer
 from opd.quant import FP8_DTYPES
 
 FLOOR_PLAN = "forward=bf16 kv=bf16"  # a bf16 engine (vLLM dtype bfloat16), benchmarks/fidelity.py
 CLASSES = ("full", "sampler", "learner", "corrected")
-METRIC = "nsr"
+METRIC = "nsr"  # the decision statistic: the probe's noise-to-signal ratio
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.json")
 KEEP = "kv=bf16 w=bf16 noise=0"  # what a layer kept "in BF16" by a proposed plan runs at
 FLOOR_FACTOR = 2.0  # a candidate within this factor of the BF16 engine's own mismatch is at the floor: admitted
 MIN_ESS_FRAC = 0.5  # below this effective sample size fraction the rollouts are not the student's: rejected
+# A cut's errors: an admitted run that degraded costs a whole training run, a rejected one that would have trained
+# fine the speed-up, a fraction of it. Weighting the first 2x cut the held-out admitted-and-degraded runs from 8.2%
+# to 4.8% of the runs for 0.5% of accuracy (docs/admission.md, "The trade-off, measured").
+ADMITTED_DEGRADED_COST = 2.0
 
 
 def estimator_class(loss: LossConfig) -> str:
@@ -80,13 +92,22 @@ def estimator_class(loss: LossConfig) -> str:
 
 @dataclass
 class Decision:
-    admit: bool
+    admit: bool  # verdict == ADMIT
     reasons: list[str]
-    limit: float  # the limit on nsr that applied
+    limit: float  # the limit on nsr that applied (ADMIT at or below it)
     value: float  # the measured nsr (live: the window mean of opd/nsr)
+    verdict: str = ""  # ADMIT, UNCERTAIN (inside the calibration's band: run it only under the guard) or REJECT
+    reject_at: float = math.inf  # the band's upper edge: REJECT above it
+
+    def __post_init__(self):
+        self.verdict = self.verdict or ("ADMIT" if self.admit else "REJECT")
+
+    @property
+    def reject(self) -> bool:
+        return self.verdict == "REJECT"
 
     def to_dict(self) -> dict:
-        return {"decision": "ADMIT" if self.admit else "REJECT", "reasons": self.reasons, "limit": self.limit,
+        return {"decision": self.verdict, "reasons": self.reasons, "limit": self.limit, "reject_at": self.reject_at,
                 METRIC: self.value}
 
 
@@ -106,11 +127,19 @@ def load_thresholds(path: str | Path = "") -> dict:
         f"thresholds file {path} has no valid per-class limits", "rewrite it with `opd calibrate`")
     require(set(classes) <= set(CLASSES), f"thresholds file {path} names unknown estimator classes "
             f"{sorted(set(classes) - set(CLASSES))}", f"use {', '.join(CLASSES)}")
+    require(data.get("metric", METRIC) == METRIC, f"thresholds file {path} limits {data.get('metric')!r}, not "
+            f"{METRIC}", "rewrite it with `opd calibrate`")
+    for cls, entry in classes.items():
+        for key in ("reject", "max_drift", "max_staleness"):
+            value = entry.get(key)
+            require(value is None or (isinstance(value, (int, float)) and value >= 0),
+                    f"thresholds file {path}: '{cls}' has an invalid {key} {value!r}", "rewrite it with `opd calibrate`")
     return data
 
 
 def class_limits(thresholds: dict, cls: str) -> tuple[dict, str]:
-    """-> (the class's entry: max (the limit on nsr), knee, max_staleness; how it was obtained, for the reasons)."""
+    """-> (the class's entry: max (the limit on nsr), reject (the band's upper edge), max_drift; how it was obtained,
+    for the reasons)."""
     classes = thresholds["classes"]
     if cls in classes:
         entry = classes[cls]
@@ -118,43 +147,63 @@ def class_limits(thresholds: dict, cls: str) -> tuple[dict, str]:
                f"largest mismatch seen to train fine with '{cls}' estimators; no degradation was observed")
         return entry, how
     strictest = min(classes, key=lambda c: classes[c]["max"])
-    return classes[strictest], (f"no calibration for '{cls}' estimators: the strictest calibrated limit "
-                                f"('{strictest}') applies")
+    return {k: v for k, v in classes[strictest].items() if k in ("max", "knee")}, (
+        f"no calibration for '{cls}' estimators: the strictest calibrated limit ('{strictest}') applies")
 
 
-def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0, limit: float = 0.0) -> Decision:
+# Staleness no run of the class has measured: what the estimator's form implies (admission docstring).
+UNCALIBRATED_STALENESS = {
+    "full": ("ADMIT", "mu never enters a full-distribution loss's gradient: staleness, like the numerics the probe "
+                      "measured, only changes which prefixes are visited"),
+    "corrected": ("UNCERTAIN", "the importance correction bounds what stale mu can do, but no staleness run of this "
+                               "class was measured"),
+    "sampler": ("REJECT", "a stale mu lags the learner in the direction of its own updates and enters the advantage "
+                          "uncorrected"),
+    "learner": ("REJECT", "stale rollouts are sampled from an older policy and nothing corrects for it"),
+}
+ORDER = {"ADMIT": 0, "UNCERTAIN": 1, "REJECT": 2}
+
+
+def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0, limit: float = 0.0,
+           lr: float = 0.0) -> Decision:
     """The admission predicate. numbers: probe metrics without their namespace (nsr, and floor_nsr, kl_k3,
-    floor_kl_k3, adv_sign_flip, ess_frac when known); staleness: the run's max_staleness (0 when sync); limit > 0
-    overrides the calibrated limit (thresholds may then be None). A candidate within FLOOR_FACTOR of the BF16 floor
-    passes the mismatch test whatever the limit: the reference cannot be degraded relative to itself."""
+    floor_kl_k3, adv_sign_flip, ess_frac when known); staleness: the run's max_staleness (0 when sync) and lr its
+    learning rate (staleness x lr is the drift budget the calibration judges); limit > 0 overrides the calibrated
+    limit and removes the band (thresholds may then be None). A candidate within FLOOR_FACTOR of the BF16 floor
+    passes the mismatch test whatever the limit: the reference cannot be degraded relative to itself.
+    The verdict is the worst of the numerics' (ADMIT up to the limit, UNCERTAIN in the band up to `reject`, REJECT
+    above), the staleness's and the ESS floor's; `admit` is True only for ADMIT."""
     require(thresholds is not None or limit > 0, "no admission thresholds and no limit", "pass one of them")
     entry, how = class_limits(thresholds, cls) if thresholds else ({}, "")
-    limit, how = (limit, "user-set limit") if limit > 0 else (float(entry["max"]), how)
+    if limit > 0:
+        limit, reject_at, how = limit, limit, "user-set limit"
+    else:
+        limit = float(entry["max"])
+        reject_at = max(limit, float(entry.get("reject") or limit))
     value = numbers.get(METRIC, math.nan)
     if not math.isfinite(value):
         return Decision(False, ["the rollouts' log-probs are not finite (NaN/Inf): the engine is broken, not "
-                                "merely mismatched"], limit, value)
+                                "merely mismatched"], limit, value, "REJECT", reject_at)
     floor = numbers.get("floor_nsr")
     at_floor = floor is not None and value <= FLOOR_FACTOR * floor
-    admit = value <= limit or at_floor
+    verdicts = ["ADMIT" if value <= limit or at_floor else "UNCERTAIN" if value <= reject_at else "REJECT"]
     reasons = [f"noise-to-signal {METRIC} {value:.3g} {'<=' if value <= limit else '>'} limit {limit:.3g} ({how})"]
     if at_floor and value > limit:
         reasons.append(f"but within {FLOOR_FACTOR:g}x of the BF16 engine's own {floor:.3g}: BF16 rollouts are the "
                        "reference, not a risk")
-    safe_staleness = entry.get("max_staleness")
-    if staleness and safe_staleness is not None:
-        admit &= staleness <= safe_staleness
-        reasons.append(f"max_staleness {staleness} {'<=' if staleness <= safe_staleness else '>'} "
-                       f"{safe_staleness}, the largest the sweep saw train fine with these estimators")
-    elif staleness:
-        reasons.append(f"max_staleness {staleness}: not calibrated (no staleness runs); the runtime guard "
-                       "measures it live")
+    elif verdicts[0] == "UNCERTAIN":
+        reasons.append(f"uncertain: {METRIC} <= {reject_at:.3g}, where runs of these estimators both trained fine and "
+                       "degraded; run it only under the runtime guard (guard_every > 0, guard_action=fallback)")
+    elif verdicts[0] == "REJECT" and reject_at > limit:
+        reasons.append(f"{METRIC} > {reject_at:.3g}, above every run of these estimators that trained fine")
+    if staleness:
+        verdicts.append(_staleness_verdict(entry, cls, staleness, lr, reasons))
     if floor is not None and "kl_k3" in numbers:
         reasons.append(f"kl_k3 {numbers['kl_k3']:.3g} vs the BF16 engine's {numbers['floor_kl_k3']:.3g}; nsr "
                        f"{value / max(floor, 1e-12):.2g}x the BF16 engine's")
     ess = numbers.get("ess_frac")
     if ess is not None and ess < MIN_ESS_FRAC:
-        admit = False
+        verdicts.append("REJECT")
         reasons.append(f"ess_frac {ess:.3f} < {MIN_ESS_FRAC}: the rollouts are so far from the trainer's policy that "
                        "nsr understates it (broken rollouts also inflate its denominator)")
     if "adv_sign_flip" in numbers:
@@ -163,46 +212,83 @@ def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0,
         reasons.append(f"the KV cache saturated {numbers['kv_clipped_k']:.3%} of the keys and "
                        f"{numbers['kv_clipped_v']:.3%} of the values at its format's largest value (a larger or "
                        "calibrated scale, kv_scale=calibrate, avoids it)")
-    return Decision(admit, reasons, limit, value)
+    verdict = max(verdicts, key=ORDER.__getitem__)
+    return Decision(verdict == "ADMIT", reasons, limit, value, verdict, reject_at)
+
+
+def _staleness_verdict(entry: dict, cls: str, staleness: int, lr: float, reasons: list[str]) -> str:
+    """Staleness is judged by its drift budget, staleness x lr: under Adam every step moves each weight by about lr,
+    so the policy a stale rollout lags behind is about that far away (dev/LOG.md: measured stale KL grows with both).
+    Old thresholds files without a drift budget judge the staleness count."""
+    drift, budget = staleness * lr, entry.get("max_drift")
+    if budget is not None and lr > 0:  # (without a learning rate the drift is unknown: the prior below)
+        ok = drift <= budget * (1 + 1e-9)
+        reasons.append(f"max_staleness {staleness} x lr {lr:.3g} = drift {drift:.3g} {'<=' if ok else '>'} "
+                       f"{budget:.3g}, the largest the calibration runs trained fine at with these estimators "
+                       f"(staleness <= {int(budget / lr * (1 + 1e-9))} at this lr)")
+        return "ADMIT" if ok else "REJECT"
+    safe = entry.get("max_staleness")
+    if safe is not None and "max_drift" not in entry:  # a thresholds file from before the drift budget
+        ok = staleness <= safe
+        reasons.append(f"max_staleness {staleness} {'<=' if ok else '>'} {safe}, the largest the sweep saw train fine "
+                       "with these estimators")
+        return "ADMIT" if ok else "REJECT"
+    verdict, why = UNCALIBRATED_STALENESS[cls]
+    reasons.append(f"max_staleness {staleness}: no staleness run of these estimators was calibrated; {why}: "
+                   f"{verdict} (the runtime guard measures it live)")
+    return verdict
 
 
 def calibrate(rows: list[dict]) -> dict:
-    """Per estimator class, the cut on the probe's nsr that misclassifies the fewest synchronous sweep runs (the
-    widest gap among equally good cuts, its geometric middle), and the largest safe staleness. rows: sweep results
-    labelled by tolerance.label()."""
+    """Per estimator class, from sweep results labelled by tolerance.label(): the cut on the probe's nsr that
+    misclassifies the fewest synchronous runs (the widest gap among equally good cuts, its geometric middle); the
+    band's upper edge `reject`, between the largest nsr that trained fine and the next run above it, all of which
+    degraded (REJECT above it, UNCERTAIN between the cut and it); and the drift budget `max_drift`, the largest
+    staleness x lr among the runs whose only mismatch was staleness that the same best-cut rule keeps."""
     classes = {}
     for cls in CLASSES:
         mine = [r for r in rows if r["class"] == cls and math.isfinite(r["probe"].get(METRIC, math.nan))]
-        points = sorted((r["probe"][METRIC], r["degraded"]) for r in mine if not r["staleness"])
+        points = sorted((r["probe"][METRIC], r["degraded"]) for r in mine  # the ESS floor rejects the others
+                        if not r["staleness"] and r["probe"].get("ess_frac", 1.0) >= MIN_ESS_FRAC)
         if not points:
             continue
-        stale = sorted((r["staleness"], r["degraded"]) for r in mine  # staleness alone: numerics at the floor
+        stale = sorted((r["staleness"] * _lr(r), r["degraded"], r["staleness"]) for r in mine  # numerics at the floor
                        if r["staleness"] and r["probe"][METRIC] <= FLOOR_FACTOR * r["probe"].get("floor_nsr", 0))
+        entry = best_cut(points)
+        fine_max = max((v for v, bad in points if not bad), default=0.0)
+        above = [v for v, bad in points if v > fine_max]  # all degraded
+        entry["reject"] = max(entry["max"], math.sqrt(fine_max * above[0]) if above else fine_max)
         safe = None
-        if stale:  # the same rule on the staleness levels: the cut that misplaces the fewest runs
-            cut = best_cut(stale)["max"]
-            safe = max((k for k, _ in stale if k <= cut), default=0)
-        classes[cls] = best_cut(points) | {"runs": len(points), "max_staleness": safe,
-                                           "staleness_seen": sorted({k for k, _ in stale})}
+        if stale:
+            cut = best_cut([(d, bad) for d, bad, _ in stale])["max"]
+            safe = max((d for d, _, _ in stale if d <= cut), default=0.0)
+        classes[cls] = entry | {"runs": len(points), "max_drift": safe,
+                                "staleness_seen": sorted({k for _, _, k in stale})}
     require(classes, "no synchronous sweep results with probe measurements to calibrate from", "run `opd sweep` first")
     return {"metric": METRIC, "classes": classes}
 
 
-def best_cut(points: list[tuple[float, bool]]) -> dict:
-    """points: sorted (mismatch, degraded). -> {max: the cut, knee: whether any point degraded, errors, fine_max}."""
+def _lr(row: dict) -> float:
+    return float(row["config"]["lr"]) if "config" in row else float(row.get("lr", 0.0))
+
+
+def best_cut(points: list[tuple[float, bool]], cost: float = ADMITTED_DEGRADED_COST) -> dict:
+    """points: sorted (mismatch, degraded). -> {max: the cut, knee: whether any point degraded, errors (the runs it
+    misplaces), fine_max}. The cut minimises cost x (degraded runs admitted) + (fine runs rejected)."""
     values = [v for v, _ in points]
     fine = [v for v, bad in points if not bad]
     if not any(bad for _, bad in points):
         return {"max": max(values), "knee": False, "errors": 0}
     best = None
     for i in range(len(points) + 1):  # cut between points[i-1] and points[i]: admit the first i
-        errors = sum(bad for _, bad in points[:i]) + sum(not bad for _, bad in points[i:])
+        admitted_bad, rejected_fine = sum(bad for _, bad in points[:i]), sum(not bad for _, bad in points[i:])
         low = values[i - 1] if i else values[0] / 2
         high = values[i] if i < len(values) else values[-1] * 2
         gap = math.log(max(high, 1e-12) / max(low, 1e-12))
-        if best is None or (errors, -gap) < (best[0], -best[1]):
-            best = (errors, gap, math.sqrt(max(low, 1e-12) * max(high, 1e-12)))
-    return {"max": best[2], "knee": True, "errors": best[0], "fine_max": max(fine) if fine else None}
+        key = (cost * admitted_bad + rejected_fine, -gap)
+        if best is None or key < best[0]:
+            best = (key, admitted_bad + rejected_fine, math.sqrt(max(low, 1e-12) * max(high, 1e-12)))
+    return {"max": best[2], "knee": True, "errors": best[1], "fine_max": max(fine) if fine else None}
 
 
 # ---- the probe -----------------------------------------------------------------------------------------------------
@@ -262,6 +348,8 @@ def measure(setup: ProbeSetup, plan: Plan) -> dict:
            **distortion_metrics(t_y, batch.mu, q, mask)}
     if scores.kl_exact is not None:
         out |= exact_kl_metric(scores.kl_exact, mask)
+    if scores.rkl is not None:  # the student's distance to its teacher: exact KL(q || T) per token, the probe's mean
+        out["rkl"] = masked_mean(scores.rkl.double(), mask).item()
     if builtin:
         out |= {"kv_clipped_k": engine.kv_clipped[0], "kv_clipped_v": engine.kv_clipped[1]}
     return {k.split("/")[-1]: v for k, v in out.items()}
@@ -274,7 +362,7 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, p
     start = time.perf_counter()
     cls = estimator_class(setup.cfg.loss)
     numbers = probe(setup, plan)
-    decision = decide(numbers, thresholds, cls, staleness(setup.cfg), limit)
+    decision = decide(numbers, thresholds, cls, staleness(setup.cfg), limit, setup.cfg.lr)
     out = {**decision.to_dict(), "plan": str(plan), "estimator_class": cls, "staleness": staleness(setup.cfg),
            "probe": numbers, "probe_rollouts": len(setup.prompts)}
     if not decision.admit and propose and math.isfinite(decision.value):
@@ -282,8 +370,11 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, p
             floor = {"kl_k3": numbers["floor_kl_k3"], METRIC: numbers["floor_nsr"]}
             out["proposal"] = propose_plan(setup, plan, thresholds, cls, limit, floor)
         else:  # the plan passes; the staleness does not
-            out["proposal"] = {"plan": None, "layer_kl": [], "note": "the plan passes: lower max_staleness "
-                               f"to {class_limits(thresholds, cls)[0].get('max_staleness')} or use another estimator"}
+            budget = class_limits(thresholds, cls)[0].get("max_drift") if thresholds else None
+            safe = (f" to {int(budget / setup.cfg.lr * (1 + 1e-9))} at lr {setup.cfg.lr:g}"
+                    if budget and setup.cfg.lr else "")
+            out["proposal"] = {"plan": None, "layer_kl": [], "note": f"the plan passes: lower max_staleness{safe}, "
+                               "lower the lr, or use another estimator"}
     out["seconds"] = time.perf_counter() - start
     return out
 

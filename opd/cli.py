@@ -168,14 +168,17 @@ def cmd_calibrate(results: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(thresholds, indent=2) + "\n")
     for cls, entry in thresholds["classes"].items():
-        print(f"{cls:10} max nsr {entry['max']:.3g} ({'knee' if entry['knee'] else 'no degradation seen'}; "
-              f"{entry['errors']} of {entry['runs']} runs misclassified)  max_staleness {entry['max_staleness']}")
+        drift = "not calibrated" if entry["max_drift"] is None else f"{entry['max_drift']:.3g}"
+        print(f"{cls:10} ADMIT {thresholds['metric']} <= {entry['max']:.3g}, REJECT > {entry['reject']:.3g} "
+              f"({'knee' if entry['knee'] else 'no degradation seen'}; {entry['errors']} of {entry['runs']} runs "
+              f"misclassified)  staleness x lr <= {drift}")
     print(f"wrote {out}")
 
 
 def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit: float, rollouts: int,
               as_json: bool, propose: bool) -> int:
-    """Before training: is this rollout configuration safe for OPD? ADMIT (exit 0) or REJECT (exit 1), with reasons."""
+    """Before training: is this rollout configuration safe for OPD? ADMIT (exit 0), REJECT (exit 1) or UNCERTAIN (exit
+    3: run it only under the runtime guard), with reasons."""
     from opd.admission import admit, load_thresholds
     from opd.config import load_config
     from opd.trainer import probe_setup
@@ -201,7 +204,7 @@ def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit:
         if proposal and proposal["layer_kl"]:
             print("  KL of the candidate setting on one layer alone (BF16 elsewhere): "
                   + ", ".join(f"layer {i} {v:.2g}" for i, v in enumerate(proposal["layer_kl"])))
-    return 0 if result["decision"] == "ADMIT" else 1
+    return {"ADMIT": 0, "REJECT": 1, "UNCERTAIN": 3}[result["decision"]]
 
 
 def cmd_sensitivity(family: list[str] | None, student: Path | None, teacher: Path | None, task: str,

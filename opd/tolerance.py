@@ -70,7 +70,7 @@ def knees(rows: list[dict]) -> list[dict]:
                             if r["source"] in (source, "bf16") and r["degraded"] is not None)
             entry = {"family": family, "estimator": estimator, "source": source,
                      "max_mismatch": max(m for m, _ in points) if points else None}
-            cut = best_cut(points) if any(bad for _, bad in points) else None
+            cut = best_cut(points, cost=1.0) if any(bad for _, bad in points) else None
             first_bad = min((m for m, bad in points if bad and m > cut["max"]), default=None) if cut else None
             if first_bad is None:  # nothing degraded, or only runs the best cut calls noise (below fine ones)
                 entry |= {"knee": None, "misplaced": sum(bad for _, bad in points),
@@ -164,7 +164,8 @@ def out_of_sample(rows: list[dict], thresholds: dict, sources: tuple[str, ...]) 
         b = band(group)
         for row in group:
             if row["source"] in sources and b is not None:
-                admitted = decide(row["probe"], thresholds, row["class"], row["staleness"]).admit
+                admitted = decide(row["probe"], thresholds, row["class"], row["staleness"],
+                                  lr=row["config"]["lr"]).admit
                 decided.append(row | {"admitted": admitted, "limit": b["limit"]})
     return decided, confusion([(row, row["admitted"]) for row in decided])
 

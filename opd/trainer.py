@@ -384,8 +384,10 @@ def guard(run: Run, window: list[dict], step: int, run_dir: Path) -> dict:
     but decides nothing: in healthy async runs at lr 1e-3 it reached 0.52 over 5-step windows (dev/LOG.md, 2026-12-01).
     Not the ESS of pi/mu either: one token whose probability an update moved a lot collapses it (0.005 in one step
     of a healthy max_staleness 4 run). A non-finite nsr (broken rollouts) is a REJECT; so is a window without any
-    (async with recompute_fraction 0 has no q, which is why the config refuses the guard there). On REJECT the event
-    goes to guard.jsonl and stderr, and `guard_action` is taken."""
+    (async with recompute_fraction 0 has no q, which is why the config refuses the guard there). On REJECT (nsr
+    above the calibration band's upper edge, or the ESS under its floor) the event goes to guard.jsonl and stderr,
+    and `guard_action` is taken; inside the band (UNCERTAIN, the runs the admission check sends to the guard) the
+    window is logged as `guard/uncertain` and training goes on."""
     cfg = run.cfg
     nsr = _window_mean(window, GUARD_NSR, finite_only=False)  # NaN: broken rollouts, a REJECT
     ess, total = _window_mean(window, GUARD_ESS, True), _window_mean(window, GUARD_TOTAL, True)
@@ -393,22 +395,23 @@ def guard(run: Run, window: list[dict], step: int, run_dir: Path) -> dict:
     nsr = math.nan if nsr is None else nsr
     decision = decide({METRIC: nsr, "ess_frac": ess}, run.guard_thresholds, estimator_class(cfg.loss), 0,
                       cfg.guard_limit)
-    out = {"guard/nsr": nsr, "guard/limit": decision.limit, "guard/triggered": float(not decision.admit)}
+    out = {"guard/nsr": nsr, "guard/limit": decision.limit, "guard/triggered": float(decision.reject),
+           "guard/uncertain": float(decision.verdict == "UNCERTAIN")}
     if ess is not None:
         out["guard/ess_frac"] = ess
     if total is not None and cfg.schedule == "async":
         out["guard/total_nsr"] = total
-    if decision.admit:
+    if not decision.reject:
         return out
     safer = safer_plan(run.plan, cfg.engine)
     action = "warn" if cfg.guard_action == "fallback" and safer is None else cfg.guard_action
     event = {"step": step, "action": action, "nsr": nsr, "ess_frac": ess, "limit": decision.limit,
-             "plan": str(run.plan), "reasons": decision.reasons}
+             "reject_at": decision.reject_at, "plan": str(run.plan), "reasons": decision.reasons}
     if action == "fallback":
         event["to"] = str(safer)
     with open(run_dir / "guard.jsonl", "a") as f:
         f.write(json.dumps(event) + "\n")
-    what = f"nsr {nsr:.3g} {'>' if nsr > decision.limit else '<='} limit {decision.limit:.3g}" + (
+    what = f"nsr {nsr:.3g} {'>' if nsr > decision.reject_at else '<='} {decision.reject_at:.3g}" + (
         "" if ess is None else f", ess_frac {ess:.3g} {'<' if ess < MIN_ESS_FRAC else '>='} {MIN_ESS_FRAC}")
     print(f"opd: guard: step {step}: rollout-vs-learner {what} (plan {run.plan}): {action}"
           + (f" to {event['to']}" if "to" in event else ""), file=sys.stderr)
