@@ -16,7 +16,8 @@ A decision is ADMIT, UNCERTAIN or REJECT; only ADMIT admits. Errors are ADMIT on
 REJECT on a fine one (an UNCERTAIN run that trains fine cost the user a guarded run, and is counted wrong).
 
     python benchmarks/admission.py          # full: re-measures every stored run's probe on this machine (the
-                                            # check's inputs and its cost; ~25 min), the outcomes stay stored
+                                            # check's inputs and its cost; one probe per distinct family, seed and
+                                            # plan, ~1.5-2 s each here), the outcomes stay stored
     python benchmarks/admission.py --quick  # the stored probes and outcomes, seconds
 
 The outcomes come from the sweeps named in STUDIES (`opd sweep --grid ...`, each grid file says how). `cost_fraction`
