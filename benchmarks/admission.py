@@ -21,8 +21,9 @@ REJECT on a fine one (an UNCERTAIN run that trains fine cost the user a guarded 
     python benchmarks/admission.py --quick  # the stored probes and outcomes, seconds
 
 The outcomes come from the sweeps named in STUDIES (`opd sweep --grid ...`, each grid file says how). `cost_fraction`
-is the check's wall time (the probe on the candidate and on the BF16 floor, the decision) over the wall time of the
-training run it judges (training + the two evaluations), medians over the runs. The last line is
+is the check's wall time over the wall time of the training run it judges (training + the two evaluations),
+medians over the runs: in --quick the probe time stored with each run (candidate and BF16 floor; the decision is
+microseconds), in the full mode the same measured here plus loading the pair. The last line is
 `RESULT accuracy_leave_source_out=... admitted_degraded_rate=... ...`.
 """
 import argparse
@@ -161,7 +162,8 @@ def label_noise(rows: list[dict]) -> tuple[list[str], float]:
         s = statistics.stdev(base) if len(base) > 1 else math.nan
         margin = b["limit"] - b["mean"]
         lines.append(f"  {study:22} {family:6} {estimator:14} {len(base)} BF16 seeds  sd {s:.4f}  margin {margin:.4f}  "
-                     f"seeds needed at m/2 {math.ceil((4 * s / margin) ** 2)}, at m/4 {math.ceil((8 * s / margin) ** 2)}")
+                     f"seeds needed at m/2 {math.ceil((4 * s / margin) ** 2)}, "
+                     f"at m/4 {math.ceil((8 * s / margin) ** 2)}")
     configs: dict[tuple, list[bool]] = {}
     for r in scored(rows):
         configs.setdefault((r["study"],) + config_of(r), []).append(bool(r["degraded"]))
@@ -229,8 +231,8 @@ def main() -> None:
         other = substituted([r for r in rows if "nsr" in r["probe"]], values)
         cells = [table(split(other)) for split in SPLITS.values()]
         results[stat] = cells[0]
-        print(f"  {stat:15} " + "  ".join(f"{name.split(',')[0]} {t['accuracy']:.3f} / {t['admitted_degraded_rate']:.3f}"
-                                          for name, t in zip(SPLITS, cells)))
+        print(f"  {stat:15} " + "  ".join(f"{name.split(',')[0]} {t['accuracy']:.3f} / "
+                                          f"{t['admitted_degraded_rate']:.3f}" for name, t in zip(SPLITS, cells)))
     lines, disagree = label_noise(rows)
     print("\nlabel noise (single-seed labels; benchmarks/admission.py's label_noise):")
     print("\n".join(lines))

@@ -92,15 +92,15 @@ def estimator_class(loss: LossConfig) -> str:
 
 @dataclass
 class Decision:
-    admit: bool  # verdict == ADMIT
+    verdict: str  # ADMIT, UNCERTAIN (inside the calibration's band: run it only under the guard) or REJECT
     reasons: list[str]
     limit: float  # the limit on nsr that applied (ADMIT at or below it)
     value: float  # the measured nsr (live: the window mean of opd/nsr)
-    verdict: str = ""  # ADMIT, UNCERTAIN (inside the calibration's band: run it only under the guard) or REJECT
     reject_at: float = math.inf  # the band's upper edge: REJECT above it
 
-    def __post_init__(self):
-        self.verdict = self.verdict or ("ADMIT" if self.admit else "REJECT")
+    @property
+    def admit(self) -> bool:
+        return self.verdict == "ADMIT"
 
     @property
     def reject(self) -> bool:
@@ -133,7 +133,8 @@ def load_thresholds(path: str | Path = "") -> dict:
         for key in ("reject", "max_drift", "max_staleness"):
             value = entry.get(key)
             require(value is None or (isinstance(value, (int, float)) and value >= 0),
-                    f"thresholds file {path}: '{cls}' has an invalid {key} {value!r}", "rewrite it with `opd calibrate`")
+                    f"thresholds file {path}: '{cls}' has an invalid {key} {value!r}",
+                    "rewrite it with `opd calibrate`")
     return data
 
 
@@ -182,8 +183,8 @@ def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0,
         reject_at = max(limit, float(entry.get("reject") or limit))
     value = numbers.get(METRIC, math.nan)
     if not math.isfinite(value):
-        return Decision(False, ["the rollouts' log-probs are not finite (NaN/Inf): the engine is broken, not "
-                                "merely mismatched"], limit, value, "REJECT", reject_at)
+        return Decision("REJECT", ["the rollouts' log-probs are not finite (NaN/Inf): the engine is broken, not "
+                                   "merely mismatched"], limit, value, reject_at)
     floor = numbers.get("floor_nsr")
     at_floor = floor is not None and value <= FLOOR_FACTOR * floor
     verdicts = ["ADMIT" if value <= limit or at_floor else "UNCERTAIN" if value <= reject_at else "REJECT"]
@@ -212,8 +213,12 @@ def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0,
         reasons.append(f"the KV cache saturated {numbers['kv_clipped_k']:.3%} of the keys and "
                        f"{numbers['kv_clipped_v']:.3%} of the values at its format's largest value (a larger or "
                        "calibrated scale, kv_scale=calibrate, avoids it)")
-    verdict = max(verdicts, key=ORDER.__getitem__)
-    return Decision(verdict == "ADMIT", reasons, limit, value, verdict, reject_at)
+    return Decision(max(verdicts, key=ORDER.__getitem__), reasons, limit, value, reject_at)
+
+
+def safe_staleness(budget: float, lr: float) -> int:
+    """The largest max_staleness a drift budget allows at a learning rate."""
+    return int(budget / lr * (1 + 1e-9))
 
 
 def _staleness_verdict(entry: dict, cls: str, staleness: int, lr: float, reasons: list[str]) -> str:
@@ -225,7 +230,7 @@ def _staleness_verdict(entry: dict, cls: str, staleness: int, lr: float, reasons
         ok = drift <= budget * (1 + 1e-9)
         reasons.append(f"max_staleness {staleness} x lr {lr:.3g} = drift {drift:.3g} {'<=' if ok else '>'} "
                        f"{budget:.3g}, the largest the calibration runs trained fine at with these estimators "
-                       f"(staleness <= {int(budget / lr * (1 + 1e-9))} at this lr)")
+                       f"(staleness <= {safe_staleness(budget, lr)} at this lr)")
         return "ADMIT" if ok else "REJECT"
     safe = entry.get("max_staleness")
     if safe is not None and "max_drift" not in entry:  # a thresholds file from before the drift budget
@@ -252,7 +257,7 @@ def calibrate(rows: list[dict]) -> dict:
                         if not r["staleness"] and r["probe"].get("ess_frac", 1.0) >= MIN_ESS_FRAC)
         if not points:
             continue
-        stale = sorted((r["staleness"] * _lr(r), r["degraded"], r["staleness"]) for r in mine  # numerics at the floor
+        stale = sorted((r["staleness"] * r["config"]["lr"], r["degraded"], r["staleness"]) for r in mine  # at the floor
                        if r["staleness"] and r["probe"][METRIC] <= FLOOR_FACTOR * r["probe"].get("floor_nsr", 0))
         entry = best_cut(points)
         fine_max = max((v for v, bad in points if not bad), default=0.0)
@@ -266,10 +271,6 @@ def calibrate(rows: list[dict]) -> dict:
                                 "staleness_seen": sorted({k for _, _, k in stale})}
     require(classes, "no synchronous sweep results with probe measurements to calibrate from", "run `opd sweep` first")
     return {"metric": METRIC, "classes": classes}
-
-
-def _lr(row: dict) -> float:
-    return float(row["config"]["lr"]) if "config" in row else float(row.get("lr", 0.0))
 
 
 def best_cut(points: list[tuple[float, bool]], cost: float = ADMITTED_DEGRADED_COST) -> dict:
@@ -371,8 +372,8 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, p
             out["proposal"] = propose_plan(setup, plan, thresholds, cls, limit, floor)
         else:  # the plan passes; the staleness does not
             budget = class_limits(thresholds, cls)[0].get("max_drift") if thresholds else None
-            safe = (f" to {int(budget / setup.cfg.lr * (1 + 1e-9))} at lr {setup.cfg.lr:g}"
-                    if budget and setup.cfg.lr else "")
+            lr = setup.cfg.lr
+            safe = f" to {safe_staleness(budget, lr)} at lr {lr:g}" if budget and lr else ""
             out["proposal"] = {"plan": None, "layer_kl": [], "note": f"the plan passes: lower max_staleness{safe}, "
                                "lower the lr, or use another estimator"}
     out["seconds"] = time.perf_counter() - start

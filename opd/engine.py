@@ -186,10 +186,8 @@ class Engine:
         ends = None if forced is None else torch.tensor(forced[1], device=device)  # forced rows end at their length
         for t in range(N):
             check_finite(logits, t)
-            if forced is None:
-                tok, mu[:, t], raw[:, t] = self._step(logits, params, generator)
-            else:
-                tok, mu[:, t], raw[:, t] = self._step(logits, params, None, forced[0][:, t])
+            given = None if forced is None else forced[0][:, t]
+            tok, mu[:, t], raw[:, t] = self._step(logits, params, generator, given)
             if return_hidden:
                 hidden.append(h)
             tokens[:, t] = tok
