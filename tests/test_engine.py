@@ -24,9 +24,9 @@ def recorded_distributions(engine: Engine):
     Yields dists(batch) -> [B, N, V] aligned with learner.collate's batch of the records."""
     steps, step = [], engine._step
 
-    def record(logits, params, generator):
+    def record(logits, params, generator, given=None):
         steps.append(process_logits(logits, params) if params.reshapes_distribution else logits.float().log_softmax(-1))
-        return step(logits, params, generator)
+        return step(logits, params, generator, given)
     engine._step = record
     try:
         yield lambda batch: torch.stack(steps, 1)[:, :batch.tokens.shape[1]]
