@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
 
-.PHONY: demo test install clean
+.PHONY: demo test fuzz install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +29,10 @@ demo: $(STAMP)
 
 test: $(VLLM_STAMP)
 	$(PY) -m pytest -q
+
+# The fuzz suite at full size: 500 mutated examples per file kind (make test runs 20 per kind)
+fuzz: $(STAMP)
+	OPD_FUZZ=full $(PY) -m pytest -q -m fuzz
 
 clean:
 	rm -rf $(VENV)
