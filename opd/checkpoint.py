@@ -9,25 +9,138 @@ never leaves a half-written checkpoint under the real name. Loading a folder tha
 against it first, so a checkpoint that was cut short or changed after saving (an interrupted copy, a damaged disk)
 is refused with one line instead of being loaded. Folders without a manifest (saved by transformers) load unchecked.
 `recover_checkpoint` finishes a save that a crash interrupted between its two renames.
+
+Every JSON file of a folder is read as data (schema.py: UTF-8, no key given twice) and checked against a strict
+schema of the keys opd reads (`HFConfig`, `GenerationSchema`, `ManifestSchema`, `IndexSchema`): a wrong type or an
+out-of-range value is one line naming the file and the key, never a traceback later or a silent default. Relations
+the schemas cannot see are checked by name too: heads that do not divide, ids outside the vocabulary, and the sizes
+config.json implies against the shapes in the weights' headers (read before any tensor is built). A malformed
+manifest means a damaged checkpoint, like a file that does not match it.
 """
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Annotated
 
 import torch
+from pydantic import AfterValidator, Field
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from opd.errors import OpdError, require
 from opd.model import ModelConfig, Transformer, empty_model
 from opd.rope import check_scaling
+from opd.schema import Schema, check, read_json
 from opd.tokenizer import GENERATION_KEYS, TextTokenizer
 
 MANIFEST = "opd_manifest.json"
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+CONFIG_FIX = "fix config.json, or save the checkpoint again"
+
+# --- the schemas of a folder's JSON files: the keys opd reads, with the types and ranges transformers gives them.
+# Sizes are capped at 2^31 - 1: no real dimension comes near, and a product of two stays inside the int64 sizes torch
+# computes (a larger one would overflow there instead of being named here). null is accepted where transformers writes
+# it (optional ids, head_dim, sliding_window, the rope fields).
+Size = Annotated[int, Field(gt=0, le=(1 << 31) - 1)]
+TokenId = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Theta = Annotated[float, Field(gt=1, allow_inf_nan=False)]  # a base <= 1 does not rotate (1) or inverts the scales
+
+
+class RopeSchema(Schema):
+    """`rope_parameters` / `rope_scaling`; which keys a type needs, and unknown ones, are rope.py's check_scaling."""
+    rope_type: str | None = None
+    type: str | None = None
+    rope_theta: Theta | None = None
+    factor: Positive | None = None
+    original_max_position_embeddings: Size | None = None
+    low_freq_factor: Positive | None = None
+    high_freq_factor: Positive | None = None
+    beta_fast: Positive | None = None
+    beta_slow: Positive | None = None
+    mscale: NonNegative | None = None  # >= 0: a negative one can make YaRN's attention factor divide by zero
+    mscale_all_dim: NonNegative | None = None
+    attention_factor: Positive | None = None
+    truncate: bool | None = None
+    partial_rotary_factor: Finite | None = None
+
+
+class HFConfig(Schema):
+    """config.json of a Llama / Qwen2 / Qwen3 checkpoint."""
+    model_type: str
+    vocab_size: Size
+    hidden_size: Size
+    intermediate_size: Size
+    num_hidden_layers: Size
+    num_attention_heads: Size
+    num_key_value_heads: Size | None = None
+    head_dim: Size | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: Positive = 1e-6
+    max_position_embeddings: Size = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_theta: Theta | None = None
+    rope_parameters: RopeSchema | None = None
+    rope_scaling: RopeSchema | None = None
+    partial_rotary_factor: Finite | None = None
+    use_sliding_window: bool | None = None
+    sliding_window: Size | None = None
+    max_window_layers: Annotated[int, Field(ge=0)] | None = None
+    layer_types: list[str] | None = None
+    bos_token_id: TokenId | None = None
+    eos_token_id: TokenId | list[TokenId] | None = None
+    pad_token_id: TokenId | None = None
+
+
+class GenerationSchema(Schema):
+    """generation_config.json: the defaults opd applies (ranges as SamplingParams checks them) and the stop ids."""
+    temperature: NonNegative | None = None
+    top_k: Annotated[int, Field(ge=0, le=(1 << 31) - 1)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    max_new_tokens: Size | None = None
+    do_sample: bool | None = None
+    eos_token_id: TokenId | list[TokenId] | None = None
+    pad_token_id: TokenId | None = None
+    bos_token_id: TokenId | None = None
+
+
+def _inside(name: str) -> str:
+    """A file name read from a folder's own index or manifest must name a file of that folder: a name that climbs out
+    (`../x`, `/etc/x`) or that the file system cannot take (a NUL, a lone surrogate) is refused, never opened."""
+    path = PurePosixPath(name)
+    if not name or "\\" in name or "\x00" in name or path.is_absolute() or ".." in path.parts or name in (".", "./"):
+        raise ValueError(f"{name!r} must name a file inside the checkpoint folder")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name!r} is not a valid file name") from None
+    return name
+
+
+FileName = Annotated[str, AfterValidator(_inside)]
+
+
+class ManifestEntry(Schema):
+    bytes: Annotated[int, Field(ge=0)]
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class ManifestSchema(Schema):
+    """opd_manifest.json, as save_checkpoint writes it."""
+    format: int
+    files: dict[FileName, ManifestEntry]
+
+
+class IndexSchema(Schema):
+    """model.safetensors.index.json of a sharded checkpoint: tensor name -> the file holding it."""
+    weight_map: dict[str, FileName]
 
 
 def to_hf_config(cfg: ModelConfig) -> dict:
@@ -65,7 +178,8 @@ def to_hf_config(cfg: ModelConfig) -> dict:
 
 def rope_settings(d: dict, where: str) -> tuple[float, dict]:
     """(rope_theta, the scaling parameters) from a config's `rope_parameters` (transformers 5) or `rope_scaling` and
-    top-level `rope_theta`/`partial_rotary_factor` (earlier); refuses what rope.py does not compute."""
+    top-level `rope_theta`/`partial_rotary_factor` (earlier); refuses what rope.py does not compute. d: checked
+    against HFConfig."""
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     require(not any(isinstance(v, dict) for v in rope.values()), f"{where}: per-layer-type RoPE is not supported",
             "give one rope_parameters mapping")
@@ -78,58 +192,77 @@ def rope_settings(d: dict, where: str) -> tuple[float, dict]:
         rope = {k: v for k, v in rope.items() if k == "partial_rotary_factor"}
     check_scaling(rope, where)
     rope.pop("partial_rotary_factor", None)
+    if rope.get("rope_type") == "llama3":  # the smoothing band divides by their difference
+        require(rope["high_freq_factor"] > rope["low_freq_factor"], f"{where}: rope high_freq_factor "
+                f"{rope['high_freq_factor']} must be greater than low_freq_factor {rope['low_freq_factor']}",
+                CONFIG_FIX)
     return theta, rope
 
 
-def attention_layers(d: dict, arch: str, layers: int, where: str) -> tuple[int, tuple]:
+def attention_layers(c: HFConfig, arch: str, where: str) -> tuple[int, tuple]:
     """(sliding_window, layer_types): Qwen2/Qwen3's `layer_types`, or sliding from `max_window_layers` on when
     `use_sliding_window` (as transformers derives it); Llama has none."""
-    if arch == "llama" or not (d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or [])):
+    if arch == "llama" or not (c.use_sliding_window or "sliding_attention" in (c.layer_types or [])):
         return 0, ()
-    window = d.get("sliding_window")
-    require(isinstance(window, int) and window > 0, f"{where}: sliding-window attention without a sliding_window",
+    layers = c.num_hidden_layers
+    require(c.sliding_window is not None, f"{where}: sliding-window attention without a sliding_window",
             "set sliding_window to the window's length, or use_sliding_window to false")
-    types = d.get("layer_types") or ["sliding_attention" if i >= d.get("max_window_layers", layers) else
-                                     "full_attention" for i in range(layers)]
-    return window, tuple(types)
+    first = layers if c.max_window_layers is None else c.max_window_layers
+    types = c.layer_types or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return c.sliding_window, tuple(types)
 
 
 def from_hf_config(d: dict, where: str = "config.json", generation: dict | None = None) -> ModelConfig:
     """Our ModelConfig from an HF config.json (and the generation config, whose eos_token_id is used when the
-    config names none). Every field that changes what the model computes is read or refused by name."""
-    require(isinstance(d, dict), f"{where}: expected a JSON object", "re-create the file")
+    config names none). Every field that changes what the model computes is read or refused by name: its type and
+    range by HFConfig, the relations between fields (heads, layers, ids inside the vocabulary) here."""
+    require(isinstance(d, dict), f"{where}: expected a JSON object, got {type(d).__name__}", CONFIG_FIX)
     arch = d.get("model_type")
-    require(arch in HF_CLASSES, f"{where}: model_type {arch!r} is not supported",
+    require(isinstance(arch, str) and arch in HF_CLASSES, f"{where}: model_type {arch!r:.40} is not supported",
             f"opd reads {', '.join(HF_CLASSES)} checkpoints")
-    require(d.get("hidden_act", "silu") == "silu", f"{where}: hidden_act {d.get('hidden_act')!r} is not supported",
+    c = check(HFConfig, d, where, CONFIG_FIX)
+    require(c.hidden_act == "silu", f"{where}: hidden_act {c.hidden_act!r} is not supported",
             "only silu (SwiGLU) MLPs are implemented")
     theta, scaling = rope_settings(d, where)
     eos = stop_ids(d, generation or {})
     require(bool(eos), f"{where}: no eos_token_id", "generation needs it: add eos_token_id to config.json")
-    try:
-        heads, layers = d["num_attention_heads"], d["num_hidden_layers"]
-        bias = bool(d.get("attention_bias", False))
-        window, types = attention_layers(d, arch, layers, where)
-        return ModelConfig(
-            arch=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_layers=layers, num_heads=heads,
-            num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rope_theta=theta, rope_scaling=scaling, sliding_window=window, layer_types=types,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-            qkv_bias=True if arch == "qwen2" else bias, o_bias=False if arch == "qwen2" else bias,
-            mlp_bias=bool(d.get("mlp_bias", False)) if arch == "llama" else False, qk_norm=arch == "qwen3",
-            bos_token_id=d.get("bos_token_id"), eos_token_id=eos[0],
-            pad_token_id=d.get("pad_token_id") if d.get("pad_token_id") is not None else eos[0])
-    except KeyError as e:
-        raise OpdError(f"{where}: missing field {e.args[0]!r}", "the file is not a complete model config") from None
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
+    require(c.head_dim is not None or c.hidden_size % heads == 0, f"{where}: hidden_size {c.hidden_size} is not a "
+            f"multiple of num_attention_heads {heads} and there is no head_dim", "set head_dim, or fix the sizes")
+    head_dim = c.head_dim or c.hidden_size // heads
+    require(heads % kv_heads == 0, f"{where}: num_key_value_heads {kv_heads} does not divide num_attention_heads "
+            f"{heads}", CONFIG_FIX)
+    require(head_dim % 2 == 0 and (head_dim > 2 or scaling.get("rope_type") != "dynamic"),
+            f"{where}: head_dim {head_dim} cannot be rotated (RoPE needs an even head_dim, above 2 for dynamic RoPE)",
+            CONFIG_FIX)
+    require(c.layer_types is None or len(c.layer_types) == c.num_hidden_layers, f"{where}: layer_types names "
+            f"{len(c.layer_types or [])} layers, num_hidden_layers is {c.num_hidden_layers}", CONFIG_FIX)
+    for key in ("bos_token_id", "pad_token_id"):
+        check_id(getattr(c, key), key, c.vocab_size, where)
+    for i in eos:
+        check_id(i, "eos_token_id", c.vocab_size, where)
+    window, types = attention_layers(c, c.model_type, where)
+    bias = c.attention_bias
+    return ModelConfig(
+        arch=c.model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_layers=c.num_hidden_layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        rope_theta=theta, rope_scaling=scaling, sliding_window=window, layer_types=types, rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+        qkv_bias=True if c.model_type == "qwen2" else bias, o_bias=False if c.model_type == "qwen2" else bias,
+        mlp_bias=c.mlp_bias if c.model_type == "llama" else False, qk_norm=c.model_type == "qwen3",
+        bos_token_id=c.bos_token_id, eos_token_id=eos[0],
+        pad_token_id=c.pad_token_id if c.pad_token_id is not None else eos[0])
+
+
+def check_id(token_id: int | None, key: str, vocab_size: int, where: str) -> None:
+    """A special token id must be a row of the embedding: a pad or bos id past it would index out of range."""
+    require(token_id is None or token_id < vocab_size, f"{where}: {key} {token_id} is outside the vocabulary "
+            f"(vocab_size {vocab_size})", "fix the id, or the checkpoint belongs to another model")
 
 
 def stop_ids(config: dict, generation: dict) -> list[int]:
     """Every stop token id: config.json's eos_token_id (an id or a list), then generation_config.json's, in order,
-    each once."""
+    each once. Both are checked (HFConfig, GenerationSchema) before they get here."""
     out = []
     for source in (config, generation):
         value = source.get("eos_token_id")
@@ -139,27 +272,72 @@ def stop_ids(config: dict, generation: dict) -> list[int]:
     return out
 
 
-def read_json(path: Path, what: str) -> dict:
-    if not path.is_file():
-        raise OpdError(f"{what} not found: {path}", "check the path")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpdError(f"{path} is not valid JSON ({e})", "re-create the file") from None
-
-
-def _read_tensors(folder: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors file(s), read one at a time and converted to dtype on device, so that
-    loading holds one model's worth plus one tensor, never two copies of the model."""
+def _weight_files(folder: Path) -> list[Path]:
+    """model.safetensors, or the shards a sharded checkpoint's index names (each once)."""
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(read_json(index, "index").get("weight_map", {}).values())) if index.is_file() \
-        else ["model.safetensors"]
+    if not index.is_file():
+        return [folder / "model.safetensors"]
+    where = str(index)
+    require(not (folder / "model.safetensors").is_file(), f"checkpoint {folder} has both model.safetensors and "
+            "model.safetensors.index.json", "keep one: the single file or the shards with their index")
+    data = read_json(index, "index", "fix the index, or save the checkpoint again")
+    require(isinstance(data, dict), f"{where}: expected a JSON object, got {type(data).__name__}",
+            "fix the index, or save the checkpoint again")
+    names = sorted(set(check(IndexSchema, data, where, "fix the index, or save the checkpoint again")
+                       .weight_map.values()))
+    require(bool(names), f"{where}: its weight_map names no file", "fix the index, or save the checkpoint again")
+    return [folder / name for name in names]
+
+
+def _open(path: Path, folder: Path):
+    require(path.is_file(), f"checkpoint {folder} has no {path.name}", "save the weights next to config.json")
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise OpdError(f"cannot read {path}: {e}", "the file is truncated or corrupt; re-save it") from None
+
+
+def _shapes(folder: Path, files: list[Path]) -> dict[str, tuple]:
+    """Every tensor's shape, read from the files' headers only; a tensor in two files is an error (which would
+    win depends on the order of reading)."""
+    shapes = {}
+    for path in files:
+        with _open(path, folder) as f:
+            for key in f.keys():
+                require(key not in shapes, f"checkpoint {folder}: tensor {key} is in two weight files",
+                        "remove the duplicate, or save the checkpoint again")
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return {k.removeprefix("model."): v for k, v in shapes.items()}
+
+
+def _check_sizes(cfg: ModelConfig, shapes: dict[str, tuple], folder: Path) -> None:
+    """The sizes config.json names against the weights' own shapes, before any tensor is built: a wrong size is named
+    by its key (the generic shape check in load_model only names tensors)."""
+    width = lambda name: (shapes.get(name) or (None,))[0]  # noqa: E731 (rows of a weight, None if it is absent)
+    expect = [("vocab_size", cfg.vocab_size, width("embed_tokens.weight")),
+              ("hidden_size", cfg.hidden_size, (shapes.get("embed_tokens.weight") or (None,))[-1]),
+              ("intermediate_size", cfg.intermediate_size, width("layers.0.mlp.gate_proj.weight")),
+              ("num_attention_heads x head_dim", cfg.num_heads * cfg.head_dim,
+               width("layers.0.self_attn.q_proj.weight")),
+              ("num_key_value_heads x head_dim", cfg.num_kv_heads * cfg.head_dim,
+               width("layers.0.self_attn.k_proj.weight"))]
+    fix = "the weights and config.json disagree: fix config.json, or save the checkpoint again"
+    for key, value, actual in expect:
+        require(actual is None or actual == value, f"checkpoint {folder}: config.json implies {key} {value}, the "
+                f"weights have {actual}", fix)
+    layers = {int(k.split(".")[1]) for k in shapes if k.startswith("layers.") and k.split(".")[1].isdigit()}
+    require(not layers or layers == set(range(cfg.num_layers)), f"checkpoint {folder}: config.json implies "
+            f"num_hidden_layers {cfg.num_layers}, the weights have {len(layers)} layers", fix)
+
+
+def _read_tensors(folder: Path, files: list[Path], dtype: torch.dtype, device: torch.device) \
+        -> dict[str, torch.Tensor]:
+    """Every tensor of the weight files, read one at a time and converted to dtype on device, so that loading holds
+    one model's worth plus one tensor, never two copies of the model."""
     tensors = {}
-    for name in files:
-        path = folder / name
-        require(path.is_file(), f"checkpoint {folder} has no {name}", "save the weights next to config.json")
+    for path in files:
         try:
-            with safe_open(str(path), framework="pt") as f:
+            with _open(path, folder) as f:
                 for key in f.keys():
                     tensors[key] = f.get_tensor(key).to(device=device, dtype=dtype)
         except (SafetensorError, OSError, ValueError) as e:
@@ -177,22 +355,25 @@ def _sha256(path: Path) -> str:
 
 def manifest_problem(folder: Path) -> str | None:
     """None when every file the folder's manifest lists has its recorded size and hash (or there is no manifest);
-    otherwise what is wrong, in a few words."""
-    path = folder / MANIFEST
+    otherwise what is wrong, in a few words. A manifest that is not valid JSON or not of ManifestSchema's shape is
+    itself damage: the folder was changed after saving."""
+    path = Path(folder) / MANIFEST
     if not path.is_file():
         return None
     try:
-        files = json.loads(path.read_text())["files"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-        return f"its {MANIFEST} is unreadable"
+        data = read_json(path, MANIFEST)
+        require(isinstance(data, dict), f"expected a JSON object, got {type(data).__name__}")
+        files = check(ManifestSchema, data, str(path)).files
+    except OpdError as e:
+        return f"its {MANIFEST} is unreadable ({e.problem.removeprefix(f'{path}: ')})"
     for name, want in files.items():
-        file = folder / name
+        file = Path(folder) / name
         if not file.is_file():
             return f"{name} is missing"
         size = file.stat().st_size
-        if size != want["bytes"]:
-            return f"{name} has {size} bytes, its manifest says {want['bytes']}"
-        if _sha256(file) != want["sha256"]:
+        if size != want.bytes:
+            return f"{name} has {size} bytes, its manifest says {want.bytes}"
+        if _sha256(file) != want.sha256:
             return f"{name} does not match the SHA-256 in its manifest"
     return None
 
@@ -204,18 +385,35 @@ def verify_checkpoint(folder: Path) -> None:
             "on purpose")
 
 
+def read_config(folder: Path) -> dict:
+    """config.json of a checkpoint folder, as a JSON object (its keys are checked by from_hf_config)."""
+    path = Path(folder) / "config.json"
+    try:
+        data = read_json(path, "config.json", CONFIG_FIX)
+    except OpdError as e:  # the wording opd has always printed (and scripts may match): "<path> is not valid JSON"
+        raise OpdError(e.problem.replace(f"{path}: not valid JSON", f"{path} is not valid JSON"), e.fix) from None
+    require(isinstance(data, dict), f"{path}: expected a JSON object, got {type(data).__name__}", CONFIG_FIX)
+    return data
+
+
 def load_model(folder, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Transformer:
     """The checkpoint's model, in dtype on device. It is built on the meta device (no memory, no random init) and
     the file's tensors become its parameters, so loading never holds a second copy of the weights."""
     folder = Path(folder)
     require(folder.is_dir(), f"checkpoint folder not found: {folder}", "check the path, or run `opd pretrain`")
     verify_checkpoint(folder)
-    cfg = from_hf_config(read_json(folder / "config.json", "config.json"), str(folder / "config.json"),
-                         generation_config(folder))
+    where = str(folder / "config.json")
+    cfg = from_hf_config(read_config(folder), where, generation_config(folder))
+    files = _weight_files(folder)
+    _check_sizes(cfg, _shapes(folder, files), folder)
     model = empty_model(cfg)
-    state = {k.removeprefix("model."): v for k, v in _read_tensors(folder, dtype, torch.device(device)).items()}
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    state = {k.removeprefix("model."): v for k, v in _read_tensors(folder, files, dtype, torch.device(device)).items()}
+    if cfg.tie_word_embeddings and "lm_head.weight" in state:  # transformers would drop it: only if it is a copy
+        require(torch.equal(state["lm_head.weight"], state.get("embed_tokens.weight", state["lm_head.weight"])),
+                f"{where}: tie_word_embeddings is true but the weights' lm_head.weight differs from embed_tokens."
+                "weight",
+                "set tie_word_embeddings to false, or save the checkpoint again")
+        state.pop("lm_head.weight")
     expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     require(not missing and not unexpected,
@@ -232,12 +430,14 @@ def load_model(folder, dtype: torch.dtype = torch.float32, device: torch.device 
 
 
 def generation_config(folder) -> dict:
-    """generation_config.json of a checkpoint folder ({} when it has none)."""
+    """generation_config.json of a checkpoint folder, checked against GenerationSchema ({} when it has none)."""
     path = Path(folder) / "generation_config.json"
     if not path.is_file():
         return {}
-    data = read_json(path, "generation_config.json")
-    require(isinstance(data, dict), f"{path}: expected a JSON object", "re-create the file")
+    fix = "fix generation_config.json, or delete it to use opd's defaults"
+    data = read_json(path, "generation_config.json", fix)
+    require(isinstance(data, dict), f"{path}: expected a JSON object, got {type(data).__name__}", fix)
+    check(GenerationSchema, data, str(path), fix)
     return data
 
 
@@ -246,8 +446,13 @@ def load_tokenizer(folder, cfg: ModelConfig) -> TextTokenizer:
     defaults (tokenizer.py)."""
     folder = Path(folder)
     generation = generation_config(folder)
-    config = read_json(folder / "config.json", "config.json")
+    config = read_config(folder)
     stops = stop_ids(config, generation) or [cfg.eos_token_id]
+    where = str(folder / "generation_config.json")
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        value = generation.get(key)
+        for i in value if isinstance(value, list) else [value]:
+            check_id(i, key, cfg.vocab_size, where)
     defaults = {k: generation[k] for k in GENERATION_KEYS if generation.get(k) is not None}
     pad = config.get("pad_token_id") if config.get("pad_token_id") is not None else generation.get("pad_token_id")
     return TextTokenizer.load(folder, cfg.bos_token_id, stops, pad, defaults)
@@ -260,6 +465,9 @@ def load_checkpoint(folder, dtype: torch.dtype = torch.float32, device: torch.de
     require(tok.vocab_size <= model.cfg.vocab_size,
             f"checkpoint {folder}: tokenizer has {tok.vocab_size} tokens but the model only {model.cfg.vocab_size}",
             "the tokenizer belongs to another model")
+    top = max(tok.vocab().values(), default=0)  # ids need not be dense: one past the embedding would index out of it
+    require(top < model.cfg.vocab_size, f"checkpoint {folder}: the tokenizer has token id {top}, past the model's "
+            f"vocabulary of {model.cfg.vocab_size}", "the tokenizer belongs to another model")
     return model, tok
 
 

@@ -7,24 +7,32 @@ later issues measure. Training is deterministic for a given config (which includ
 
 Cache: `<cache_dir>/<family>-<role>-<task>-<hash>/`, an HF checkpoint plus `pretrain.json` (the resolved config)
 and `eval.json` (held-out accuracy). The hash covers the resolved config and `RECIPE_VERSION`, so a changed
-recipe never reuses a stale model.
+recipe never reuses a stale model. A cache entry that does not match its manifest, whose eval.json is not of
+`EvalSchema`'s shape or whose pretrain.json is not this config, is damaged: it is trained again, with a warning.
+The cache folder itself ($OPD_CACHE, ~/.cache/opd, or --cache-dir) is checked before any training starts
+(`check_cache_dir`): a file, an empty OPD_CACHE or a folder that cannot be written is one line, not a failure to save
+after minutes of training.
 """
 import hashlib
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field, ValidationError
 from tqdm import tqdm
 
 from opd.checkpoint import manifest_problem, save_checkpoint
 from opd.data import IGNORE, sft_batch
-from opd.errors import require
+from opd.errors import OpdError, require
+from opd.schema import Schema, parse_json, problem, read_text
 from opd.evaluate import greedy_accuracy
 from opd.model import ModelConfig, Transformer
 from opd.task import get_task, held_out_examples, train_examples
@@ -42,7 +50,56 @@ DEFAULT_STEPS = {("llama", "teacher"): 1500, ("qwen3", "teacher"): 1500,
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("OPD_CACHE", Path.home() / ".cache" / "opd"))
+    """$OPD_CACHE, else ~/.cache/opd. Set but empty is an error: Path("") would silently be the current folder."""
+    value = os.environ.get("OPD_CACHE")
+    require(value != "", "OPD_CACHE is set but empty", "set it to a folder for the pretrained models, or unset it "
+            "to use ~/.cache/opd")
+    return Path(value) if value else Path.home() / ".cache" / "opd"
+
+
+def check_cache_dir(path: Path | None = None, write: bool = True) -> Path:
+    """The pretrain cache folder (path, default: default_cache_dir()), created if missing, once it is known to be
+    usable: a folder (not a file) that can be created and, with write, written to (a real file is made and removed:
+    permission bits do not tell for root or a read-only mount). Call it before minutes of work; one line otherwise."""
+    path = Path(path) if path is not None else default_cache_dir()
+    fix = "set OPD_CACHE (or --cache-dir) to a writable folder"
+    require(not path.exists() or path.is_dir(), f"the pretrain cache {path} is not a folder", fix)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if write:
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".opd-write-test-"):
+                pass
+    except OSError as e:
+        raise OpdError(f"the pretrain cache {path} cannot be {'written' if path.is_dir() else 'created'}: "
+                       f"{e.strerror or e}", fix) from None
+    return path
+
+
+class EvalSchema(Schema):
+    """eval.json of a cache entry: what `opd pretrain` prints and the trainer reads."""
+    eval_accuracy: Annotated[float, Field(ge=0, le=1, alias="eval/accuracy")]
+    train_params: Annotated[int, Field(ge=0, alias="train/params")]
+    train_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False, alias="train/seconds")]
+
+
+def cached_problem(folder: Path, cfg: "PretrainConfig") -> tuple[str | None, dict]:
+    """(None, eval.json) when the cache entry is sound; else (what is wrong, {}): it does not match its manifest,
+    its eval.json is not EvalSchema's shape, or its pretrain.json is not cfg."""
+    problem_ = manifest_problem(folder)
+    if problem_ is not None:
+        return problem_, {}
+    try:
+        result = parse_json(read_text(folder / "eval.json", "eval.json"), "eval.json")
+        recorded = parse_json(read_text(folder / "pretrain.json", "pretrain.json"), "pretrain.json")
+    except OpdError as e:
+        return e.problem, {}
+    try:
+        EvalSchema.model_validate(result)
+    except ValidationError as e:
+        return f"eval.json: {problem(e)}", {}
+    if recorded != json.loads(json.dumps(cfg.resolved())):
+        return "its pretrain.json is another config", {}
+    return None, result
 
 
 @dataclass
@@ -131,13 +188,15 @@ def evaluate(model: Transformer, tok: TextTokenizer, cfg: PretrainConfig) -> dic
 
 def pretrain(cfg: PretrainConfig, cache_dir: Path | None = None, force: bool = False,
              progress: bool = True) -> tuple[Path, dict]:
-    """The cached checkpoint folder for cfg and its eval.json, training it first if it is not there."""
-    folder = Path(cache_dir or default_cache_dir()) / cfg.cache_name()
+    """The cached checkpoint folder for cfg and its eval.json, training it first if it is not there (or damaged)."""
+    root = check_cache_dir(cache_dir, write=False)
+    folder = root / cfg.cache_name()
     if (folder / "eval.json").is_file() and not force:
-        problem = manifest_problem(folder)
-        if problem is None:
-            return folder, json.loads((folder / "eval.json").read_text())
-        print(f"pretrain: the cached {folder.name} is damaged ({problem}): training it again", file=sys.stderr)
+        damage, result = cached_problem(folder, cfg)
+        if damage is None:
+            return folder, result
+        print(f"pretrain: the cached {folder.name} is damaged ({damage}): training it again", file=sys.stderr)
+    check_cache_dir(root)  # before minutes of training, not at the save after them
     model, tok, stats = train(cfg, progress)
     start = time.perf_counter()
     result = {**evaluate(model, tok, cfg), "eval/seconds": time.perf_counter() - start, **stats}

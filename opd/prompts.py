@@ -6,11 +6,16 @@
   string, or a list of chat messages (`{"role": ..., "content": ...}`); a line without that field but with
   `messages` is a chat too. Chats go through the student's chat template with the generation prompt appended;
   `chat: true` sends text prompts through it as one user message. The reference answer is the field `answer_key`
-  (default `answer`; a string or a number). A line without it is trained on but not scored. GSM8K's lines are
+  (default `answer`): a string, or an integer (GSM8K-style files write them so; read as its decimal text). A float
+  (0.1 + 0.2 is not 0.3 as text), a boolean, a list, an object or null is refused with one line (file:line and the
+  key): no silent conversion. A line without the field is trained on but not scored. GSM8K's lines are
   `{"question", "answer"}`: `prompt_key: question` and `scoring: gsm8k` (scoring.py) read them.
 - **Held out**: `eval_prompts` (a second file, read the same way), or else the `eval_fraction` of the file whose
   prompts hash below it (SHA-256 of the prompt's text): the same split on every machine, disjoint from the training
   prompts by construction, and stable when lines are added or reordered.
+- **Characters**: a prompt with a character the tokenizer cannot encode (it would become the unknown token) is
+  refused with its file:line when read with the tokenizer (`read_prompts(..., tok)`, as PromptSet does), or by
+  `TextTokenizer.encode_prompt` itself otherwise; text that is not Unicode (a lone surrogate escaped in JSON) too.
 - **Length**: a prompt longer than `max_prompt_tokens` (0, and at most: what the model's context leaves after
   max_new_tokens) is refused with one line naming it (`long_prompts: refuse`), or dropped and counted
   (`long_prompts: drop`: the count goes to stderr and to summary.json).
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opd.errors import OpdError, require
+from opd.schema import parse_json, read_text
 from opd.task import Example, get_task, held_out_examples, train_examples
 from opd.tokenizer import TextTokenizer
 
@@ -37,41 +43,60 @@ class PromptFormat:
     chat: bool = False  # text prompts go through the chat template as one user message
 
 
-def read_prompts(path, fmt: PromptFormat = PromptFormat()) -> list[Example]:
-    """Every line of a JSONL prompt file as an Example (prompt: text or messages; answer or None)."""
+def read_prompts(path, fmt: PromptFormat = PromptFormat(), tok: TextTokenizer | None = None) -> list[Example]:
+    """Every line of a JSONL prompt file as an Example (prompt: text or messages; answer or None). With tok, a prompt
+    the tokenizer cannot encode fully is refused here, where its line is known."""
     path = Path(path)
-    if not path.is_file():
-        raise OpdError(f"prompt file not found: {path}", "check the path")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise OpdError(f"{path} is not UTF-8 text (byte {e.start})", "save it as UTF-8") from None
-    examples = [_example(line, f"{path}:{n}", fmt) for n, line in enumerate(lines, 1) if line.strip()]
+    lines = read_text(path, "prompt file").splitlines()
+    examples = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            examples.append(_example(line, f"{path}:{n}", fmt))
+            if tok is not None:
+                tok.check_encodable(examples[-1].prompt, f"{path}:{n}")
     require(bool(examples), f"prompt file {path} has no prompts", "add one JSON object per line")
     return examples
 
 
 def _example(line: str, where: str, fmt: PromptFormat) -> Example:
     expected = f'each line must be an object with "{fmt.prompt_key}" (text or chat messages) or "messages"'
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise OpdError(f"{where}: not valid JSON ({e.msg})", expected) from None
+    row = parse_json(line, where, expected)
     require(isinstance(row, dict), f"{where}: expected a JSON object, got {type(row).__name__}", expected)
-    prompt = row.get(fmt.prompt_key, row.get("messages"))
-    require(prompt is not None, f"{where}: no field {fmt.prompt_key!r}" + ("" if fmt.prompt_key == "prompt" else
+    key = fmt.prompt_key if fmt.prompt_key in row or "messages" not in row else "messages"
+    require(key in row, f"{where}: no field {fmt.prompt_key!r}" + ("" if fmt.prompt_key == "prompt" else
             f" (prompt_key) and no \"messages\"; it has {sorted(row)[:6]}"), expected)
+    prompt = row[key]
     if isinstance(prompt, list):
         prompt = _messages(prompt, where)
     else:
-        require(isinstance(prompt, str) and prompt.strip() != "", f"{where}: {fmt.prompt_key!r} must be a non-empty "
+        require(isinstance(prompt, str) and prompt.strip() != "", f"{where}: {key!r} must be a non-empty "
                 f"string or a list of messages, got {prompt!r:.60}", expected)
+        _unicode(prompt, where, key)
         prompt = [{"role": "user", "content": prompt}] if fmt.chat else prompt
-    answer = row.get(fmt.answer_key)
-    require(answer is None or (isinstance(answer, (str, int, float)) and not isinstance(answer, bool)),
-            f"{where}: {fmt.answer_key!r} must be a string or a number, got {type(answer).__name__}",
-            "fix or drop the field")
-    return Example(prompt, "", None if answer is None else str(answer))
+    return Example(prompt, "", _answer(row, where, fmt.answer_key))
+
+
+def _answer(row: dict, where: str, key: str) -> str | None:
+    """The reference answer as text: a string as it is, an integer as its decimal text; None when the line has none."""
+    if key not in row:
+        return None
+    answer = row[key]
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        return str(answer)
+    require(isinstance(answer, str), f"{where}: {key!r} must be a string or an integer, got "
+            f"{'null' if answer is None else type(answer).__name__} {answer!r:.40}",
+            f"write it as a string (\"{key}\": \"...\"), or drop the field to train without scoring")
+    _unicode(answer, where, key)
+    return answer
+
+
+def _unicode(text: str, where: str, key: str) -> None:
+    """JSON can escape a lone surrogate (\\ud800), which is no character: tokenizers and hashing cannot take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise OpdError(f"{where}: {key!r} holds {text[e.start]!r}, half of a UTF-16 surrogate pair, not a character",
+                       "write the character itself, or its full surrogate pair") from None
 
 
 def _messages(messages: list, where: str) -> list[dict]:
@@ -79,6 +104,8 @@ def _messages(messages: list, where: str) -> list[dict]:
         require(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str),
                 f"{where}: a chat message must be {{\"role\": str, \"content\": str}}, got {m!r:.60}",
                 "fix the messages")
+        _unicode(m["role"], where, "role")
+        _unicode(m["content"], where, "content")
     require(bool(messages), f"{where}: an empty list of messages", "give at least one message")
     return messages
 
@@ -99,8 +126,8 @@ class PromptSet:
     def __init__(self, cfg, tok: TextTokenizer, context: int, new_tokens: int):
         self.cfg, self.tok, self.dropped = cfg, tok, 0
         fmt = PromptFormat(cfg.prompt_key, cfg.answer_key, cfg.chat)
-        lines = read_prompts(cfg.prompts, fmt) if cfg.prompts else None
-        held = read_prompts(cfg.eval_prompts, fmt) if cfg.prompts and cfg.eval_prompts else None
+        lines = read_prompts(cfg.prompts, fmt, tok) if cfg.prompts else None
+        held = read_prompts(cfg.eval_prompts, fmt, tok) if cfg.prompts and cfg.eval_prompts else None
         self.limit = min(cfg.max_prompt_tokens or context, context - new_tokens)
         require(self.limit > 0, f"max_new_tokens ({new_tokens}) leaves no room for a prompt in the model's context "
                 f"({context})", "lower max_new_tokens")

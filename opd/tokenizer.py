@@ -19,18 +19,48 @@ characters, one token per character, so the arithmetic task's digits are never m
 `tokenizer.json` (a `tokenizers` WordLevel model, split every character) with a post-processor that adds <bos>, so
 transformers' tokenizer encodes a prompt as the built-in models were trained: `<bos>` + characters. A folder whose
 vocabulary is the built-in one is read with the same rule without transformers (it loads in milliseconds; folders
-saved before the post-processor existed keep working).
+saved before the post-processor existed keep working) when nothing else in its files differs: any other
+`tokenizer.json`, a chat template, or `add_bos_token: false` goes through transformers, which reads them as written.
+
+**Files are checked as data**: `tokenizer.json` is UTF-8 JSON without duplicate keys before `tokenizers` reads it,
+`tokenizer_config.json` has the types transformers expects for the keys that change encoding (`TokenizerConfigSchema`).
+**No silent unknown tokens**: a prompt with a character the tokenizer cannot encode (it would become the unknown
+token: the built-in tokenizer's `<unk>`, or an HF tokenizer's unk token when it has no byte fallback) is refused with
+one line naming the prompt and the character, unless the text holds the unknown token literally.
 """
 import json
 from pathlib import Path
 
+from pydantic import Field
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from opd.errors import OpdError, require
+from opd.schema import Schema, check, parse_json, read_json, read_text
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
 GENERATION_KEYS = ("temperature", "top_k", "top_p", "max_new_tokens")  # the defaults opd takes from a checkpoint
+
+
+class AddedTokenSchema(Schema):
+    content: str
+
+
+Special = str | AddedTokenSchema | None
+
+
+class TokenizerConfigSchema(Schema):
+    """tokenizer_config.json: the keys that change how text is encoded, with the types transformers writes."""
+    tokenizer_class: str | None = None
+    add_bos_token: bool | None = None
+    add_eos_token: bool | None = None
+    bos_token: Special = None
+    eos_token: Special = None
+    pad_token: Special = None
+    unk_token: Special = None
+    chat_template: str | list[dict] | None = None
+    model_max_length: int | float | None = Field(default=None, ge=0)
+    clean_up_tokenization_spaces: bool | None = None
 
 
 def char_tokenizer() -> Tokenizer:
@@ -64,11 +94,16 @@ class TextTokenizer:
         path = Path(folder) / "tokenizer.json"
         if not path.is_file():
             raise OpdError(f"checkpoint {folder} has no tokenizer.json", "save the tokenizer next to the weights")
+        text = read_text(path, "tokenizer.json")
+        data = parse_json(text, str(path), "re-save the tokenizer")  # UTF-8, valid JSON, no key given twice
+        _check_templates(data.get("post_processor") if isinstance(data, dict) else None, path)
         try:
-            tok = Tokenizer.from_file(str(path))
+            tok = Tokenizer.from_str(text)
         except Exception as e:
-            raise OpdError(f"cannot read {path}: {str(e).splitlines()[0]}", "re-save the tokenizer") from None
-        if tok.get_vocab(with_added_tokens=True) == char_tokenizer().get_vocab(with_added_tokens=True):
+            raise OpdError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                           "re-save the tokenizer") from None
+        _probe(lambda: tok.encode("a", add_special_tokens=True), path)
+        if _is_builtin(tok, tokenizer_config(folder), Path(folder)):
             return cls(char_tokenizer(), bos_id, stop_ids, 0 if pad_id is None else pad_id, None, generation)
         hf = _hf_tokenizer(Path(folder))
         if pad_id is None:
@@ -84,6 +119,13 @@ class TextTokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     @property
+    def unk(self) -> tuple[int | None, str | None]:
+        """(id, text) of the unknown token; (None, None) when the tokenizer has none (byte-level BPE)."""
+        if self.hf is None:
+            return self.tok.token_to_id("<unk>"), "<unk>"
+        return self.hf.unk_token_id, self.hf.unk_token
+
+    @property
     def has_chat_template(self) -> bool:
         return self.hf is not None and bool(getattr(self.hf, "chat_template", None))
 
@@ -96,9 +138,45 @@ class TextTokenizer:
             return list(self.hf(text, add_special_tokens=False)["input_ids"])
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def encode_prompt(self, prompt: str | list[dict]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[dict], where: str | None = None) -> list[int]:
         """What the model is prompted with: a text as the tokenizer encodes it (special tokens included), messages
-        through the chat template with the generation prompt appended."""
+        through the chat template with the generation prompt appended. A prompt with a character the tokenizer
+        cannot encode is refused (check_encodable; where: its file:line, when known)."""
+        ids = self._encode_prompt(prompt)
+        if self.unk[0] is not None and self.unk[0] in ids:  # the common case costs one membership test
+            self.check_encodable(prompt, where)
+        return ids
+
+    def check_encodable(self, prompt: str | list[dict], where: str | None = None) -> None:
+        """One line naming the prompt (where, else its first characters) and its first character that would become
+        the unknown token; nothing when there is none."""
+        for text in [prompt] if isinstance(prompt, str) else [m.get("content", "") for m in prompt]:
+            char = self.unknown_char(text) if isinstance(text, str) else None
+            if char is not None:
+                name = where or f"the prompt {text[:30]!r}" + ("..." if len(text) > 30 else "")
+                raise OpdError(f"{name}: the tokenizer cannot encode the character {char!r} (U+{ord(char[0]):04X}); it "
+                               f"would silently become the unknown token {self.unk[1]!r}",
+                               "remove or replace the character, or use a model whose tokenizer covers it")
+
+    def unknown_char(self, text: str) -> str | None:
+        """The first character of text that encodes to the unknown token (a literal unknown token in the text does
+        not count), or None."""
+        unk_id, unk_text = self.unk
+        if unk_id is None:
+            return None
+        if self.hf is None:
+            enc = self.tok.encode(text, add_special_tokens=False)
+            ids, offsets = enc.ids, enc.offsets
+        else:
+            enc = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        for i, (start, end) in zip(ids, offsets):
+            if i == unk_id and text[start:end] != unk_text:
+                span = text[start:end] or "?"
+                return next((c for c in span if unk_id in self.encode(c)), span)
+        return None
+
+    def _encode_prompt(self, prompt: str | list[dict]) -> list[int]:
         if self.hf is None:
             require(isinstance(prompt, str), "the built-in tokenizer has no chat template",
                     "give text prompts, or a checkpoint whose tokenizer has a chat template")
@@ -135,13 +213,69 @@ class TextTokenizer:
                 {**self.generation, "eos_token_id": self.stop_ids}, indent=2))
 
 
+def tokenizer_config(folder: Path) -> dict:
+    """tokenizer_config.json checked against TokenizerConfigSchema ({} when the folder has none)."""
+    path = Path(folder) / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    fix = "fix tokenizer_config.json, or re-save the tokenizer"
+    data = read_json(path, "tokenizer_config.json", fix)
+    require(isinstance(data, dict), f"{path}: expected a JSON object, got {type(data).__name__}", fix)
+    check(TokenizerConfigSchema, data, str(path), fix)
+    return data
+
+
+def _is_builtin(tok: Tokenizer, config: dict, folder: Path) -> bool:
+    """Whether the folder's tokenizer is the built-in one in every respect that changes encoding: tokenizer.json as
+    char_tokenizer() serialises (a folder saved before the post-processor existed may lack it), no chat template,
+    BOS added, no EOS added. Anything else is read by transformers, exactly as written."""
+    mine, ref = json.loads(tok.to_str()), json.loads(char_tokenizer().to_str())
+    if mine.get("post_processor") is None:
+        mine["post_processor"] = ref["post_processor"]
+    return mine == ref and not config.get("chat_template") and config.get("add_bos_token") is not False \
+        and not config.get("add_eos_token") and not (folder / "chat_template.jinja").exists()
+
+
+def _check_templates(processor, path: Path) -> None:
+    """Every special token a TemplateProcessing post-processor places must be one it defines: `tokenizers` would
+    otherwise panic at the first encode, printing a Rust backtrace (_probe catches what this does not foresee)."""
+    if isinstance(processor, dict) and processor.get("type") == "Sequence":
+        for inner in processor.get("processors") or []:
+            _check_templates(inner, path)
+    if not (isinstance(processor, dict) and processor.get("type") == "TemplateProcessing"):
+        return
+    defined = processor.get("special_tokens")
+    for piece in [*(processor.get("single") or []), *(processor.get("pair") or [])]:
+        special = piece.get("SpecialToken") if isinstance(piece, dict) else None
+        name = special.get("id") if isinstance(special, dict) else None
+        require(name is None or (isinstance(defined, dict) and name in defined), f"{path}: the post-processor's "
+                f"template places {name!r:.40}, which its special_tokens do not define", "re-save the tokenizer")
+
+
+def _probe(encode, path: Path) -> None:
+    """Encode once at load. `tokenizers` checks a post-processor only when it runs: a template that names a special
+    token it does not define panics then (pyo3's PanicException, a BaseException), in the middle of a run."""
+    try:
+        encode()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: B036 (the panic is not an Exception)
+        detail = str(e).splitlines()[0] if str(e) else ""
+        raise OpdError(f"cannot use {path}: encoding fails ({type(e).__name__}: {detail})", "re-save the tokenizer") \
+            from None
+
+
 def _hf_tokenizer(folder: Path):
     try:
         from transformers import AutoTokenizer
     except ImportError:
         raise OpdError(f"the tokenizer of {folder} needs transformers", "pip install transformers") from None
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        _probe(lambda: hf("a", add_special_tokens=True), folder / "tokenizer.json")
+        return hf
+    except OpdError:
+        raise
     except Exception as e:
         raise OpdError(f"transformers cannot load the tokenizer of {folder}: {type(e).__name__}: "
                        f"{str(e).splitlines()[0] if str(e) else ''}", "check tokenizer.json and tokenizer_config.json") \
