@@ -52,13 +52,14 @@ cheapest per-layer plan that passes, in layers kept at BF16. `decide` is a pure 
 (trainer.py) applies it to the live training metrics every `guard_every` steps.
 """
 import functools
-import json
 import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Annotated
 
 import torch
+from pydantic import Field, ValidationError
 
 from opd.errors import OpdError, require
 from opd.devices import autocast_dtype
@@ -68,6 +69,7 @@ from opd.losses import LossConfig, masked_mean
 from opd.metrics import distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics
 from opd.plan import LayerPrecision, Plan, describe_layer
 from opd.quant import FP8_DTYPES
+from opd.schema import Schema, parse_json, problem, read_text
 
 FLOOR_PLAN = "forward=bf16 kv=bf16"  # a bf16 engine (vLLM dtype bfloat16), benchmarks/fidelity.py
 CLASSES = ("full", "sampler", "learner", "corrected")
@@ -113,28 +115,44 @@ class Decision:
 
 # ---- thresholds ----------------------------------------------------------------------------------------------------
 
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class ClassThresholds(Schema):
+    """One estimator class's entry of a thresholds file (calibrate writes it; decide reads it)."""
+    max: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    reject: NonNegative | None = None
+    max_drift: NonNegative | None = None
+    max_staleness: NonNegative | None = None
+    knee: bool = False
+
+
+class Thresholds(Schema):
+    metric: str = METRIC
+    classes: dict[str, ClassThresholds]
+
+
 def load_thresholds(path: str | Path = "") -> dict:
+    """A thresholds file, checked (Thresholds) with messages that say which class and key is wrong."""
     path = Path(path) if path else DEFAULT_THRESHOLDS
+    where, fix = f"thresholds file {path}", "rewrite it with `opd calibrate`"
+    text = read_text(path, "thresholds file")
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise OpdError(f"thresholds file {path} not found", "pass a file written by `opd calibrate`") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpdError(f"thresholds file {path} is not valid JSON ({e})", "rewrite it with `opd calibrate`") from None
+        data = parse_json(text, where, fix)
+    except OpdError as e:  # "... is not valid JSON (...)", as before the schema
+        raise OpdError(e.problem.replace(f"{where}: ", f"{where} is ", 1), fix) from None
     classes = data.get("classes") if isinstance(data, dict) else None
-    require(isinstance(classes, dict) and classes and all(
-        isinstance(c, dict) and isinstance(c.get("max"), (int, float)) and c["max"] > 0 for c in classes.values()),
-        f"thresholds file {path} has no valid per-class limits", "rewrite it with `opd calibrate`")
-    require(set(classes) <= set(CLASSES), f"thresholds file {path} names unknown estimator classes "
+    require(isinstance(classes, dict) and classes, f"{where} has no valid per-class limits", fix)
+    require(set(classes) <= set(CLASSES), f"{where} names unknown estimator classes "
             f"{sorted(set(classes) - set(CLASSES))}", f"use {', '.join(CLASSES)}")
-    require(data.get("metric", METRIC) == METRIC, f"thresholds file {path} limits {data.get('metric')!r}, not "
-            f"{METRIC}", "rewrite it with `opd calibrate`")
-    for cls, entry in classes.items():
-        for key in ("reject", "max_drift", "max_staleness"):
-            value = entry.get(key)
-            require(value is None or (isinstance(value, (int, float)) and value >= 0),
-                    f"thresholds file {path}: '{cls}' has an invalid {key} {value!r}",
-                    "rewrite it with `opd calibrate`")
+    require(data.get("metric", METRIC) == METRIC, f"{where} limits {data.get('metric')!r}, not {METRIC}", fix)
+    try:
+        Thresholds.model_validate(data)
+    except ValidationError as e:
+        loc = e.errors()[0]["loc"]
+        if len(loc) < 3 or loc[2] == "max":
+            raise OpdError(f"{where} has no valid per-class limits ({problem(e)})", fix) from None
+        raise OpdError(f"{where}: '{loc[1]}' has an invalid {loc[2]} ({problem(e)})", fix) from None
     return data
 
 
@@ -199,7 +217,7 @@ def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0,
         reasons.append(f"{METRIC} > {reject_at:.3g}, above every run of these estimators that trained fine")
     if staleness:
         verdicts.append(_staleness_verdict(entry, cls, staleness, lr, reasons))
-    if floor is not None and "kl_k3" in numbers:
+    if floor is not None and "kl_k3" in numbers and "floor_kl_k3" in numbers:
         reasons.append(f"kl_k3 {numbers['kl_k3']:.3g} vs the BF16 engine's {numbers['floor_kl_k3']:.3g}; nsr "
                        f"{value / max(floor, 1e-12):.2g}x the BF16 engine's")
     ess = numbers.get("ess_frac")
@@ -210,15 +228,15 @@ def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0,
     if "adv_sign_flip" in numbers:
         reasons.append(f"adv_sign_flip {numbers['adv_sign_flip']:.4f}, ess_frac {numbers.get('ess_frac', 1):.3f}")
     if numbers.get("kv_clipped_k", 0) > 0 or numbers.get("kv_clipped_v", 0) > 0:
-        reasons.append(f"the KV cache saturated {numbers['kv_clipped_k']:.3%} of the keys and "
-                       f"{numbers['kv_clipped_v']:.3%} of the values at its format's largest value (a larger or "
+        reasons.append(f"the KV cache saturated {numbers.get('kv_clipped_k', 0):.3%} of the keys and "
+                       f"{numbers.get('kv_clipped_v', 0):.3%} of the values at its format's largest value (a larger or "
                        "calibrated scale, kv_scale=calibrate, avoids it)")
     return Decision(max(verdicts, key=ORDER.__getitem__), reasons, limit, value, reject_at)
 
 
 def safe_staleness(budget: float, lr: float) -> int:
-    """The largest max_staleness a drift budget allows at a learning rate."""
-    return int(budget / lr * (1 + 1e-9))
+    """The largest max_staleness a drift budget allows at a learning rate (capped: a budget may be huge)."""
+    return int(min(budget / lr * (1 + 1e-9), 2 ** 31))
 
 
 def _staleness_verdict(entry: dict, cls: str, staleness: int, lr: float, reasons: list[str]) -> str:

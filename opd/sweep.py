@@ -20,23 +20,33 @@ so a sweep that was stopped continues where it left off, and a changed grid re-r
 written only when its run has finished (one `write` under a file lock, so two sweeps may share a file); a torn last
 line is ignored.
 Plotting and the knee (tolerance.py) read only the results file.
+
+Both files are checked as data (schema.py). A grid is checked whole before the first run: its shape (`Grid`), then
+every run's config (`expand`). A results line that is torn, not UTF-8, not JSON or not the shape of a result
+(`Result`: the keys plotting and calibration read, with their types) is skipped with a warning naming the file, the
+line and the key: the file is an append log that several sweeps share, one bad line must not stop them, and a skipped
+run is only re-run.
 """
 import fcntl
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
-import yaml
+from pydantic import AfterValidator, Field, ValidationError, model_validator
 
-from opd.admission import estimator_class, probe, staleness
+from opd.admission import CLASSES, estimator_class, probe, staleness
 from opd.config import TrainConfig, build_config, merge, resolve_generation
 from opd.errors import OpdError, require
 from opd.plan import Plan
+from opd.pretrain import FAMILIES
 from opd.runlog import read_metrics
+from opd.schema import Schema, check, parse_json, parse_yaml, problem, read_text
 
 DEFAULT_GRID = """
 families: [llama, qwen3]
@@ -66,40 +76,75 @@ CURVE_POINTS = 30
 AVERAGED = ("mismatch/", "is/", "opd/", "stale/", "loss/", "train/grad_norm", "rollout/", "throughput/")
 
 
+Seed = Annotated[int, Field(ge=0, lt=2 ** 32)]  # torch and numpy take seeds in [0, 2**32)
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class GridPoint(Schema):
+    source: str
+    level: str | int | Finite
+    set: dict[str, Any] | None = None  # TrainConfig keys (checked by build_config in expand)
+    seeds: list[Seed] | None = Field(None, min_length=1)
+
+
+class Grid(Schema):
+    families: list[Literal[FAMILIES]] = Field(["llama"], min_length=1)
+    base: dict[str, Any] = {}
+    estimators: dict[str, dict[str, Any] | None] = Field(min_length=1)
+    seeds: list[Seed] = Field([0], min_length=1)
+    points: list[GridPoint] = Field(min_length=1)
+
+
 def load_grid(path: Path | None) -> dict:
-    try:
-        grid = yaml.safe_load(path.read_text() if path else DEFAULT_GRID)
-    except FileNotFoundError:
-        raise OpdError(f"grid file {path} not found", "pass a YAML grid (see opd/sweep.py)") from None
-    except yaml.YAMLError as e:
-        raise OpdError(f"grid file {path} is not valid YAML ({str(e).splitlines()[0]})", "fix the YAML") from None
-    require(isinstance(grid, dict) and grid.get("points") and grid.get("estimators"),
-            f"grid {path or 'default'} needs `estimators` and `points`", "see the example in opd/sweep.py")
-    for i, point in enumerate(grid["points"]):
-        require(isinstance(point, dict) and "source" in point and "level" in point,
-                f"grid point {i + 1} needs `source` and `level`", "e.g. {source: kv, level: fp8_e4m3, set: {...}}")
+    where = str(path) if path else "the default grid"
+    grid = parse_yaml(read_text(path, "grid file") if path else DEFAULT_GRID, where)
+    check_grid(grid, where)
     return grid
+
+
+def check_grid(grid, where: str = "the grid") -> Grid:
+    """The grid's shape; the old messages for a grid without estimators or points, or a point without its source and
+    level (the first thing a grid written by hand gets wrong)."""
+    fix = "see the example in opd/sweep.py"
+    try:
+        return Grid.model_validate(grid)
+    except ValidationError as e:
+        loc = e.errors()[0]["loc"]
+        if not isinstance(grid, dict) or not (grid.get("points") and grid.get("estimators")):
+            raise OpdError(f"{where}: a grid needs `estimators` and `points` ({problem(e)})", fix) from None
+        if len(loc) == 3 and loc[0] == "points" and loc[2] in ("source", "level") \
+                and e.errors()[0]["type"] == "missing":
+            raise OpdError(f"{where}: grid point {loc[1] + 1} needs `source` and `level`",
+                           "e.g. {source: kv, level: fp8_e4m3, set: {...}}") from None
+        raise OpdError(f"{where}: {problem(e)}", fix) from None
 
 
 def expand(grid: dict, families: list[str] | None = None) -> list[dict]:
     """-> one spec per run: {id, family, estimator, source, level, seed, cfg}; configs are validated here, so a bad
-    grid fails before the first run starts."""
-    runs = []
-    for family in families or grid.get("families", ["llama"]):
-        for name, est in grid["estimators"].items():
-            for point in grid["points"]:
-                for seed in point.get("seeds", grid.get("seeds", [0])):
-                    values = merge(merge(merge(dict(grid.get("base", {})), est or {}), point.get("set") or {}),
+    grid fails before the first run starts. Two runs with one id (a point given twice) would share a run folder and
+    replace each other's results line: an error too."""
+    shape = check_grid(grid)
+    runs, seen = [], set()
+    for family in dict.fromkeys(families or shape.families):  # each once
+        for name, est in shape.estimators.items():
+            for point in shape.points:
+                for seed in point.seeds or shape.seeds:
+                    values = merge(merge(merge(dict(shape.base), est or {}), point.set or {}),
                                    {"family": family, "seed": seed})
-                    run_id = f"{family}/{name}/{point['source']}={point['level']}/seed{seed}"
+                    run_id = f"{family}/{name}/{point.source}={point.level}/seed{seed}"
+                    require(run_id not in seen, f"grid runs {run_id} twice",
+                            "give each point its own source=level, or merge their seeds")
+                    seen.add(run_id)
                     try:
                         cfg = build_config(values)
                         if isinstance(cfg.plan, str):  # the layer count is known only later: check the names now
                             Plan.parse(cfg.plan, PLAN_CHECK_LAYERS)
+                        else:
+                            Plan.from_mapping(cfg.plan, PLAN_CHECK_LAYERS)
                     except OpdError as e:
                         raise OpdError(f"grid run {run_id}: {e.problem}", e.fix) from None
-                    runs.append({"id": run_id, "family": family, "estimator": name, "source": point["source"],
-                                 "level": point["level"], "seed": seed, "cfg": cfg})
+                    runs.append({"id": run_id, "family": family, "estimator": name, "source": point.source,
+                                 "level": point.level, "seed": seed, "cfg": cfg})
     return runs
 
 
@@ -143,19 +188,105 @@ def stored_config(row: dict) -> TrainConfig:
     return build_config({k: v for k, v in row["config"].items() if k in known})
 
 
-def read_results(path: Path) -> list[dict]:
-    """The results file's lines (a torn or corrupt line, e.g. from a killed writer, is skipped with a warning)."""
+def _not_negative(value: float) -> float:
+    if value < 0:
+        raise ValueError("a number >= 0 (or NaN)")
+    return value
+
+
+Ratio = Annotated[float, AfterValidator(_not_negative)]  # nsr and its floor (NaN: the probe's rollouts were broken)
+
+
+class Probe(Schema):
+    """The probe numbers that calibration and decide() read (each may be absent in an older line)."""
+    nsr: Ratio = math.nan
+    floor_nsr: Ratio = 0.0
+    ess_frac: float = 1.0
+    kl_k3: float = 0.0
+    floor_kl_k3: float = 0.0
+    adv_sign_flip: float = 0.0
+    kv_clipped_k: float = 0.0
+    kv_clipped_v: float = 0.0
+
+
+class Eval(Schema):
+    rkl: Finite = Field(alias="eval/rkl")
+
+
+class EvalAfter(Eval):
+    accuracy: Finite = Field(alias="eval/accuracy")
+
+
+class TrainMeans(Schema):
+    total_kl_k3: Finite | None = Field(None, alias="stale/total_kl_k3")
+    kl_k3: Finite | None = Field(None, alias="mismatch/kl_k3")
+
+
+class Curve(Schema):
+    step: list[int]
+    rkl_sampled: list[Finite | None]
+    total_kl_k3: list[Finite | None] = []
+
+    @model_validator(mode="after")
+    def _aligned(self):
+        if len(self.step) != len(self.rkl_sampled):
+            raise ValueError("step and rkl_sampled of one length")
+        return self
+
+
+class StoredConfig(Schema):
+    lr: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class Result(Schema):
+    """A results line as tolerance.py (plots, knees), admission.calibrate and the resume read it."""
+    id: str
+    key: str
+    family: Literal[FAMILIES]
+    estimator: str
+    source: str
+    level: str | int | Finite
+    seed: Seed
+    class_: Literal[CLASSES] = Field(alias="class")
+    staleness: Annotated[int, Field(ge=0)]
+    config: StoredConfig
+    probe: Probe
+    before: Eval
+    after: EvalAfter
+    train: TrainMeans
+    curve: Curve
+
+
+def read_results(path: Path, warn: bool = True) -> list[dict]:
+    """The results file's lines. A line that is torn (a killed writer), not UTF-8, not JSON or not a result's shape is
+    skipped with a warning (the module docstring says why)."""
     if not path.is_file():
         return []
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
+    for n, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        if not raw.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            print(f"opd: warning: {path}:{n} is not a complete JSON line; ignored", file=sys.stderr)
+            rows.append(_result(raw, f"{path}:{n}"))
+        except OpdError as e:
+            if warn:
+                print(f"opd: warning: {e.problem}; ignored", file=sys.stderr)
     return rows
+
+
+def _result(raw: bytes, where: str) -> dict:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise OpdError(f"{where} is not UTF-8 text (byte {e.start})") from None
+    try:
+        row = parse_json(line, where)
+    except OpdError:  # torn, or not JSON at all
+        raise OpdError(f"{where} is not a complete JSON line") from None
+    if not isinstance(row, dict):
+        raise OpdError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    check(Result, row, where)
+    return row
 
 
 def append_result(path: Path, row: dict) -> None:
@@ -183,21 +314,33 @@ def git_sha() -> str:
 
 
 def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress: bool = True) -> list[dict]:
-    """Run every run of the grid not yet in out/results.jsonl; returns all results."""
+    """Run every run of the grid not yet in out/results.jsonl; returns all results. Several sweeps may share one
+    --out: before each run the results are read again (another sweep may have finished it meanwhile), and a run whose
+    folder another live process holds (train's lock) is left to it."""
+    from opd.runlog import RunDirLocked
     from opd.trainer import probe_setup, train
     results_path = out / "results.jsonl"
-    runs = expand(grid, families)
+    runs = expand(grid, families)  # the whole grid is valid, and --out writable, before the first run
+    check_writable(out)
     done = finished_keys(read_results(results_path))
     todo = [r for r in runs if config_key(r["cfg"]) not in done]
     if progress:
         print(f"sweep: {len(runs)} runs, {len(runs) - len(todo)} already in {results_path}", file=sys.stderr)
     for i, spec in enumerate(todo, 1):
         cfg, start = spec["cfg"], time.perf_counter()
+        if i > 1 and config_key(cfg) in finished_keys(read_results(results_path, warn=False)):
+            _note(progress, f"[{i}/{len(todo)}] {spec['id']}: finished by another sweep meanwhile; skipped")
+            continue
         setup, plan = probe_setup(cfg, PROBE_ROLLOUTS)
         numbers = probe(setup, plan)
         del setup
         run_dir = out / "runs" / spec["id"].replace("/", "__")
-        summary = train(cfg, run_dir, overwrite=True, progress=False)
+        try:
+            summary = train(cfg, run_dir, overwrite=True, progress=False)
+        except RunDirLocked as e:
+            print(f"opd: note: {spec['id']} skipped: another sweep (process {e.pid}) is running it in {run_dir}",
+                  file=sys.stderr)
+            continue
         rows = read_metrics(run_dir)
         row = {"id": spec["id"], "key": config_key(cfg), "family": spec["family"], "estimator": spec["estimator"],
                "class": estimator_class(cfg.loss), "source": spec["source"], "level": spec["level"],
@@ -206,12 +349,28 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
                "curve": curve(rows), "train_s": summary["time/step"], "eval_s": summary["time/eval"],
                "wall_s": time.perf_counter() - start, "git": git_sha(), "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
         append_result(results_path, row)
-        if progress:
-            print(f"[{i}/{len(todo)}] {spec['id']}: rkl {row['before']['eval/rkl']:.3f} -> "
-                  f"{row['after']['eval/rkl']:.3f}, accuracy {row['after']['eval/accuracy']:.3f}, "
-                  f"total_kl_k3 {row['train'].get('stale/total_kl_k3', float('nan')):.3g}, "
-                  f"{row['wall_s']:.0f} s", file=sys.stderr)
+        _note(progress, f"[{i}/{len(todo)}] {spec['id']}: rkl {row['before']['eval/rkl']:.3f} -> "
+                        f"{row['after']['eval/rkl']:.3f}, accuracy {row['after']['eval/accuracy']:.3f}, "
+                        f"total_kl_k3 {row['train'].get('stale/total_kl_k3', float('nan')):.3g}, "
+                        f"{row['wall_s']:.0f} s")
     return read_results(results_path)
+
+
+def _note(progress: bool, line: str) -> None:
+    if progress:
+        print(line, file=sys.stderr)
+
+
+def check_writable(out: Path) -> None:
+    """--out can hold the run folders and results.jsonl (checked before hours of runs, not after the first)."""
+    results = out / "results.jsonl"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OpdError(f"cannot create the sweep folder {out}: {e.strerror or e}", "choose a writable --out") from None
+    require(os.access(out, os.W_OK | os.X_OK), f"cannot write into the sweep folder {out}", "choose a writable --out")
+    require(not results.exists() or (results.is_file() and os.access(results, os.W_OK)),
+            f"cannot append to {results}", "make it a writable file, or choose another --out")
 
 
 def averages(rows: list[dict]) -> dict:

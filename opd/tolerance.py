@@ -204,6 +204,11 @@ def _figure(rows: list[dict]):
     return fig, {(f, e): axes[i][j] for i, f in enumerate(families) for j, e in enumerate(estimators)}
 
 
+def _label(text: str) -> str:
+    """Text for a figure: a `$` would start matplotlib's math mode."""
+    return text.replace("$", "\\$")
+
+
 def plot_quality(rows: list[dict], path: Path) -> None:
     """Final reverse KL vs measured mismatch: one marker per source, every seed its own point, the BF16 band."""
     fig, axes = _figure(rows)
@@ -216,13 +221,13 @@ def plot_quality(rows: list[dict], path: Path) -> None:
             ax.axhline(b["limit"], color="tab:red", lw=0.8, ls="--", label="degraded above")
         for source in sorted({r["source"] for r in group}):
             pts = [(max(r["mismatch"], 1e-7), r["after"][QUALITY]) for r in group if r["source"] == source]
-            ax.scatter(*zip(*pts), marker=MARKERS.get(source, "x"), label=source, alpha=0.8)
+            ax.scatter(*zip(*pts), marker=MARKERS.get(source, "x"), label=_label(source), alpha=0.8)
         for k in knees(rows):
             if (k["family"], k["estimator"]) == key and k["knee"] is not None:
                 ax.axvline(k["knee"], color="gray", lw=0.8, ls=":")
         ax.set_xscale("log")
         ax.set_yscale("log")  # collapsed runs sit orders of magnitude above the rest
-        ax.set(title=f"{key[0]} / {key[1]}", xlabel="rollout vs learner KL (total_kl_k3, mean over training)",
+        ax.set(title=_label(f"{key[0]} / {key[1]}"), xlabel="rollout vs learner KL (total_kl_k3, mean over training)",
                ylabel="held-out reverse KL to teacher (after)")
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -237,9 +242,9 @@ def plot_curves(rows: list[dict], path: Path) -> None:
         for r in sorted(groups(rows).get(key, []), key=lambda r: r["source"]):
             color = colors.setdefault(r["source"], f"C{len(colors)}")
             ax.plot(r["curve"]["step"], r["curve"]["rkl_sampled"], color=color, alpha=0.7, lw=1,
-                    label=f"{r['source']}={r['level']}")
+                    label=_label(f"{r['source']}={r['level']}"))
         ax.set_yscale("symlog", linthresh=0.1)  # a sampled estimate: it can dip below zero
-        ax.set(title=f"{key[0]} / {key[1]}", xlabel="step", ylabel="reverse KL on the rollouts (sampled)")
+        ax.set(title=_label(f"{key[0]} / {key[1]}"), xlabel="step", ylabel="reverse KL on the rollouts (sampled)")
         ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     save(fig, path)

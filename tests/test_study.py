@@ -1,6 +1,8 @@
 """The tolerance study: sweep resume, the results file, degraded/knee on synthetic results, plots, sensitivity."""
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 import yaml
@@ -50,9 +52,25 @@ def test_sweep_writes_one_line_per_run_and_resume_skips_finished_runs(pair, tmp_
     assert len(rows) == 4 and [c.plan for c in trained] == ["noise=0.5"]  # only the new point ran
 
 
+@pytest.mark.reliability
+def test_a_run_another_sweep_is_writing_is_skipped_and_run_later(pair, tmp_path, capsys):
+    """Two sweeps may share one results file; a run whose folder another process holds (RunLock) is skipped with a
+    note, not run twice into one folder, and the next sweep runs it."""
+    from opd.runlog import RunLock
+    points = [{"source": "bf16", "level": 0, "set": {"plan": "kv=bf16"}, "seeds": [0, 1]}]
+    held = tmp_path / "runs" / "llama__full_rkl__bf16=0__seed0"
+    with RunLock(held):  # as if another sweep were running it now
+        rows = run_sweep(tiny_grid(pair, points), tmp_path, progress=False)
+    assert [r["id"] for r in rows] == ["llama/full_rkl/bf16=0/seed1"]
+    assert f"another sweep (process {os.getpid()}) is running it" in capsys.readouterr().err
+    rows = run_sweep(tiny_grid(pair, points), tmp_path, progress=False)
+    assert sorted(r["id"] for r in rows) == ["llama/full_rkl/bf16=0/seed0", "llama/full_rkl/bf16=0/seed1"]
+
+
 def test_a_torn_last_line_is_ignored(tmp_path, capsys):
     path = tmp_path / "results.jsonl"
-    path.write_text(json.dumps({"id": "a", "key": "k"}) + "\n" + '{"id": "b", "ke')
+    row = json.loads((Path(__file__).parent.parent / "benchmarks/data/numerics_results.jsonl").read_text().splitlines()[0]) | {"id": "a"}
+    path.write_text(json.dumps(row) + "\n" + '{"id": "b", "ke')
     assert [r["id"] for r in read_results(path)] == ["a"]
     assert "not a complete JSON line" in capsys.readouterr().err
 
