@@ -4,21 +4,28 @@ Each async run spawns a worker process (about 2-3 s to import torch), so these r
 """
 import json
 import multiprocessing
-from functools import partial
 import os
+import pickle
 import signal
 import time
+from dataclasses import asdict
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from opd.async_rollouts import recompute
+from opd import wire
+from opd.async_rollouts import (AsyncRollouts, Channel, Result, RolloutWorker, WorkerSpec, plan_from_tree, plan_tree,
+                                recompute, rollout_from_tree, rollout_tree, spec_from_tree, spec_tree)
 from opd.checkpoint import load_checkpoint
-from opd.engine import Engine
+from opd.engine import Engine, Rollout
 from opd.errors import OpdError
 from opd.learner import collate, completion_logprobs
 from opd.losses import kl
 from opd.metrics import exact_kl_metric
+from opd.model import ModelConfig
+from opd.plan import Plan
 from opd.runlog import read_metrics
 from opd.sampling import SamplingParams
 from opd.trainer import train
@@ -136,7 +143,7 @@ def test_ctrl_c_leaves_a_resumable_run(pair, tmp_path):
 
     def interrupt(step, run):
         if step == 2:
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the trainer stops at the step boundary and saves
 
     with pytest.raises(KeyboardInterrupt):
         train(cfg, tmp_path / "run", progress=False, on_step=interrupt)
@@ -208,3 +215,100 @@ def test_bad_async_settings(pair, tmp_path, setting, message):
     settings = [f"student={student}", f"teacher={teacher}", "schedule=async", setting]
     result = opd("train", *[a for s in settings for a in ("--set", s)], "--run-dir", str(tmp_path / "run"))
     assert_one_line_error(result, message)
+
+
+# -- the channel: tensors + JSON over a bytes-only pipe, never pickle ------------------------------------------------
+class Marker:
+    """Unpickling this creates a file: the proof that a payload was executed."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def listening_worker():
+    """A trainer-side handle on a pipe whose other end the test writes to (as the worker would)."""
+    here, there = multiprocessing.Pipe()
+    worker = RolloutWorker("rollout-0", None, timeout=5.0)
+    worker.process, worker.channel = multiprocessing.current_process(), Channel(here)  # alive: it is this process
+    return worker, there
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("payload", ["pickle", "torch.save", "unknown kind"])
+def test_a_pickle_payload_from_the_worker_is_refused_never_run(tmp_path, payload):
+    marker = tmp_path / "executed"
+    if payload == "pickle":
+        data = pickle.dumps(Marker(marker))
+    elif payload == "torch.save":
+        torch.save({"rollouts": Marker(marker)}, tmp_path / "blob.pt")
+        data = (tmp_path / "blob.pt").read_bytes()
+    else:
+        data = wire.encode({"kind": "exec", "code": "open(...)"})
+    worker, there = listening_worker()
+    there.send_bytes(data)
+    with pytest.raises(OpdError, match="a message from rollout worker rollout-0 is not ") as error:
+        worker.receive()
+    assert "\n" not in str(error.value)
+    assert not marker.exists()
+
+
+@pytest.mark.reliability
+def test_both_ends_can_send_large_messages_before_either_reads():
+    """The feeder threads: with plain pipe writes, two sides each sending more than the pipe holds would deadlock."""
+    a, b = (Channel(conn) for conn in multiprocessing.Pipe())
+    big = [bytes([i]) * (4 << 20) for i in range(4)]  # 16 MB each way, far beyond a pipe's buffer
+    for data in big:
+        a.send(data)
+        b.send(data)
+    assert [a.receive(timeout=30) for _ in big] == big and [b.receive(timeout=30) for _ in big] == big
+
+
+def through_wire(tree):
+    return wire.decode(wire.encode(tree))
+
+
+@pytest.mark.parametrize("text", ["", "kv=fp8_e4m3 kv_scale=calibrate; 0,3: kv=bf16", "w=int4 kv=int8 kv_scale=dynamic",
+                                  "kv=int4 kv_group=16 kv_per_head=true; 2: kv=fp8_e5m2 kv_scale=dynamic",
+                                  "1: noise=0.01 key_outlier=3.5; 2-3: w=fp8_block", "forward=bf16 kv=bf16",
+                                  "forward=bf16 kv=fp8_e4m3 kv_round=zero", "kv_group=64 kv=fp8_e4m3"])
+def test_a_plan_round_trips_exactly(text):
+    plan = Plan.parse(text, 4)
+    assert plan_from_tree(through_wire(plan_tree(plan))) == plan
+    if text == "kv_group=64 kv=fp8_e4m3":  # why not str(plan): the canonical string drops kv_group off int4
+        assert Plan.parse(str(plan), 4) != plan
+
+
+def test_a_worker_spec_and_rollouts_round_trip_exactly():
+    spec = WorkerSpec(asdict(ModelConfig(rope_scaling={"rope_type": "linear", "factor": 2.0})), [2, 7], 0,
+                      Plan.parse("kv=fp8_e4m3 kv_scale=calibrate; 0: kv=bf16 noise=0.02", 4), 5,
+                      SamplingParams(16, temperature=0.7, top_k=5, top_p=0.9, stop_token_ids=(3, 4)), 1,
+                      return_hidden=True, recompute=True, recompute_fraction=0.5, device="cpu", dtype="bfloat16")
+    assert spec_from_tree(through_wire(spec_tree(spec))) == spec
+    rollouts = [Rollout([1, 20, 21], [5, 2], [-0.1, -1e-300], [-2.5, -1 / 3], "stop", 3, torch.randn(2, 8),
+                        q=[-0.2, 0.0], kl_exact=[1e-9, -0.0]),
+                Rollout([1], [], [], [], "length", 0)]
+    for r in rollouts:
+        back = rollout_from_tree(through_wire(rollout_tree(r)))
+        assert (back.hidden is None) == (r.hidden is None) and (r.hidden is None or torch.equal(back.hidden, r.hidden))
+        assert {**vars(back), "hidden": None} == {**vars(r), "hidden": None}
+        assert all(type(x) is type(y) for k in ("logprobs", "completion_ids")
+                   for x, y in zip(getattr(back, k), getattr(r, k)))
+
+
+def test_the_async_state_round_trips_through_wire():
+    """What the trainer saves in a checkpoint: finished batches (with hidden states), keys and counters."""
+    cfg = SimpleNamespace(lookahead=2, worker_timeout=5.0)
+    one, other = AsyncRollouts(cfg, None, None), AsyncRollouts(cfg, None, None)
+    one.next_index, one.counts = 4, {"dropped": 1, "requeued": 2, "worker_restarts": 0}
+    one.order.extend([(1, 1), (2, 0), (3, 0)])
+    batch = [Rollout([1, 2], [3], [-0.5], [-0.6], "length", 1, torch.randn(1, 4))]
+    one.ready[(2, 0)] = Result(batch, (1.0, 2.0), 0.0)
+    state = one.state_dict(wait=False)
+    other.load_state_dict(through_wire(state))
+    assert (other.next_index, other.counts, other.order, list(other.ready)) == (4, one.counts, one.order, [(2, 0)])
+    (back,) = other.ready[(2, 0)].rollouts
+    assert torch.equal(back.hidden, batch[0].hidden) and {**vars(back), "hidden": 0} == {**vars(batch[0]), "hidden": 0}
+    assert other.state_dict(wait=False)["order"] == state["order"]
