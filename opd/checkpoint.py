@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from opd.errors import OpdError, require
 from opd.model import ModelConfig, Transformer, empty_model
 from opd.rope import check_scaling
-from opd.schema import Schema, check, read_json
+from opd.schema import Schema, check, read_json, read_object
 from opd.tokenizer import GENERATION_KEYS, TextTokenizer
 
 MANIFEST = "opd_manifest.json"
@@ -431,14 +431,8 @@ def load_model(folder, dtype: torch.dtype = torch.float32, device: torch.device 
 
 def generation_config(folder) -> dict:
     """generation_config.json of a checkpoint folder, checked against GenerationSchema ({} when it has none)."""
-    path = Path(folder) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    fix = "fix generation_config.json, or delete it to use opd's defaults"
-    data = read_json(path, "generation_config.json", fix)
-    require(isinstance(data, dict), f"{path}: expected a JSON object, got {type(data).__name__}", fix)
-    check(GenerationSchema, data, str(path), fix)
-    return data
+    return read_object(Path(folder) / "generation_config.json", GenerationSchema,
+                       "fix generation_config.json, or delete it to use opd's defaults", optional=True)
 
 
 def load_tokenizer(folder, cfg: ModelConfig) -> TextTokenizer:

@@ -20,7 +20,7 @@ from opd.scoring import check_name as check_scoring
 from opd.engine import Engine
 from opd.errors import OpdError, require
 from opd.evaluate import greedy_accuracy
-from opd.pretrain import FAMILIES, ROLES, PretrainConfig, default_cache_dir, pretrain
+from opd.pretrain import FAMILIES, ROLES, PretrainConfig, check_cache_dir, pretrain
 from opd.plan import Plan
 from opd.sampling import SamplingParams
 from opd.sensitivity import SETTINGS
@@ -28,13 +28,14 @@ from opd.task import TASKS, get_task, held_out_examples
 from opd.vllm_engine import VllmEngine, import_vllm
 
 
-def cmd_pretrain(family: str, role: str, task: str, steps: int, seed: int, cache_dir: Path, force: bool,
+def cmd_pretrain(family: str, role: str, task: str, steps: int, seed: int, cache_dir: Path | None, force: bool,
                  jobs: int, threads: int) -> None:
     """Train (or reuse from the cache) the built-in teacher/student pairs and print their held-out accuracy."""
     families = FAMILIES if family == "all" else (family,)
     roles = ROLES if role == "both" else (role,)
     configs = [PretrainConfig(family=f, role=r, task=task, steps=steps, seed=seed, threads=threads)
                for r in roles for f in families]
+    cache_dir = check_cache_dir(cache_dir)  # a usable cache before minutes of training, not after
     args = [(c, cache_dir, force, jobs == 1) for c in configs]
     if jobs == 1:
         results = [_pretrain_job(a) for a in args]
@@ -61,7 +62,7 @@ def cmd_eval(model: Path, task: str, prompts: Path | None, prompt_key: str, answ
     check_scoring(scoring)
     net, tok = load_checkpoint(model, device=devices.resolve(device))
     parsed = Plan.parse(plan, net.cfg.num_layers)
-    examples = read_prompts(prompts, PromptFormat(prompt_key, answer_key, chat))[:n] if prompts \
+    examples = read_prompts(prompts, PromptFormat(prompt_key, answer_key, chat), tok)[:n] if prompts \
         else held_out_examples(get_task(task), n)
     if scoring != "none" and not any(ex.answer is not None for ex in examples):
         raise OpdError(f"no prompt in {prompts} has an answer ({answer_key!r}) to score",
@@ -88,7 +89,7 @@ def cmd_generate(model: Path, prompt: list[str] | None, prompts: Path | None, pr
     net, tok = load_checkpoint(model, device=devices.resolve(device) if engine_name == "builtin" else "cpu")
     fmt = PromptFormat(prompt_key, chat=chat)
     texts = [[{"role": "user", "content": p}] if chat else p for p in prompt] if prompt else \
-        [ex.prompt for ex in (read_prompts(prompts, fmt)[:n] if prompts else held_out_examples(get_task(task), n))]
+        [ex.prompt for ex in (read_prompts(prompts, fmt, tok)[:n] if prompts else held_out_examples(get_task(task), n))]
     defaults = tok.generation
     temperature = temperature if temperature is not None else defaults.get("temperature", 1.0)
     top_k = top_k if top_k is not None else defaults.get("top_k", 0)
@@ -137,8 +138,9 @@ def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, r
     print(f"{'':10} {'accuracy':>9} {'sampled':>9} {'rkl':>9}")
     for name, row in (("before", before), ("after", after)):
         if row:
-            cells = [f"{row[k]:>9.3f}" if k in row else f"{'-':>9}" for k in ("eval/accuracy", "eval/sampled_accuracy")]
-            print(f"{name:10} {' '.join(cells)} {row['eval/rkl']:>9.4f}")
+            cells = [f"{row[k]:>9.{digits}f}" if isinstance(row.get(k), (int, float)) else f"{'-':>9}"
+                     for k, digits in (("eval/accuracy", 3), ("eval/sampled_accuracy", 3), ("eval/rkl", 4))]
+            print(f"{name:10} {' '.join(cells)}")
     print(f"{summary['steps']} steps in {summary['time/step']:.0f} s (+{summary['time/eval']:.0f} s eval), "
           f"plan: {summary['plan']}; logs in {run_dir}")
 
@@ -233,13 +235,31 @@ def cmd_report(run_dirs: list[Path], out: Path) -> None:
     print(f"wrote {write_report(run_dirs, out)} and {out / 'report.html'}")
 
 
-def positive_int(text: str) -> int:
+def int_in(low: int, high: int | None = None, high_text: str = ""):
+    """An argparse type: an integer in [low, high) (high_text: how the message writes high)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value >= high):
+            raise argparse.ArgumentTypeError(f"must be positive, got {value}" if (low, high) == (1, None) else
+                                             f"must be in [{low}, {high_text or high}), got {value}")
+        return value
+    return parse
+
+
+positive_int = int_in(1)
+seed = int_in(0, 2 ** 32, "2**32")
+
+
+def finite_float(text: str) -> float:
     try:
-        value = int(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     return value
 
 
@@ -258,8 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", choices=ROLES + ("both",), default="both")
     p.add_argument("--task", choices=list(TASKS), default="chain")
     p.add_argument("--steps", type=int, default=0, help="optimizer steps (0: the role's default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="default: $OPD_CACHE or ~/.cache/opd")
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--cache-dir", type=Path, help="default: $OPD_CACHE or ~/.cache/opd")
     p.add_argument("--force", action="store_true", help="retrain even if the cache has the model")
     p.add_argument("--jobs", type=positive_int, default=2, help="models trained in parallel processes")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per model (part of the config)")
@@ -288,11 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", choices=list(TASKS), default="chain")
     p.add_argument("--n", type=positive_int, default=4, help="held-out prompts when no prompt is given")
     p.add_argument("--plan", default="", help='precision plan, e.g. "kv=fp8_e4m3; 0,3: kv=bf16" (see plan.py)')
-    p.add_argument("--temperature", type=float, help="default: generation_config.json's, else 1")
+    p.add_argument("--temperature", type=finite_float, help="default: generation_config.json's, else 1")
     p.add_argument("--top-k", type=int, help="default: generation_config.json's, else 0 (off)")
-    p.add_argument("--top-p", type=float, help="default: generation_config.json's, else 1 (off)")
+    p.add_argument("--top-p", type=finite_float, help="default: generation_config.json's, else 1 (off)")
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: the task's default")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--json", dest="as_json", action="store_true", help="one JSON record per completion")
     p.add_argument("--engine", dest="engine_name", choices=["builtin", "vllm"], default="builtin",
                    help="vllm: real vLLM (pip install -e '.[vllm]'); whole-model plans only")
@@ -345,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="the training config (YAML) whose rollout set-up is checked")
     p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE", help="as in `opd train`")
     p.add_argument("--thresholds", default="", help="from `opd calibrate` (default: the shipped opd/thresholds.json)")
-    p.add_argument("--limit", type=float, default=0.0,
+    p.add_argument("--limit", type=finite_float, default=0.0,
                    help="override the limit on the noise-to-signal ratio nsr (0: the calibrated one)")
     p.add_argument("--rollouts", type=positive_int, default=16, help="probe batch size")
     p.add_argument("--json", dest="as_json", action="store_true", help="print the full result as JSON")
@@ -367,9 +387,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"opd: error: {e.strerror or e}{where} (check that the path exists and is writable, and that the disk "
               "has room)", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("opd: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        from opd.trainer import Interrupted
+        if isinstance(e, Interrupted) and e.at_boundary:
+            print("opd: interrupted: the run is saved; --resume continues it exactly", file=sys.stderr)
+        else:
+            print("opd: interrupted", file=sys.stderr)
+        return 128 + getattr(e, "signum", 2)
     return status or 0
 
 

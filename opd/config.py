@@ -11,6 +11,7 @@ A YAML file holds any subset of the fields below (the rest keep their defaults);
 types and bad values are errors that name the key.
 """
 import difflib
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -30,6 +31,8 @@ GUARD_ACTIONS = ("warn", "fallback", "stop")
 LR_SCHEDULES = ("cosine", "constant")
 LONG_PROMPTS = ("refuse", "drop")
 FILE_PROMPT_TOKENS = 512  # max_new_tokens with a prompt file when neither the config nor the checkpoint sets it
+SEED_LIMIT = 2 ** 32  # seeds are in [0, SEED_LIMIT): sampler_seed(seed, step) must stay a 64-bit generator seed
+INT_LIMIT = 2 ** 31  # any other integer setting (a count or a size) is below it
 
 
 @dataclass
@@ -91,6 +94,9 @@ class TrainConfig:
     eval_batch_size: int = 0  # held-out prompts per generation batch; 0: 2**24 floats / vocab (all, at vocab 100)
 
     def __post_init__(self):
+        check_numbers(self, "")
+        require(isinstance(self.loss, LossConfig), f"config: loss must be a mapping, got {self.loss!r}")
+        check_numbers(self.loss, "loss.")
         require(self.family in FAMILIES, f"unknown family {self.family!r}", f"use one of {', '.join(FAMILIES)}")
         require(bool(self.student) == bool(self.teacher), "give both student and teacher, or neither",
                 "neither: the built-in pair of `family`")
@@ -115,6 +121,7 @@ class TrainConfig:
         check_scoring(self.scoring)
         require(self.lr > 0, f"config: lr must be positive, got {self.lr}")
         require(self.grad_clip > 0, f"config: grad_clip must be positive, got {self.grad_clip}")
+        require(self.weight_decay >= 0, f"config: weight_decay must be >= 0, got {self.weight_decay}")
         require(isinstance(self.plan, (str, dict)), f"config: plan must be a string or a mapping, got {self.plan!r}")
         require(self.lr_schedule in LR_SCHEDULES, f"unknown lr_schedule {self.lr_schedule!r}",
                 f"use one of {', '.join(LR_SCHEDULES)}")
@@ -173,6 +180,22 @@ class TrainConfig:
         return asdict(self)
 
 
+def check_numbers(section, prefix: str) -> None:
+    """Every float setting finite, every integer one within its range: checked when the config is read, so a bad value
+    fails before anything is loaded or trained, not later with a message that blames something else."""
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        name = prefix + f.name
+        if isinstance(value, float):
+            require(math.isfinite(value), f"config: {name} must be a finite number, got {value}")
+        elif "seed" in f.name:
+            require(0 <= value < SEED_LIMIT, f"config: {name} must be in [0, 2**32), got {value}")
+        else:
+            require(abs(value) < INT_LIMIT, f"config: {name} is out of range, got {value}", "use a value below 2**31")
+
+
 def _checked_keys(values: dict, cls, prefix: str = "") -> dict:
     names = [f.name for f in fields(cls)]
     for key in values:
@@ -194,17 +217,21 @@ def _typed(key: str, value, default):
         ok = isinstance(value, bool)
     elif isinstance(default, float):
         value = _yaml11_float(value)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+            (isinstance(value, float) or abs(value) < 1e308)
         value = float(value) if ok else value
     elif isinstance(default, int):
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif isinstance(default, str) and key == "plan":
-        ok = isinstance(value, (str, dict))
+        ok = isinstance(value, str) or (isinstance(value, dict) and all(
+            isinstance(k, (str, int)) and not isinstance(k, bool) and isinstance(v, str) for k, v in value.items()))
     elif isinstance(default, str):
         ok = isinstance(value, str)
     else:
         ok = True
-    require(ok, f"config: {key} must be a {type(default).__name__}, got {value!r}")
+    expected = "a string or a mapping of layers to settings strings" if key == "plan" else \
+        f"a {type(default).__name__}"
+    require(ok, f"config: {key} must be {expected}, got {value!r:.60}")
     return value
 
 
@@ -218,20 +245,39 @@ def _yaml11_float(value):
     return value
 
 
-def build_config(values: dict) -> TrainConfig:
-    """A TrainConfig from a (possibly nested) mapping, with key and type checks."""
-    require(isinstance(values, dict), f"config: expected a mapping of keys to values, got {type(values).__name__}")
-    _checked_keys(values, TrainConfig)
-    defaults, loss_defaults = TrainConfig(), asdict(LossConfig())
-    out = {}
-    for key, value in values.items():
-        if key == "loss":
-            require(isinstance(value, dict), "config: loss must be a mapping", "e.g. loss: {name: full_rkl}")
-            _checked_keys(value, LossConfig, "loss.")
-            out["loss"] = LossConfig(**{k: _typed(f"loss.{k}", v, loss_defaults[k]) for k, v in value.items()})
-        else:
-            out[key] = _typed(key, value, getattr(defaults, key))
-    return TrainConfig(**out)
+def _checked_values(values, where: str = "config") -> dict:
+    """values with their keys and types checked (no range checks yet: TrainConfig's own); errors name `where`."""
+    try:
+        require(isinstance(values, dict), f"config: expected a mapping of keys to values, got {type(values).__name__}",
+                "write key: value lines")
+        _checked_keys(values, TrainConfig)
+        defaults, loss_defaults = TrainConfig(), asdict(LossConfig())
+        out = {}
+        for key, value in values.items():
+            if key == "loss":
+                require(isinstance(value, dict), "config: loss must be a mapping", "e.g. loss: {name: full_rkl}")
+                _checked_keys(value, LossConfig, "loss.")
+                out["loss"] = {k: _typed(f"loss.{k}", v, loss_defaults[k]) for k, v in value.items()}
+            else:
+                out[key] = _typed(key, value, getattr(defaults, key))
+        return out
+    except OpdError as e:
+        if where == "config":
+            raise
+        raise OpdError(f"{where}: {e.problem.removeprefix('config: ')}", e.fix) from None
+
+
+def build_config(values: dict, where: str = "config") -> TrainConfig:
+    """A TrainConfig from a (possibly nested) mapping, with key, type and range checks."""
+    out = _checked_values(values, where)
+    if "loss" in out:
+        out["loss"] = LossConfig(**out["loss"])
+    try:
+        return TrainConfig(**out)
+    except OpdError as e:
+        if where == "config":
+            raise
+        raise OpdError(f"{where}: {e.problem.removeprefix('config: ')}", e.fix) from None
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -241,7 +287,9 @@ def parse_overrides(pairs: list[str]) -> dict:
         key, eq, text = pair.partition("=")
         require(eq == "=" and key.strip(), f"--set {pair!r}: expected key=value", "e.g. --set lr=3e-4")
         try:
-            value = yaml.safe_load(text) if text.strip() else ""
+            value = yaml.load(text, Loader=_unique_key_loader()) if text.strip() else ""  # noqa: S506 (safe)
+        except yaml.constructor.ConstructorError as e:  # a key given twice
+            raise OpdError(f"--set {pair!r}: {e.problem}", "give each key once") from None
         except yaml.YAMLError:
             value = text
         *parents, leaf = key.strip().split(".")
@@ -253,6 +301,11 @@ def parse_overrides(pairs: list[str]) -> dict:
     return out
 
 
+def _unique_key_loader():
+    from opd.schema import UniqueKeyLoader  # pydantic comes with schema.py: not imported for a config alone
+    return UniqueKeyLoader
+
+
 def merge(base: dict, overrides: dict) -> dict:
     out = dict(base)
     for key, value in overrides.items():
@@ -261,15 +314,15 @@ def merge(base: dict, overrides: dict) -> dict:
 
 
 def load_config(path: Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """The config file (checked: UTF-8, YAML without duplicate keys, known keys of the right types, each error
+    naming the file) with the --set overrides applied, then range-checked as a whole."""
+    from opd.schema import read_yaml
     values = {}
     if path is not None:
-        path = Path(path)
-        require(path.is_file(), f"config file not found: {path}", "check the path")
-        try:
-            values = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise OpdError(f"{path}: not valid YAML ({str(e).splitlines()[0]})", "fix the file") from None
-        require(isinstance(values, dict), f"{path}: expected a mapping of config keys", "write key: value lines")
+        values = read_yaml(path, "config file", "fix the file") or {}
+        require(isinstance(values, dict), f"{path}: expected a mapping of config keys, got {type(values).__name__}",
+                "write key: value lines")
+        _checked_values(values, str(path))
     return build_config(merge(values, parse_overrides(list(overrides))))
 
 

@@ -3,58 +3,138 @@
     <run_dir>/config.yaml      the resolved config (what `--resume` checks against)
     <run_dir>/metrics.jsonl    one line per optimizer step: {"step": s, "time": unix seconds, "<ns>/<name>": value}
     <run_dir>/tb/              TensorBoard event files with the same scalars
-    <run_dir>/checkpoint/      the latest checkpoint: HF folder + trainer_state.pt (trainer.py)
+    <run_dir>/checkpoint/      the latest checkpoint: HF folder + trainer_state.json and .safetensors (trainer.py)
     <run_dir>/summary.json     before/after evaluation and timings, written when the run finishes
 
 A directory that already holds a run is never silently reused: `resume` continues it (the config must match,
 except `steps` and the async worker's fault limits), `overwrite` deletes it first, anything else is an error.
 Non-finite values are logged as null.
 """
+import fcntl
 import json
 import math
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
-import yaml
+from pydantic import StrictFloat, StrictInt, StrictStr, conint
 from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.summary import scalar
 
 from opd.config import TrainConfig, build_config, dump_config
 from opd.errors import OpdError, require
+from opd.schema import Schema, read_jsonl as read_checked_jsonl, read_yaml
 
 RESUMABLE_CHANGES = ("steps", "worker_timeout", "max_worker_restarts")  # change no result
 
 
-def prepare_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool, overwrite: bool) -> None:
+class RunDirLocked(OpdError):
+    """Another live process writes this run directory."""
+
+    def __init__(self, run_dir: Path, pid: int | None):
+        self.pid = pid
+        super().__init__(f"{run_dir} is in use by another opd process (pid {pid if pid else 'unknown'})",
+                         "wait for it to finish or stop it; two writers would mix their runs in one folder")
+
+
+class RunLock:
+    """One writer per run directory: `opd train` (and each run of `opd sweep`) holds an exclusive `flock` on the run
+    directory itself while it works. A second writer is refused with the holder's pid (from /proc/locks). The kernel
+    drops a flock when its process dies, however it dies (kill -9, a crash), so a dead writer's lock is never left
+    behind to be taken over, and no lock file is written: a refused command leaves the folder exactly as it was. The
+    folder is created if needed, and removed again on release if it is still empty (nothing was written)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.fd, self.created = Path(run_dir), None, False
+
+    def __enter__(self) -> "RunLock":
+        self.created = not self.run_dir.exists()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        require(self.run_dir.is_dir(), f"{self.run_dir} is not a folder", "choose a folder for --run-dir")
+        fd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = lock_holder(fd)
+            os.close(fd)
+            self._remove_created()
+            raise RunDirLocked(self.run_dir, pid) from None
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the only descriptor releases the lock
+            self.fd = None
+            self._remove_created()
+
+    def _remove_created(self) -> None:
+        if self.created:
+            try:
+                self.run_dir.rmdir()  # only if empty: nothing was written
+            except OSError:
+                pass
+
+
+def lock_holder(fd: int) -> int | None:
+    """The pid holding a flock on the file or folder open as fd, from /proc/locks (Linux); None if unknown."""
+    st = os.fstat(fd)
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == device and fields[4].isdigit():
+            return int(fields[4])
+    return None
+
+
+def held_files(run_dir: Path) -> list[Path]:
+    return list(run_dir.iterdir()) if run_dir.is_dir() else []
+
+
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """The rules of a run directory, checked before anything is loaded or written: a folder holding something that is
+    not a run is never touched; a run is continued only with `resume` and replaced only with `overwrite`."""
     require(not (resume and overwrite), "--resume and --overwrite contradict each other", "choose one")
     saved = run_dir / "config.yaml"
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if overwrite:
-            require(saved.is_file(), f"{run_dir} is not empty and holds no opd run",
-                    "refusing to delete it: choose an empty or new --run-dir")
-            shutil.rmtree(run_dir)
-        elif not saved.is_file():
-            raise OpdError(f"{run_dir} is not empty and holds no opd run", "choose an empty or new --run-dir")
-        elif not resume:
+    if held_files(run_dir):
+        if not saved.is_file():
+            raise OpdError(f"{run_dir} is not empty and holds no opd run",
+                           f"refusing to {'delete' if overwrite else 'touch'} it: choose an empty or new --run-dir")
+        if not resume and not overwrite:
             raise OpdError(f"{run_dir} already holds a run", "pass --resume to continue it or --overwrite to replace it")
-        else:
-            _check_same_run(run_dir, cfg)
     elif resume:
         raise OpdError(f"nothing to resume in {run_dir}", "drop --resume to start a new run")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:  # a resumed run saves its config once its checkpoint has loaded (save_config)
-        save_config(run_dir, cfg)
+    try:  # writable? (an unnamed temporary file: the folder is left as it was)
+        tempfile.TemporaryFile(dir=run_dir).close()
+    except OSError as e:
+        raise OpdError(f"cannot write to {run_dir}: {e.strerror or e}", "choose a writable --run-dir") from None
+
+
+def clear_run_dir(run_dir: Path) -> None:
+    """--overwrite: delete the old run's files, keeping the folder (this process holds its lock)."""
+    for path in held_files(run_dir):
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
 def save_config(run_dir: Path, cfg: TrainConfig) -> None:
     write_atomic(run_dir / "config.yaml", dump_config(cfg))
 
 
-def _check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
-    old = build_config(yaml.safe_load((run_dir / "config.yaml").read_text())).to_dict()
+def read_run_config(run_dir: Path) -> TrainConfig:
+    """The run's saved config.yaml, checked as any config is (one line naming the file and key)."""
+    path = run_dir / "config.yaml"
+    return build_config(read_yaml(path, "run config"), str(path))
+
+
+def check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
+    old = read_run_config(run_dir).to_dict()
     new = cfg.to_dict()
     changed = [k for k in new if new[k] != old.get(k) and k not in RESUMABLE_CHANGES]
     require(not changed, f"{run_dir} holds a run with a different config ({', '.join(changed)})",
@@ -134,6 +214,14 @@ class RunLog:
         except OSError as e:
             raise cannot_write(self.tb.folder, e) from None
 
+    def sync(self) -> None:
+        """metrics.jsonl to the disk (before a checkpoint that counts its steps is written)."""
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        except OSError as e:
+            raise cannot_write(self.path, e) from None
+
     def close(self) -> None:
         """Close both logs; a failure to flush them (the disk that just filled up) is not raised again."""
         for close in (self.file.close, self.tb.close):
@@ -143,21 +231,32 @@ class RunLog:
                 pass
 
 
-def read_jsonl(path: Path) -> list[dict]:
+class MetricsRow(Schema):
+    """A metrics.jsonl line: the step, the wall time, and values (numbers; null where not finite)."""
+    __pydantic_extra__: dict[str, StrictFloat | StrictInt | None]
+    step: conint(strict=True, ge=0)
+    time: StrictFloat | StrictInt | None = None
+
+
+class GuardEvent(Schema):
+    """A guard.jsonl line (trainer.guard)."""
+    step: conint(strict=True, ge=0)
+    action: StrictStr
+
+
+def read_jsonl(path: Path, schema=None) -> list[dict]:
     """An append-only log's lines (metrics.jsonl, guard.jsonl). A torn last line (the process was killed mid-write)
     is left out; on resume its step is re-run. A malformed line anywhere else is corruption, and an error."""
-    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
-    rows = []
-    for n, line in enumerate(lines, 1):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if n < len(lines):
-                raise OpdError(f"{path}:{n} is not a JSON line", "the run directory is damaged: start the run "
-                               "again with --overwrite") from None
-    return rows
+    fix = "the run directory is damaged: start the run again with --overwrite"
+    return [row.model_dump(exclude_unset=True) if schema else row
+            for row in read_checked_jsonl(path, Path(path).name, schema, torn="drop", fix=fix)]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The logged steps (see read_jsonl)."""
-    return read_jsonl(Path(run_dir) / "metrics.jsonl")
+    """The logged steps (see read_jsonl), checked as metrics rows."""
+    return read_jsonl(Path(run_dir) / "metrics.jsonl", MetricsRow)
+
+
+def read_guard_events(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "guard.jsonl"
+    return read_jsonl(path, GuardEvent) if path.is_file() else []

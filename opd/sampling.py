@@ -8,6 +8,7 @@ Sampling uses the exponential race (argmax of p / E with E ~ Exp(1), as vLLM's s
 amount of randomness per step whatever the probabilities are, so two loops that make the same calls on the same
 generator draw the same tokens. Temperature 0 is greedy.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ class SamplingParams:
 
     def __post_init__(self):
         require(self.max_new_tokens > 0, f"max_new_tokens must be positive, got {self.max_new_tokens}")
-        require(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        require(0 <= self.temperature < math.inf, f"temperature must be finite and >= 0, got {self.temperature}")
         require(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}", "0 turns it off")
         require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
 

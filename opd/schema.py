@@ -146,6 +146,18 @@ def problem(e: ValidationError) -> str:
     return f"{loc + ': ' if loc else ''}expected {' or '.join(wanted)}, got {_short(first.get('input'))}"
 
 
+def read_object(path, schema: type[BaseModel], fix: str = "fix or re-create the file", optional: bool = False) -> dict:
+    """A JSON file holding one object, checked against schema; {} for a missing file when optional."""
+    path = Path(path)
+    if optional and not path.is_file():
+        return {}
+    data = read_json(path, path.name, fix)
+    if not isinstance(data, dict):
+        raise OpdError(f"{path}: expected a JSON object, got {type(data).__name__}", fix)
+    check(schema, data, str(path), fix)
+    return data
+
+
 def read_jsonl(path, what: str, schema: type[S] | None = None, torn: str = "drop",
                fix: str = "fix or re-create the file") -> list:
     """A JSONL file's objects (validated as schema when given), one per non-empty line. A line that is not JSON:

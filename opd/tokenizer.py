@@ -35,7 +35,7 @@ from pydantic import Field
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from opd.errors import OpdError, require
-from opd.schema import Schema, check, parse_json, read_json, read_text
+from opd.schema import Schema, parse_json, read_object, read_text
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
@@ -215,14 +215,8 @@ class TextTokenizer:
 
 def tokenizer_config(folder: Path) -> dict:
     """tokenizer_config.json checked against TokenizerConfigSchema ({} when the folder has none)."""
-    path = Path(folder) / "tokenizer_config.json"
-    if not path.is_file():
-        return {}
-    fix = "fix tokenizer_config.json, or re-save the tokenizer"
-    data = read_json(path, "tokenizer_config.json", fix)
-    require(isinstance(data, dict), f"{path}: expected a JSON object, got {type(data).__name__}", fix)
-    check(TokenizerConfigSchema, data, str(path), fix)
-    return data
+    return read_object(Path(folder) / "tokenizer_config.json", TokenizerConfigSchema,
+                       "fix tokenizer_config.json, or re-save the tokenizer", optional=True)
 
 
 def _is_builtin(tok: Tokenizer, config: dict, folder: Path) -> bool:

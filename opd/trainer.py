@@ -23,15 +23,18 @@ fallback ladder: a plan with fixed-scale FP8 KV layers first gets calibrated sca
 fix saturated outlier keys), anything else BF16 rollouts; a plan already at BF16 only warns.
 """
 import functools
-import io
 import json
 import math
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from pydantic import StrictBool, StrictStr, conint
 from tqdm import tqdm
 
 from opd.admission import (FLOOR_PLAN, METRIC, MIN_ESS_FRAC, ProbeSetup, calibrated, decide, estimator_class,
@@ -50,12 +53,15 @@ from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics
 from opd.model import Transformer
 from opd.plan import Plan
 from opd.pretrain import PretrainConfig, pretrain
-from opd.runlog import RunLog, prepare_run_dir, read_jsonl, read_metrics, save_config, write_atomic
+from opd.runlog import (RunLock, RunLog, check_run_dir, check_same_run, clear_run_dir, read_guard_events,
+                        read_metrics, save_config, write_atomic)
 from opd.sampling import SamplingParams
 from opd.prompts import PromptSet
 from opd.scoring import check_scorer
 from opd.tokenizer import TextTokenizer, first_difference
 from opd.vllm_engine import VllmEngine
+from opd import wire
+from opd.schema import Schema, check, read_json
 
 def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer, Path]:
     """(student, teacher, tokenizer, the student's folder): the given checkpoints, or the built-in pair of
@@ -140,32 +146,53 @@ def evaluate(run: Run, cfg: TrainConfig) -> dict:
             "time/eval": time.perf_counter() - start}
 
 
+STATE_FILE = "trainer_state.safetensors"  # optimizer, engine scales, async batches: tensors + JSON (wire.py)
+PICKLED_STATE = "trainer_state.pt"  # what releases before 2026-12 wrote: a pickle, never loaded
+
+
+class StateFile(Schema):
+    """trainer_state.json: the loop's counters (State)."""
+    step: conint(strict=True, ge=0)
+    version: conint(strict=True, ge=0)
+    bad_steps: conint(strict=True, ge=0) = 0
+    skipped: conint(strict=True, ge=0) = 0
+    fallback: StrictBool = False
+    fallback_plan: StrictStr = ""
+
+
 def save_state(run_dir: Path, run: Run, wait: bool = True) -> None:
-    """wait (async): collect the batches in flight first, so that a resume continues exactly."""
+    """wait (async): collect the batches in flight first, so that a resume continues exactly. Everything is tensors +
+    JSON: a checkpoint someone hands you cannot run code when it is resumed (wire.py)."""
     blob = {"optimizer": run.opt.state_dict()}
     if run.engine is not None:
-        blob["engine_scales"] = run.engine.scales
+        blob["engine_scales"] = dict(run.engine.scales)
     else:
         blob["async"] = run.rollouts.state_dict(wait)
-        blob["engine_scales"] = run.rollouts.scales
-    buffer = io.BytesIO()
-    torch.save(blob, buffer)
+        blob["engine_scales"] = dict(run.rollouts.scales)
     save_checkpoint(run_dir / "checkpoint", run.student, run.tok, extra_json={"trainer_state.json": vars(run.state)},
-                    extra_files={"trainer_state.pt": buffer.getvalue()})
+                    extra_files={STATE_FILE: wire.encode(blob)})
 
 
 def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
     """-> (trainer state, the saved blob: engine scales and, for async runs, the rollout worker's batches)."""
     folder = run_dir / "checkpoint"
     recover_checkpoint(folder)
-    if not (folder / "trainer_state.pt").is_file():
+    fix = "the checkpoint is damaged or was not written by opd: start the run again with --overwrite"
+    if (folder / PICKLED_STATE).is_file():
+        raise OpdError(f"{folder / PICKLED_STATE} is a pickle (an earlier opd's trainer state); opd does not unpickle "
+                       "files, which can run code", "start the run again with --overwrite")
+    if not (folder / STATE_FILE).is_file():
         return State(), {}  # interrupted before the first checkpoint: start over
     saved, _ = load_checkpoint(folder)
+    state = State(**check(StateFile, read_json(folder / "trainer_state.json", "trainer state", fix),
+                          str(folder / "trainer_state.json"), fix).model_dump(include=set(vars(State()))))
+    blob = wire.decode((folder / STATE_FILE).read_bytes(), run.student.embed_tokens.weight.device,
+                       str(folder / STATE_FILE))
+    require(isinstance(blob, dict) and isinstance(blob.get("optimizer"), dict) and
+            isinstance(blob.get("engine_scales", {}), dict), f"{folder / STATE_FILE}: not a trainer state", fix)
+    check_optimizer_state(run.opt, blob["optimizer"], str(folder / STATE_FILE), fix)
     run.student.load_state_dict(saved.state_dict())
-    blob = torch.load(folder / "trainer_state.pt", weights_only=False,
-                      map_location=run.student.embed_tokens.weight.device)
     run.opt.load_state_dict(blob["optimizer"])
-    state = State(**json.loads((folder / "trainer_state.json").read_text()))
     run.state = state
     if state.fallback:
         use_plan(run, Plan.parse(state.fallback_plan or FLOOR_PLAN, run.student.cfg.num_layers))
@@ -173,6 +200,48 @@ def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
         run.engine.update_weights(run.student.state_dict(), state.version)
         run.engine.scales.update(blob["engine_scales"])
     return state, blob
+
+
+def check_optimizer_state(opt: torch.optim.Optimizer, saved: dict, where: str, fix: str) -> None:
+    """A saved AdamW state fits `opt`: the same groups and parameters, hyper-parameters of the same types, and per
+    parameter a finite step and moments of the parameter's shape (torch would accept a misfit one and fail, or
+    compute garbage, at the first step)."""
+    fresh = opt.state_dict()
+    groups, state = saved.get("param_groups"), saved.get("state")
+    ok = isinstance(groups, list) and isinstance(state, dict) and len(groups) == len(fresh["param_groups"])
+    require(ok, f"{where}: the optimizer state does not fit this model (its parameter groups)", fix)
+    for group, mine in zip(groups, fresh["param_groups"]):
+        require(isinstance(group, dict) and group.keys() == mine.keys() and group["params"] == mine["params"] and all(
+            type(group[k]) is type(mine[k]) for k in mine), f"{where}: the optimizer state does not fit this model "
+            "(its parameter groups)", fix)
+        require(all(math.isfinite(v) for k, v in group.items() if isinstance(v, float)),
+                f"{where}: the optimizer's settings are not finite", fix)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for index, entry in state.items():
+        shape = params[index].shape if isinstance(index, int) and 0 <= index < len(params) else None
+        good = shape is not None and isinstance(entry, dict) and set(entry) == {"step", "exp_avg", "exp_avg_sq"} and \
+            all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and bool(torch.isfinite(t).all())
+                for t in entry.values()) and \
+            entry["step"].shape == () and entry["exp_avg"].shape == shape == entry["exp_avg_sq"].shape
+        require(good, f"{where}: the optimizer state of parameter {index!r:.20} does not fit this model or is not "
+                "finite", fix)
+
+
+def check_resume(run_dir: Path, cfg: TrainConfig, state: State) -> None:
+    """The resume rules, checked before anything is written: a run is not resumed to fewer steps than it has done
+    (that would rewrite its history), and its log must hold every step its checkpoint has done (a log behind its
+    checkpoint cannot be repaired without re-running those steps: refused)."""
+    require(cfg.steps >= state.step, f"{run_dir} has done {state.step} steps; steps={cfg.steps} is fewer",
+            f"resume with steps >= {state.step}, or start again with --overwrite")
+    if not state.step:
+        return
+    logged = {row["step"] for row in read_metrics(run_dir)} if (run_dir / "metrics.jsonl").is_file() else set()
+    missing = [s for s in range(state.step) if s not in logged]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise OpdError(f"{run_dir}/metrics.jsonl lacks step {missing[0]}{more} of the {state.step} its checkpoint has "
+                       "done", "the log is behind its checkpoint and cannot be rebuilt without re-running those steps: "
+                       "start again with --overwrite")
 
 
 def step_metrics(batch, scores: Scores, cfg: TrainConfig, version: int) -> dict:
@@ -317,25 +386,69 @@ def run_step(run: Run) -> dict:
 def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool = False,
           progress: bool = True, on_step=None) -> dict:
     """Run (or continue) one OPD run in run_dir; returns the summary (also written to summary.json).
-    on_step(step, run), if given, is called after each logged step (tests use it to inject faults)."""
+    on_step(step, run), if given, is called after each logged step (tests use it to inject faults).
+    The run directory is locked for this process (runlog.RunLock) and its rules are checked before the models load;
+    a resume is checked against the checkpoint (check_resume) before anything is written, so a refused command leaves
+    the folder as it was."""
     run_dir = Path(run_dir)
-    run = setup(cfg)
-    cfg = run.cfg  # with the sampling settings resolved (config.resolve_generation): what is saved and compared
+    with RunLock(run_dir):
+        check_run_dir(run_dir, resume, overwrite)
+        run = setup(cfg)
+        cfg = run.cfg  # with the sampling settings resolved (config.resolve_generation): what is saved and compared
+        try:
+            saved = {}
+            if resume:
+                check_same_run(run_dir, cfg)
+                run.state, saved = load_state(run_dir, run)
+                check_resume(run_dir, cfg, run.state)
+            elif overwrite:
+                clear_run_dir(run_dir)
+            save_config(run_dir, cfg)
+            if run.rollouts is not None:
+                run.rollouts.start(run.student.state_dict(), run.state.version, saved.get("engine_scales", {}),
+                                   saved.get("async"))
+            return _train(run, cfg, run_dir, progress, on_step)
+        finally:
+            if run.rollouts is not None:
+                run.rollouts.close()
+            if hasattr(run.engine, "close"):
+                run.engine.close()
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM during training. at_boundary: raised between two steps, where the state is consistent and is
+    saved; else a second signal that stopped a step midway (nothing is saved: the last checkpoint stands)."""
+
+    def __init__(self, signum: int, at_boundary: bool):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.at_boundary = signum, at_boundary
+
+
+@contextmanager
+def step_boundary_signals():
+    """SIGINT (Ctrl-C) and SIGTERM stop training at the next step boundary: a signal only marks the stop, and the loop
+    raises `Interrupted` once the step's metrics are logged, so the saved state and metrics.jsonl agree and --resume
+    continues exactly (a step cut midway could leave the optimizer updated and the step unlogged). A second signal stops
+    at once, without saving. Yields the list of signals received. Only the main thread can install handlers; elsewhere
+    signals keep their default behaviour."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum, frame):
+        if received:
+            raise Interrupted(signum, at_boundary=False)
+        received.append(signum)
+        print(f"\nopd: {signal.Signals(signum).name}: stopping after this step and saving (again: stop at once)",
+              file=sys.stderr)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        prepare_run_dir(run_dir, cfg, resume, overwrite)
-        saved = {}
-        if resume:
-            run.state, saved = load_state(run_dir, run)
-            save_config(run_dir, cfg)  # only now: a resume that fails leaves the run directory as it was
-        if run.rollouts is not None:
-            run.rollouts.start(run.student.state_dict(), run.state.version, saved.get("engine_scales", {}),
-                               saved.get("async"))
-        return _train(run, cfg, run_dir, progress, on_step)
+        yield received
     finally:
-        if run.rollouts is not None:
-            run.rollouts.close()
-        if hasattr(run.engine, "close"):
-            run.engine.close()
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def safer_plan(plan: Plan, engine: str = "builtin") -> Plan | None:
@@ -429,21 +542,28 @@ def _guard_window(run_dir: Path, step: int, every: int) -> list[dict]:
     they would have seen; and guard events of the steps to be re-run are dropped (they are logged again)."""
     path = run_dir / "guard.jsonl"
     if path.is_file():
-        kept = [event for event in read_jsonl(path) if event["step"] < step]
+        kept = [event for event in read_guard_events(run_dir) if event["step"] < step]
         write_atomic(path, "".join(json.dumps(event) + "\n" for event in kept))
     if not every:
         return []
     first = step - step % every
-    return [{key: row[key] for key in GUARD_KEYS if key in row} for row in read_metrics(run_dir)
-            if first <= row["step"] < step]
+    return [{key: math.nan if row[key] is None else row[key] for key in GUARD_KEYS if key in row}
+            for row in read_metrics(run_dir) if first <= row["step"] < step]  # null: logged non-finite
 
 
 def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step) -> dict:
     log, window = RunLog(run_dir, run.state.step), _guard_window(run_dir, run.state.step, cfg.guard_every)
     before = evaluate(run, cfg) if run.state.step == 0 else _first_eval(run_dir)
-    last_eval = before
     bar = tqdm(range(run.state.step, cfg.steps), desc=f"opd {cfg.family if not cfg.student else 'train'}",
                disable=not progress, initial=run.state.step, total=cfg.steps)
+    with step_boundary_signals() as received:
+        return _loop(run, cfg, run_dir, on_step, log, window, before, bar, received)
+
+
+def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, window: list, before, bar, received) -> dict:
+    """The steps, then the final evaluation and the summary. On an error or a signal the state is saved only where it
+    agrees with the log (every step the state has taken is logged): otherwise the last checkpoint stands."""
+    last_eval, logged = before, run.state.step
     try:
         for step in bar:
             metrics = dict(before) if step == 0 else {}
@@ -453,22 +573,36 @@ def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step) -
             if cfg.guard_every:
                 window.append({key: metrics[key] for key in GUARD_KEYS if key in metrics})
                 if (step + 1) % cfg.guard_every == 0:
-                    metrics |= guard(run, window, step, run_dir)
+                    try:
+                        metrics |= guard(run, window, step, run_dir)
+                    except OpdError:  # guard_action stop: the step was taken; log it, then stop
+                        log.write(step, metrics)
+                        logged = step + 1
+                        raise
             log.write(step, metrics)
+            logged = step + 1
             bar.set_postfix(rkl=f"{metrics['loss/rkl_sampled']:.4f}", kl_k3=f"{metrics.get('mismatch/kl_k3', 0):.1e}",
-                            acc=f"{last_eval['eval/accuracy']:.3f}" if last_eval and "eval/accuracy" in last_eval
-                            else "-")
+                            acc=f"{last_eval['eval/accuracy']:.3f}" if last_eval and isinstance(
+                                last_eval.get("eval/accuracy"), float) else "-")
             if run.state.bad_steps >= cfg.max_bad_steps:
                 raise OpdError(f"the loss or gradient was not finite for {run.state.bad_steps} steps in a row "
                                f"(last at step {step})", "lower lr, check the checkpoints for NaN/Inf weights, "
                                "or raise max_bad_steps")
             if cfg.save_every and run.state.step % cfg.save_every == 0 and run.state.step < cfg.steps:
+                log.sync()  # the log reaches the disk before the checkpoint that counts its steps
                 save_state(run_dir, run)
             if on_step is not None:
                 on_step(step, run)
-    except (KeyboardInterrupt, OpdError):  # the state is consistent between steps: keep it for --resume
+            if received:
+                raise Interrupted(received[0], at_boundary=True)
+    except (Interrupted, OpdError) as e:
+        interrupted = isinstance(e, Interrupted)
         try:
-            save_state(run_dir, run, wait=False)
+            if run.state.step == logged and not (interrupted and not e.at_boundary):
+                log.sync()
+                # at a step boundary after a signal: exactly, with the async batches in flight collected; after an
+                # error (the worker may be gone): what has arrived
+                save_state(run_dir, run, wait=interrupted)
         except OpdError:
             pass  # cannot save either (the disk is full): the first error is the one to report
         finally:

@@ -218,7 +218,7 @@ def test_guard_stop_and_warn(pair, tmp_path):
                  max_new_tokens=12)
     with pytest.raises(OpdError, match="guard: the rollouts' mismatch"):
         train(cfg, tmp_path / "stop", progress=False)
-    assert (tmp_path / "stop" / "checkpoint" / "trainer_state.pt").is_file()  # saved for --resume
+    assert (tmp_path / "stop" / "checkpoint" / "trainer_state.safetensors").is_file()  # saved for --resume
     warn = config(pair, plan="noise=0.5", steps=3, guard_every=1, guard_action="warn", guard_limit=GUARD_LIMIT,
                   max_new_tokens=12)
     summary = train(warn, tmp_path / "warn", progress=False)

@@ -322,10 +322,10 @@ def chat_without_a_template(ctx):
             "--chat", "--max-new-tokens", 4]
 
 
-@case("checkpoint", "is damaged or incomplete", "trainer_state.pt")
+@case("checkpoint", "is damaged or incomplete", "trainer_state.safetensors")
 def resume_from_a_damaged_checkpoint(ctx):
     assert main([str(a) for a in ctx.train()]) == 0
-    state = ctx.dir / "run" / "checkpoint" / "trainer_state.pt"
+    state = ctx.dir / "run" / "checkpoint" / "trainer_state.safetensors"
     state.write_bytes(state.read_bytes()[:100])
     return ctx.train("steps=6") + ["--resume"]
 
@@ -466,6 +466,75 @@ def malformed_sweep_grid(ctx):
 @case("no synchronous sweep results")
 def calibrate_from_empty_results(ctx):
     return ["calibrate", ctx.write("results.jsonl", ""), "-o", ctx.dir / "thresholds.json"]
+
+
+# --- issue 23: values out of range and malformed text, refused before any work ------------------------------------
+
+@case("seed must be in [0, 2**32), got 18446744073709551616")
+def seed_beyond_64_bits(ctx):
+    return ctx.train("seed=18446744073709551616")
+
+
+@case("lr must be a finite number, got nan")
+def non_finite_learning_rate(ctx):
+    return ctx.train("lr=.nan")
+
+
+@case("weight_decay must be >= 0, got -0.1")
+def negative_weight_decay(ctx):
+    return ctx.train("weight_decay=-0.1")
+
+
+@case("loss.cap must be a finite number, got inf")
+def infinite_correction_cap(ctx):
+    return ctx.train("loss.correction=tis", "loss.cap=.inf")
+
+
+@case("bad.yaml", "the key 'lr' is given twice at line 2")
+def duplicate_key_in_a_config(ctx):
+    return ["train", "--config", ctx.write("bad.yaml", "lr: 0.1\nlr: 0.2\n"), "--run-dir", ctx.dir / "run"]
+
+
+@case("bad.yaml is not UTF-8 text (byte 6)", "save it as UTF-8")
+def config_that_is_not_utf8(ctx):
+    (ctx.dir / "bad.yaml").write_bytes(b"plan: \xff\xfe\n")
+    return ["train", "--config", ctx.dir / "bad.yaml", "--run-dir", ctx.dir / "run"]
+
+
+@case("bad.yaml: lr must be a float, got [0.1]")
+def config_value_of_the_wrong_shape(ctx):
+    return ["train", "--config", ctx.write("bad.yaml", "lr: [0.1]\n"), "--run-dir", ctx.dir / "run"]
+
+
+@case("run/config.yaml: expected a mapping of keys to values, got list")
+def resume_a_run_whose_config_is_a_list(ctx):
+    assert main([str(a) for a in ctx.train()]) == 0
+    (ctx.dir / "run" / "config.yaml").write_text("- 1\n- 2\n")
+    return ctx.train("steps=6") + ["--resume"]
+
+
+@case("trainer_state.json: step: expected a valid integer, got '4'")
+def resume_a_state_whose_step_is_a_string(ctx):
+    assert main([str(a) for a in ctx.train()]) == 0
+    folder = ctx.dir / "run" / "checkpoint"
+    state = json.loads((folder / "trainer_state.json").read_text()) | {"step": "4"}
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["files"]["trainer_state.json"]["bytes"] = (folder / "trainer_state.json").stat().st_size
+    from opd.checkpoint import _sha256
+    manifest["files"]["trainer_state.json"]["sha256"] = _sha256(folder / "trainer_state.json")
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    return ctx.train("steps=6") + ["--resume"]
+
+
+@case("metrics.jsonl:2: loss/value: expected a valid number or a valid integer, got 'low'")
+def resume_a_log_with_a_string_value(ctx):
+    assert main([str(a) for a in ctx.train()]) == 0
+    path = ctx.dir / "run" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[1] = json.dumps(json.loads(lines[1]) | {"loss/value": "low"})
+    path.write_text("\n".join(lines) + "\n")
+    return ctx.train("steps=6") + ["--resume"]
 
 
 # --- the harness ---------------------------------------------------------------------------------------------------

@@ -178,5 +178,158 @@ def test_a_torn_last_metrics_line_is_dropped_a_damaged_middle_is_an_error(tmp_pa
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2, "loss/va')
     assert read_metrics(tmp_path) == rows
     path.write_text(json.dumps(rows[0]) + "\n" + "garbage\n" + json.dumps(rows[1]) + "\n")
-    with pytest.raises(OpdError, match="metrics.jsonl:2 is not a JSON line"):
+    with pytest.raises(OpdError, match="metrics.jsonl:2: not valid JSON"):
         read_metrics(tmp_path)
+
+
+# ---- issue 23: interrupts, one writer, resume rules, no pickle ---------------------------------------------------
+
+def interrupt_until_done(args, run_dir, rng, cycles) -> list[str]:
+    """Start the run, send SIGINT or SIGTERM at a random point (during set-up, or after a random number of logged steps
+    and a random delay), and again with --resume, `cycles` times; then let it finish. Returns what happened, for the
+    failure message."""
+    history = []
+    for cycle in range(cycles + 1):
+        resume = ["--resume"] if (run_dir / "config.yaml").is_file() else []
+        run = subprocess.Popen(args + resume, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if cycle < cycles:
+            logged = len(read_metrics(run_dir)) if (run_dir / "metrics.jsonl").is_file() else 0
+            wait_for = rng.choice([-1, logged, logged + 1, logged + 2])  # -1: during set-up
+            deadline = time.time() + 120
+            while wait_for >= 0 and run.poll() is None and time.time() < deadline:
+                metrics = run_dir / "metrics.jsonl"
+                if metrics.is_file() and metrics.read_text().count("\n") > wait_for:
+                    break
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0, 2.0 if wait_for < 0 else 0.3))
+            sig = rng.choice([signal.SIGINT, signal.SIGTERM])
+            if run.poll() is None:
+                run.send_signal(sig)
+            history.append(f"{sig.name} after {wait_for} lines")
+        _, stderr = run.communicate(timeout=300)
+        history[-1:] = [f"{history[-1] if history and cycle < cycles else 'to the end'}: exit {run.returncode}"]
+        # 130 / 143: stopped by opd (saved, or before the run began); -SIGTERM / -SIGINT: during Python's start-up,
+        # before opd's handlers exist (Python then ends with the signal, after its own KeyboardInterrupt report)
+        assert run.returncode in (0, 130, 143, -signal.SIGTERM, -signal.SIGINT), (history, stderr)
+        assert "Traceback" not in stderr or run.returncode == -signal.SIGINT, (history, stderr)
+        if run.returncode == 0:
+            break
+    if run.returncode != 0:
+        final = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=300)
+        assert final.returncode == 0, (history, final.stderr)
+    return history
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_sigint_and_sigterm_at_random_points_then_resume_give_the_uninterrupted_metrics(pair, tmp_path, schedule):
+    """Ctrl-C or SIGTERM anywhere (set-up, mid-step, between steps), repeatedly, each followed by --resume: the run's
+    per-step metrics are the uninterrupted run's, every step there exactly once."""
+    extra = {"schedule": "async", "max_staleness": 1, "threads": 2} if schedule == "async" else {}
+    whole = subprocess.run(train_args(pair, tmp_path / "whole", **extra), capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    seed = time.time_ns()
+    history = interrupt_until_done(train_args(pair, tmp_path / "cut", **extra), tmp_path / "cut", random.Random(seed),
+                                   cycles=4)
+    cut, straight = read_metrics(tmp_path / "cut"), read_metrics(tmp_path / "whole")
+    assert [r["step"] for r in cut] == [r["step"] for r in straight], (seed, history)
+    assert comparable(cut) == comparable(straight), (seed, history)
+
+
+def cli_outcome(argv, capsys) -> tuple[int, str]:
+    """(exit code, stderr without the "run directory: ..." line `opd train` starts with)."""
+    from opd.cli import main
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    return code, "".join(line for line in err.splitlines(keepends=True) if not line.startswith("run directory: "))
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.slow
+def test_a_second_writer_is_refused_naming_the_holder_and_a_dead_holders_lock_is_taken_over(pair, tmp_path,
+                                                                                           uninterrupted):
+    """While `opd train` writes a run directory, a second `opd train` on it (here --overwrite, which would delete it) is
+    refused with one line naming the first one's pid, and changes nothing; once the holder is killed with SIGKILL, its
+    lock is gone with it, and --resume takes the folder over and finishes the run exactly."""
+    run_dir = tmp_path / "run"
+    args = train_args(pair, run_dir, steps=8)
+    first = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and first.poll() is None and not (
+            (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().count("\n") > 2):
+        time.sleep(0.01)
+    os.kill(first.pid, signal.SIGSTOP)  # hold it still while the second one tries
+    try:
+        before = snapshot(run_dir)
+        second = subprocess.run(args + ["--overwrite"], capture_output=True, text=True, timeout=300)
+        after = snapshot(run_dir)
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(30)
+    assert second.returncode == 2, second.stderr
+    assert second.stderr.strip().splitlines()[-1] == (
+        f"opd: error: {run_dir} is in use by another opd process (pid {first.pid}) (wait for it to finish or stop it; "
+        "two writers would mix their runs in one folder)")
+    assert after == before
+    resumed = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert comparable(read_metrics(run_dir)) == uninterrupted
+
+
+@pytest.mark.slow
+def test_resume_rules_refuse_with_one_line_and_change_nothing(pair, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code, err = cli_outcome(train_args(pair, run_dir, steps=6)[3:], capsys)
+    assert code == 0, err
+    before = snapshot(run_dir)
+    code, err = cli_outcome(train_args(pair, run_dir, steps=4)[3:] + ["--resume"], capsys)
+    assert code == 2 and err.strip() == (f"opd: error: {run_dir} has done 6 steps; steps=4 is fewer (resume with steps "
+                                         ">= 6, or start again with --overwrite)"), err
+    assert snapshot(run_dir) == before
+    # a log behind its checkpoint: step 2's line lost (the final checkpoint counts steps 0-7)
+    code, err = cli_outcome(train_args(pair, tmp_path / "behind", steps=8, save_every=4)[3:], capsys)
+    assert code == 0, err
+    lines = (tmp_path / "behind" / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "behind" / "metrics.jsonl").write_text("\n".join(lines[:2] + lines[3:]) + "\n")
+    before = snapshot(tmp_path / "behind")
+    code, err = cli_outcome(train_args(pair, tmp_path / "behind", steps=10, save_every=4)[3:] + ["--resume"], capsys)
+    assert code == 2 and "metrics.jsonl lacks step 2 of the 8 its checkpoint has done" in err, err
+    assert len(err.strip().splitlines()) == 1 and snapshot(tmp_path / "behind") == before
+
+
+class Payload:
+    """Unpickling this creates the marker file: what a crafted state file would run."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["trainer_state.safetensors", "trainer_state.pt"])
+def test_a_state_file_carrying_a_pickle_is_refused_and_never_run(pair, tmp_path, capsys, name):
+    """A run directory handed over by someone else: its state file is a pickle payload and its manifest was rewritten
+    to match (the manifest guards against damage, not against an author). --resume refuses it, and nothing runs."""
+    import pickle
+    from opd.checkpoint import MANIFEST, _sha256
+    run_dir, marker = tmp_path / "run", tmp_path / "pwned"
+    code, err = cli_outcome(train_args(pair, run_dir, steps=4)[3:], capsys)
+    assert code == 0, err
+    folder = run_dir / "checkpoint"
+    (folder / "trainer_state.safetensors").unlink()
+    (folder / name).write_bytes(pickle.dumps({"optimizer": Payload(str(marker))}))
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["files"].pop("trainer_state.safetensors")
+    manifest["files"][name] = {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    before = snapshot(run_dir)
+    code, err = cli_outcome(train_args(pair, run_dir, steps=6)[3:] + ["--resume"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert ("is a pickle" if name.endswith(".pt") else "not an opd tensors + JSON file") in err, err
+    assert not marker.exists(), "the payload ran"
+    assert snapshot(run_dir) == before
