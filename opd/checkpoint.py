@@ -339,7 +339,10 @@ def _read_tensors(folder: Path, files: list[Path], dtype: torch.dtype, device: t
         try:
             with _open(path, folder) as f:
                 for key in f.keys():
-                    tensors[key] = f.get_tensor(key).to(device=device, dtype=dtype)
+                    tensor = f.get_tensor(key)
+                    require(tensor.is_floating_point(), f"{path}: tensor {key} is {tensor.dtype}, not a floating-point "
+                            "weight", "the file does not hold this model's weights (quantized checkpoints are not read)")
+                    tensors[key] = tensor.to(device=device, dtype=dtype)
         except (SafetensorError, OSError, ValueError) as e:
             raise OpdError(f"cannot read {path}: {e}", "the file is truncated or corrupt; re-save it") from None
     return tensors

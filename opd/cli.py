@@ -213,8 +213,10 @@ def cmd_sensitivity(family: list[str] | None, student: Path | None, teacher: Pat
                     setting: list[str] | None, base: str, rollouts: int, out: Path, threads: int) -> None:
     """Per-layer sensitivity: the mismatch when only one layer's KV cache or weights run at lower precision."""
     from opd.config import TrainConfig
+    from opd.runlog import check_writable
     from opd.sensitivity import SETTINGS, layer_map, write
     from opd.trainer import probe_setup
+    check_writable(out, "--out")
     require(bool(student) == bool(teacher), "give both --student and --teacher, or neither",
             "neither: the built-in pairs")
     common = dict(task=task, plan="", threads=threads)
@@ -232,6 +234,8 @@ def cmd_sensitivity(family: list[str] | None, student: Path | None, teacher: Pat
 def cmd_report(run_dirs: list[Path], out: Path) -> None:
     """A Markdown + HTML report (training curves, mismatch over time, quality vs mismatch, speed) from run folders."""
     from opd.report import write_report
+    from opd.runlog import check_writable
+    check_writable(out, "--out")
     print(f"wrote {write_report(run_dirs, out)} and {out / 'report.html'}")
 
 
@@ -376,6 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        for arg in sys.argv[1:] if argv is None else argv:
+            try:
+                arg.encode("utf-8")
+            except UnicodeEncodeError:  # bytes the locale could not decode: paths and values must be text
+                raise OpdError(f"argument {ascii(arg)} is not valid UTF-8 text",
+                               "use UTF-8 paths and values: the files opd writes and reads are UTF-8") from None
         args = vars(build_parser().parse_args(argv))
         args.pop("command")
         status = args.pop("func")(**args)

@@ -111,10 +111,20 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
             raise OpdError(f"{run_dir} already holds a run", "pass --resume to continue it or --overwrite to replace it")
     elif resume:
         raise OpdError(f"nothing to resume in {run_dir}", "drop --resume to start a new run")
-    try:  # writable? (an unnamed temporary file: the folder is left as it was)
-        tempfile.TemporaryFile(dir=run_dir).close()
+    check_writable(run_dir, "--run-dir")
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """An output folder (`flag` names it in the message) can be created and written, checked before the work that
+    fills it, without changing anything on disk: an unnamed temporary file in the folder, or in its nearest existing
+    parent when the folder is still to be made (permission bits do not tell for root or a read-only mount)."""
+    path = Path(path)
+    probe = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    require(probe.is_dir(), f"{flag} {path}: {probe} is not a folder", f"choose a folder for {flag}")
+    try:
+        tempfile.TemporaryFile(dir=probe).close()
     except OSError as e:
-        raise OpdError(f"cannot write to {run_dir}: {e.strerror or e}", "choose a writable --run-dir") from None
+        raise OpdError(f"cannot write {flag} {path}: {e.strerror or e}", f"choose a writable {flag}") from None
 
 
 def clear_run_dir(run_dir: Path) -> None:

@@ -363,14 +363,15 @@ def _note(progress: bool, line: str) -> None:
 
 def check_writable(out: Path) -> None:
     """--out can hold the run folders and results.jsonl (checked before hours of runs, not after the first)."""
+    from opd.runlog import check_writable as check_folder
     results = out / "results.jsonl"
+    check_folder(out, "--out")
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        if results.exists():
+            open(results, "ab").close()  # appends nothing: is it a file this process may append to?
     except OSError as e:
-        raise OpdError(f"cannot create the sweep folder {out}: {e.strerror or e}", "choose a writable --out") from None
-    require(os.access(out, os.W_OK | os.X_OK), f"cannot write into the sweep folder {out}", "choose a writable --out")
-    require(not results.exists() or (results.is_file() and os.access(results, os.W_OK)),
-            f"cannot append to {results}", "make it a writable file, or choose another --out")
+        raise OpdError(f"cannot append to {results}: {e.strerror or e}",
+                       "make it a writable file, or choose another --out") from None
 
 
 def averages(rows: list[dict]) -> dict:

@@ -151,11 +151,11 @@ PICKLED_STATE = "trainer_state.pt"  # what releases before 2026-12 wrote: a pick
 
 
 class StateFile(Schema):
-    """trainer_state.json: the loop's counters (State)."""
-    step: conint(strict=True, ge=0)
-    version: conint(strict=True, ge=0)
-    bad_steps: conint(strict=True, ge=0) = 0
-    skipped: conint(strict=True, ge=0) = 0
+    """trainer_state.json: the loop's counters (State): steps attempted, of them taken (version) and skipped."""
+    step: conint(strict=True, ge=0, lt=2 ** 31)
+    version: conint(strict=True, ge=0, lt=2 ** 31)
+    bad_steps: conint(strict=True, ge=0, lt=2 ** 31) = 0
+    skipped: conint(strict=True, ge=0, lt=2 ** 31) = 0
     fallback: StrictBool = False
     fallback_plan: StrictStr = ""
 
@@ -186,10 +186,16 @@ def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
     saved, _ = load_checkpoint(folder)
     state = State(**check(StateFile, read_json(folder / "trainer_state.json", "trainer state", fix),
                           str(folder / "trainer_state.json"), fix).model_dump(include=set(vars(State()))))
+    require(state.version + state.skipped == state.step and state.bad_steps <= state.skipped,
+            f"{folder / 'trainer_state.json'}: its counters disagree (step {state.step} = version {state.version} + "
+            f"skipped {state.skipped}, bad_steps <= skipped)", fix)
     blob = wire.decode((folder / STATE_FILE).read_bytes(), run.student.embed_tokens.weight.device,
                        str(folder / STATE_FILE))
-    require(isinstance(blob, dict) and isinstance(blob.get("optimizer"), dict) and
-            isinstance(blob.get("engine_scales", {}), dict), f"{folder / STATE_FILE}: not a trainer state", fix)
+    scales = blob.get("engine_scales", {}) if isinstance(blob, dict) else None
+    require(isinstance(blob, dict) and isinstance(blob.get("optimizer"), dict) and isinstance(scales, dict) and all(
+        isinstance(k, int) and 0 <= k < run.student.cfg.num_layers and isinstance(v, list) and len(v) == 2 and
+        all(x is None or _is_scale(x, run.student.cfg.num_kv_heads) for x in v) for k, v in scales.items()),
+        f"{folder / STATE_FILE}: not a trainer state of this model (its optimizer or KV scales)", fix)
     check_optimizer_state(run.opt, blob["optimizer"], str(folder / STATE_FILE), fix)
     run.student.load_state_dict(saved.state_dict())
     run.opt.load_state_dict(blob["optimizer"])
@@ -202,6 +208,12 @@ def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
     return state, blob
 
 
+def _is_scale(x, kv_heads: int) -> bool:
+    """A calibrated KV scale (kv_cache.calibrate_scale): a positive finite float tensor, scalar or one per KV head."""
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.shape in ((), (kv_heads, 1, 1)) and \
+        bool(torch.isfinite(x).all() and (x > 0).all())
+
+
 def check_optimizer_state(opt: torch.optim.Optimizer, saved: dict, where: str, fix: str) -> None:
     """A saved AdamW state fits `opt`: the same groups and parameters, hyper-parameters of the same types, and per
     parameter a finite step and moments of the parameter's shape (torch would accept a misfit one and fail, or
@@ -211,18 +223,20 @@ def check_optimizer_state(opt: torch.optim.Optimizer, saved: dict, where: str, f
     ok = isinstance(groups, list) and isinstance(state, dict) and len(groups) == len(fresh["param_groups"])
     require(ok, f"{where}: the optimizer state does not fit this model (its parameter groups)", fix)
     for group, mine in zip(groups, fresh["param_groups"]):
-        require(isinstance(group, dict) and group.keys() == mine.keys() and group["params"] == mine["params"] and all(
-            type(group[k]) is type(mine[k]) for k in mine), f"{where}: the optimizer state does not fit this model "
-            "(its parameter groups)", fix)
-        require(all(math.isfinite(v) for k, v in group.items() if isinstance(v, float)),
-                f"{where}: the optimizer's settings are not finite", fix)
+        require(isinstance(group, dict) and group.keys() == mine.keys() and group["params"] == mine["params"],
+                f"{where}: the optimizer state does not fit this model (its parameter groups)", fix)
+        # the settings come from the config, which a resume keeps: equal, except the learning rate of the schedule
+        require(all(group[k] == mine[k] for k in mine if k not in ("lr", "params")) and
+                isinstance(group["lr"], float) and math.isfinite(group["lr"]) and group["lr"] >= 0,
+                f"{where}: the optimizer's settings (betas, eps, weight decay, lr) are not this config's", fix)
     params = [p for group in opt.param_groups for p in group["params"]]
     for index, entry in state.items():
         shape = params[index].shape if isinstance(index, int) and 0 <= index < len(params) else None
         good = shape is not None and isinstance(entry, dict) and set(entry) == {"step", "exp_avg", "exp_avg_sq"} and \
             all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and bool(torch.isfinite(t).all())
                 for t in entry.values()) and \
-            entry["step"].shape == () and entry["exp_avg"].shape == shape == entry["exp_avg_sq"].shape
+            entry["step"].shape == () and entry["exp_avg"].shape == shape == entry["exp_avg_sq"].shape and \
+            float(entry["step"]) >= 1 and bool((entry["exp_avg_sq"] >= 0).all())  # a second moment is >= 0
         require(good, f"{where}: the optimizer state of parameter {index!r:.20} does not fit this model or is not "
                 "finite", fix)
 
@@ -233,6 +247,7 @@ def check_resume(run_dir: Path, cfg: TrainConfig, state: State) -> None:
     checkpoint cannot be repaired without re-running those steps: refused)."""
     require(cfg.steps >= state.step, f"{run_dir} has done {state.step} steps; steps={cfg.steps} is fewer",
             f"resume with steps >= {state.step}, or start again with --overwrite")
+    read_guard_events(run_dir)  # checked now: read again (and cut back) once the run goes on
     if not state.step:
         return
     logged = {row["step"] for row in read_metrics(run_dir)} if (run_dir / "metrics.jsonl").is_file() else set()

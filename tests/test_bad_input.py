@@ -251,6 +251,17 @@ def truncated_weights_without_manifest(ctx):
     return ["eval", "--model", folder, "--task", "add"]
 
 
+@case("model.safetensors: tensor", "is torch.int8, not a floating-point weight")
+def weights_that_are_integers(ctx):
+    from safetensors.torch import load_file, save_file
+    folder = ctx.copy()
+    state = load_file(folder / "model.safetensors")
+    name = sorted(state)[0]
+    save_file(state | {name: state[name].to(torch.int8)}, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / MANIFEST).unlink()
+    return ["eval", "--model", folder, "--task", "add"]
+
+
 @case("is damaged or incomplete", "model.safetensors has")
 def weights_cut_short_by_a_copy(ctx):
     folder = ctx.copy()
@@ -535,6 +546,11 @@ def resume_a_log_with_a_string_value(ctx):
     lines[1] = json.dumps(json.loads(lines[1]) | {"loss/value": "low"})
     path.write_text("\n".join(lines) + "\n")
     return ctx.train("steps=6") + ["--resume"]
+
+
+@case("run\\udcff' is not valid UTF-8 text")
+def run_dir_name_that_is_not_utf8(ctx):
+    return ctx.train(run="run\udcff")  # what Python makes of the byte 0xff in a path on the command line
 
 
 # --- the harness ---------------------------------------------------------------------------------------------------

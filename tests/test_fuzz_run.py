@@ -1,5 +1,5 @@
 """Fuzzing the files of a training run: the YAML config `opd train --config` reads, and what `opd train --resume` reads
-back from a run directory (config.yaml, metrics.jsonl, the checkpoint's trainer_state.json and
+back from a run directory (config.yaml, metrics.jsonl, guard.jsonl, the checkpoint's trainer_state.json and
 trainer_state.safetensors, with the manifest made to match, as a file someone edited or crafted would be). Each
 example ends in success or in one line `opd: error: ...` (exit 2) with no traceback, and a refused resume leaves the
 run directory as it was (fuzzlib.py; OPD_FUZZ=full runs 500 examples per kind)."""
@@ -51,6 +51,8 @@ def finished_run(pair, tmp_path_factory):
             f"teacher={teacher}", "--set", "task=add", "--set", "steps=4", "--set", "batch_size=4", "--set",
             "eval_every=0", "--set", "eval_examples=4", "--set", "save_every=2", "--set", "threads=1"]
     assert cli.main(args) == 0
+    (run_dir / "guard.jsonl").write_text(json.dumps({"step": 1, "action": "warn", "nsr": 0.3, "ess_frac": 0.9,
+                                                     "limit": 0.1, "reject_at": 0.2, "plan": "", "reasons": []}) + "\n")
     return run_dir, args
 
 
@@ -70,8 +72,8 @@ def resume_with(finished_run, tmp_path_factory, name: str, mutate) -> None:
     outcome(lambda: cli.main(argv), run_dir)
 
 
-KINDS = {"config.yaml": "yaml", "metrics.jsonl": "jsonl", "checkpoint/trainer_state.json": "json",
-         "checkpoint/trainer_state.safetensors": "bytes"}
+KINDS = {"config.yaml": "yaml", "metrics.jsonl": "jsonl", "guard.jsonl": "jsonl",
+         "checkpoint/trainer_state.json": "json", "checkpoint/trainer_state.safetensors": "bytes"}
 
 
 @pytest.mark.slow
