@@ -145,7 +145,7 @@ def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, r
           f"plan: {summary['plan']}; logs in {run_dir}")
 
 
-def cmd_sweep(grid: Path | None, out: Path, family: list[str] | None, plot_only: bool, quiet: bool) -> None:
+def cmd_sweep(grid: Path | None, out: Path, family: list[str] | None, plot_only: bool, quiet: bool) -> int | None:
     """A grid of short OPD runs over mismatch sources and levels (resumable); then the plots and the knee per source."""
     from opd.sweep import load_grid, read_results, run_sweep
     from opd.tolerance import report
@@ -154,7 +154,12 @@ def cmd_sweep(grid: Path | None, out: Path, family: list[str] | None, plot_only:
         require(results.is_file(), f"no results file {results}", "run `opd sweep` first, or point --out at one")
         rows = read_results(results)
     else:
-        rows = run_sweep(load_grid(grid), out, family, progress=not quiet)
+        try:
+            rows = run_sweep(load_grid(grid), out, family, progress=not quiet)
+        except KeyboardInterrupt as e:  # the run in progress is not resumed: the same command runs it again
+            print(f"opd: interrupted: finished runs are in {results}; the same command continues the sweep",
+                  file=sys.stderr)
+            return 128 + getattr(e, "signum", 2)
     print(report(rows, out))
 
 
