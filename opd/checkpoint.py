@@ -21,12 +21,13 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path, PurePosixPath
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, ConfigDict, Field
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -53,6 +54,7 @@ Theta = Annotated[float, Field(gt=1, allow_inf_nan=False)]  # a base <= 1 does n
 
 
 class RopeSchema(Schema):
+    model_config = ConfigDict(strict=True, extra="forbid")  # a key rope.py does not compute is refused by name
     """`rope_parameters` / `rope_scaling`; which keys a type needs, and unknown ones, are rope.py's check_scaling."""
     rope_type: str | None = None
     type: str | None = None
@@ -93,7 +95,7 @@ class HFConfig(Schema):
     use_sliding_window: bool | None = None
     sliding_window: Size | None = None
     max_window_layers: Annotated[int, Field(ge=0)] | None = None
-    layer_types: list[str] | None = None
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
     bos_token_id: TokenId | None = None
     eos_token_id: TokenId | list[TokenId] | None = None
     pad_token_id: TokenId | None = None
@@ -133,8 +135,8 @@ class ManifestEntry(Schema):
 
 
 class ManifestSchema(Schema):
-    """opd_manifest.json, as save_checkpoint writes it."""
-    format: int
+    """opd_manifest.json, as save_checkpoint writes it (format 1: the only one there is)."""
+    format: Literal[1]
     files: dict[FileName, ManifestEntry]
 
 
@@ -180,6 +182,8 @@ def rope_settings(d: dict, where: str) -> tuple[float, dict]:
     """(rope_theta, the scaling parameters) from a config's `rope_parameters` (transformers 5) or `rope_scaling` and
     top-level `rope_theta`/`partial_rotary_factor` (earlier); refuses what rope.py does not compute. d: checked
     against HFConfig."""
+    require(not (d.get("rope_parameters") and d.get("rope_scaling")), f"{where}: both rope_parameters and "
+            "rope_scaling are given", "keep one of them (transformers would merge them)")
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     require(not any(isinstance(v, dict) for v in rope.values()), f"{where}: per-layer-type RoPE is not supported",
             "give one rope_parameters mapping")
@@ -356,6 +360,12 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def read_manifest(folder: Path) -> dict:
+    """The files a folder's manifest lists ({} without one); call it on a verified folder."""
+    path = Path(folder) / MANIFEST
+    return dict(check(ManifestSchema, read_json(path, MANIFEST), str(path)).files) if path.is_file() else {}
+
+
 def manifest_problem(folder: Path) -> str | None:
     """None when every file the folder's manifest lists has its recorded size and hash (or there is no manifest);
     otherwise what is wrong, in a few words. A manifest that is not valid JSON or not of ManifestSchema's shape is
@@ -438,11 +448,25 @@ def generation_config(folder) -> dict:
                        "fix generation_config.json, or delete it to use opd's defaults", optional=True)
 
 
+# generation_config.json settings opd does not apply, with the value at which that changes nothing: rollouts sample
+# from the plain (temperature / top-k / top-p) distribution, since OPD is on-policy; a note names any other value
+NOT_APPLIED = {"do_sample": True, "repetition_penalty": 1.0, "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+               "eta_cutoff": 0.0, "no_repeat_ngram_size": 0, "length_penalty": 1.0, "num_beams": 1}
+
+
+def note_not_applied(generation: dict, where: str) -> None:
+    for key, neutral in NOT_APPLIED.items():
+        if generation.get(key, neutral) not in (neutral, None):
+            print(f"opd: note: {where}: {key} {generation[key]!r} is not applied (opd samples with temperature, top_k "
+                  "and top_p only)", file=sys.stderr)
+
+
 def load_tokenizer(folder, cfg: ModelConfig) -> TextTokenizer:
     """The folder's tokenizer with every stop id of config.json and generation_config.json, and the generation
     defaults (tokenizer.py)."""
     folder = Path(folder)
     generation = generation_config(folder)
+    note_not_applied(generation, str(folder / "generation_config.json"))
     config = read_config(folder)
     stops = stop_ids(config, generation) or [cfg.eos_token_id]
     where = str(folder / "generation_config.json")

@@ -132,7 +132,7 @@ def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, r
     if run_dir is None:
         require(not resume, "--resume needs --run-dir", "name the run directory to continue")
         run_dir = Path("runs") / f"{cfg.family if not cfg.student else 'opd'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    print(f"run directory: {run_dir}", file=sys.stderr)
+    print(f"run directory: {run_dir}", flush=True)  # stdout: stderr is for progress and the one error line
     summary = train(cfg, run_dir, resume=resume, overwrite=overwrite, progress=not quiet)
     before, after = summary["before"] or {}, summary["after"]
     print(f"{'':10} {'accuracy':>9} {'sampled':>9} {'rkl':>9}")
@@ -170,6 +170,7 @@ def cmd_calibrate(results: Path, out: Path) -> None:
     from opd.sweep import read_results
     from opd.tolerance import label
     require(results.is_file(), f"no results file {results}", "run `opd sweep` first")
+    require(not out.is_dir(), f"-o {out} is a folder", "name the thresholds file to write")
     rows = [r for r in label(read_results(results)) if r["degraded"] is not None]
     thresholds = calibrate(rows) | {"calibrated_from": str(results), "runs": len(rows)}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ A YAML file holds any subset of the fields below (the rest keep their defaults);
 types and bad values are errors that name the key.
 """
 import difflib
+import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -216,7 +217,6 @@ def _typed(key: str, value, default):
     if isinstance(default, bool):
         ok = isinstance(value, bool)
     elif isinstance(default, float):
-        value = _yaml11_float(value)
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
             (isinstance(value, float) or abs(value) < 1e308)
         value = float(value) if ok else value
@@ -229,19 +229,10 @@ def _typed(key: str, value, default):
         ok = isinstance(value, str)
     else:
         ok = True
-    expected = "a string or a mapping of layers to settings strings" if key == "plan" else \
-        f"a {type(default).__name__}"
-    require(ok, f"config: {key} must be {expected}, got {value!r:.60}")
-    return value
-
-
-def _yaml11_float(value):
-    """PyYAML reads `3e-4` (no dot) as a string, YAML 1.1's rule; accept it as the number it plainly is."""
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
+    names = {bool: "true or false", float: "a number", int: "an integer", str: "a string"}
+    expected = "a string or a mapping of layers to settings strings" if key == "plan" else names[type(default)]
+    require(ok, f"config: {key} must be {expected}, got {value!r:.60}",
+            "e.g. plan: \"kv=fp8_e4m3\"" if key == "plan" else f"e.g. {key}: {json.dumps(default)}")
     return value
 
 
@@ -270,14 +261,13 @@ def _checked_values(values, where: str = "config") -> dict:
 def build_config(values: dict, where: str = "config") -> TrainConfig:
     """A TrainConfig from a (possibly nested) mapping, with key, type and range checks."""
     out = _checked_values(values, where)
-    if "loss" in out:
-        out["loss"] = LossConfig(**out["loss"])
     try:
+        if "loss" in out:
+            out["loss"] = LossConfig(**out["loss"])
         return TrainConfig(**out)
     except OpdError as e:
-        if where == "config":
-            raise
-        raise OpdError(f"{where}: {e.problem.removeprefix('config: ')}", e.fix) from None
+        problem = e.problem if where == "config" else f"{where}: {e.problem.removeprefix('config: ')}"
+        raise OpdError(problem, e.fix or "each key's meaning and range: opd/config.py") from None
 
 
 def parse_overrides(pairs: list[str]) -> dict:

@@ -25,10 +25,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens besides the engine's eos
 
     def __post_init__(self):
-        require(self.max_new_tokens > 0, f"max_new_tokens must be positive, got {self.max_new_tokens}")
-        require(0 <= self.temperature < math.inf, f"temperature must be finite and >= 0, got {self.temperature}")
+        require(self.max_new_tokens > 0, f"max_new_tokens must be positive, got {self.max_new_tokens}",
+                "give a positive number of tokens")
+        require(0 <= self.temperature < math.inf, f"temperature must be finite and >= 0, got {self.temperature}",
+                "1 samples the model's distribution, 0 is greedy")
         require(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}", "0 turns it off")
-        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}", "1 turns it off")
 
     @property
     def reshapes_distribution(self) -> bool:

@@ -91,6 +91,11 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# YAML 1.2's floats: PyYAML (YAML 1.1) reads `3e-4` (no dot) as a string; a quoted "3e-4" stays a string
+UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
 def parse_yaml(text: str, where: str, fix: str = "fix the YAML") -> Any:
     try:
         return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
@@ -149,7 +154,7 @@ def problem(e: ValidationError) -> str:
 def read_object(path, schema: type[BaseModel], fix: str = "fix or re-create the file", optional: bool = False) -> dict:
     """A JSON file holding one object, checked against schema; {} for a missing file when optional."""
     path = Path(path)
-    if optional and not path.is_file():
+    if optional and not path.exists() and not path.is_symlink():  # absent; a folder or a device there is an error
         return {}
     data = read_json(path, path.name, fix)
     if not isinstance(data, dict):

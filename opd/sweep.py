@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, ValidationError, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_validator
 
 from opd.admission import CLASSES, estimator_class, probe, staleness
 from opd.config import TrainConfig, build_config, merge, resolve_generation
@@ -81,6 +81,7 @@ Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class GridPoint(Schema):
+    model_config = ConfigDict(strict=True, extra="forbid")  # a mistyped key (`seed:` for `seeds:`) is an error
     source: str
     level: str | int | Finite
     set: dict[str, Any] | None = None  # TrainConfig keys (checked by build_config in expand)
@@ -88,6 +89,7 @@ class GridPoint(Schema):
 
 
 class Grid(Schema):
+    model_config = ConfigDict(strict=True, extra="forbid")
     families: list[Literal[FAMILIES]] = Field(["llama"], min_length=1)
     base: dict[str, Any] = {}
     estimators: dict[str, dict[str, Any] | None] = Field(min_length=1)

@@ -34,14 +34,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from pydantic import StrictBool, StrictStr, conint
+from pydantic import ConfigDict, StrictBool, StrictStr, conint
 from tqdm import tqdm
 
 from opd.admission import (FLOOR_PLAN, METRIC, MIN_ESS_FRAC, ProbeSetup, calibrated, decide, estimator_class,
                            load_thresholds)
 from opd.async_rollouts import AsyncRollouts, sampler_seed, worker_spec
 from opd import devices
-from opd.checkpoint import load_checkpoint, recover_checkpoint, save_checkpoint
+from opd.checkpoint import MANIFEST, load_checkpoint, read_manifest, recover_checkpoint, save_checkpoint
 from opd.config import TrainConfig, resolve_generation
 from opd.engine import Engine, drawn_logprobs
 from opd.errors import OpdError, require
@@ -79,6 +79,10 @@ def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer
     student, tok = load_checkpoint(student_dir, torch.float32, device)
     teacher, teacher_tok = load_checkpoint(teacher_dir, teacher_dtype, teacher_device)
     check_same_tokenizer(student, tok, teacher, teacher_tok)
+    for role, model, folder in (("student", student, student_dir), ("teacher", teacher, teacher_dir)):
+        bad = next((name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+        require(bad is None, f"the {role} checkpoint {folder} has NaN/Inf weights ({bad})",
+                "use an undamaged checkpoint: every step would be skipped as non-finite")
     return student, teacher.eval().requires_grad_(False), tok, student_dir
 
 
@@ -152,6 +156,7 @@ PICKLED_STATE = "trainer_state.pt"  # what releases before 2026-12 wrote: a pick
 
 class StateFile(Schema):
     """trainer_state.json: the loop's counters (State): steps attempted, of them taken (version) and skipped."""
+    model_config = ConfigDict(strict=True, extra="forbid")
     step: conint(strict=True, ge=0, lt=2 ** 31)
     version: conint(strict=True, ge=0, lt=2 ** 31)
     bad_steps: conint(strict=True, ge=0, lt=2 ** 31) = 0
@@ -181,9 +186,17 @@ def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
     if (folder / PICKLED_STATE).is_file():
         raise OpdError(f"{folder / PICKLED_STATE} is a pickle (an earlier opd's trainer state); opd does not unpickle "
                        "files, which can run code", "start the run again with --overwrite")
+    require(not folder.exists() or folder.is_dir(), f"{folder} is not a checkpoint folder", fix)
     if not (folder / STATE_FILE).is_file():
         return State(), {}  # interrupted before the first checkpoint: start over
-    saved, _ = load_checkpoint(folder)
+    saved, _ = load_checkpoint(folder)  # checks every file its manifest lists
+    listed = read_manifest(folder)
+    unlisted = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST and p.name not in listed)
+    if not listed or unlisted:
+        what = f"{unlisted[0]} is not in its {MANIFEST}" if listed else f"it has no {MANIFEST}"
+        raise OpdError(f"checkpoint {folder}: {what} (every file of a run's checkpoint is listed and checked)", fix)
+    require(saved.cfg == run.student.cfg, f"checkpoint {folder} holds another model than the run's student "
+            f"({saved.cfg.arch}, {saved.cfg.num_layers} layers x {saved.cfg.hidden_size})", fix)
     state = State(**check(StateFile, read_json(folder / "trainer_state.json", "trainer state", fix),
                           str(folder / "trainer_state.json"), fix).model_dump(include=set(vars(State()))))
     require(state.version + state.skipped == state.step and state.bad_steps <= state.skipped,
@@ -197,6 +210,9 @@ def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
         all(x is None or _is_scale(x, run.student.cfg.num_kv_heads) for x in v) for k, v in scales.items()),
         f"{folder / STATE_FILE}: not a trainer state of this model (its optimizer or KV scales)", fix)
     check_optimizer_state(run.opt, blob["optimizer"], str(folder / STATE_FILE), fix)
+    steps = {float(entry["step"]) for entry in blob["optimizer"]["state"].values()}
+    require(steps <= {float(state.version)}, f"{folder}: the optimizer has taken {sorted(steps)[:1]} steps, "
+            f"trainer_state.json says {state.version}", fix)
     run.student.load_state_dict(saved.state_dict())
     run.opt.load_state_dict(blob["optimizer"])
     run.state = state
@@ -250,7 +266,10 @@ def check_resume(run_dir: Path, cfg: TrainConfig, state: State) -> None:
     read_guard_events(run_dir)  # checked now: read again (and cut back) once the run goes on
     if not state.step:
         return
-    logged = {row["step"] for row in read_metrics(run_dir)} if (run_dir / "metrics.jsonl").is_file() else set()
+    steps = [row["step"] for row in read_metrics(run_dir)] if (run_dir / "metrics.jsonl").is_file() else []
+    require(all(a < b for a, b in zip(steps, steps[1:])), f"{run_dir}/metrics.jsonl does not hold each step once, "
+            "in order", "the log is damaged: start again with --overwrite")
+    logged = set(steps)
     missing = [s for s in range(state.step) if s not in logged]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""

@@ -184,7 +184,7 @@ def test_unsupported_config_fields_are_refused_by_name(tmp_path):
     for change, message in (({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "'longrope'"),
                             ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
                             ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "ntk_alpha": 2}},
-                             "'ntk_alpha'"),
+                             "unexpected key 'rope_parameters.ntk_alpha'"),
                             ({"layer_types": ["chunked_attention"] * 3, "sliding_window": 4,
                               "use_sliding_window": True}, "'chunked_attention'"),
                             ({"use_sliding_window": True, "sliding_window": None}, "without a sliding_window")):

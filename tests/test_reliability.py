@@ -237,11 +237,10 @@ def test_sigint_and_sigterm_at_random_points_then_resume_give_the_uninterrupted_
 
 
 def cli_outcome(argv, capsys) -> tuple[int, str]:
-    """(exit code, stderr without the "run directory: ..." line `opd train` starts with)."""
+    """(exit code, stderr) of `opd` run in this process."""
     from opd.cli import main
     code = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    return code, "".join(line for line in err.splitlines(keepends=True) if not line.startswith("run directory: "))
+    return code, capsys.readouterr().err
 
 
 def snapshot(folder: Path) -> dict:
