@@ -6,6 +6,7 @@ operating system (a full disk, an unwritable or missing path): those name the pa
 import argparse
 import json
 import math
+import signal
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -413,5 +414,13 @@ def main(argv: list[str] | None = None) -> int:
     return status or 0
 
 
+def run() -> None:
+    """The `opd` command: main(), then exit. A Ctrl-C after the command has finished (while Python shuts down and runs
+    its exit handlers) is ignored: the work is done, and a KeyboardInterrupt there would only print a traceback."""
+    status = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
