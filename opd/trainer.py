@@ -198,7 +198,7 @@ def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
     require(saved.cfg == run.student.cfg, f"checkpoint {folder} holds another model than the run's student "
             f"({saved.cfg.arch}, {saved.cfg.num_layers} layers x {saved.cfg.hidden_size})", fix)
     state = State(**check(StateFile, read_json(folder / "trainer_state.json", "trainer state", fix),
-                          str(folder / "trainer_state.json"), fix).model_dump(include=set(vars(State()))))
+                          str(folder / "trainer_state.json"), fix).model_dump())
     require(state.version + state.skipped == state.step and state.bad_steps <= state.skipped,
             f"{folder / 'trainer_state.json'}: its counters disagree (step {state.step} = version {state.version} + "
             f"skipped {state.skipped}, bad_steps <= skipped)", fix)
@@ -209,10 +209,7 @@ def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
         isinstance(k, int) and 0 <= k < run.student.cfg.num_layers and isinstance(v, list) and len(v) == 2 and
         all(x is None or _is_scale(x, run.student.cfg.num_kv_heads) for x in v) for k, v in scales.items()),
         f"{folder / STATE_FILE}: not a trainer state of this model (its optimizer or KV scales)", fix)
-    check_optimizer_state(run.opt, blob["optimizer"], str(folder / STATE_FILE), fix)
-    steps = {float(entry["step"]) for entry in blob["optimizer"]["state"].values()}
-    require(steps <= {float(state.version)}, f"{folder}: the optimizer has taken {sorted(steps)[:1]} steps, "
-            f"trainer_state.json says {state.version}", fix)
+    check_optimizer_state(run.opt, blob["optimizer"], state.version, str(folder / STATE_FILE), fix)
     run.student.load_state_dict(saved.state_dict())
     run.opt.load_state_dict(blob["optimizer"])
     run.state = state
@@ -230,10 +227,10 @@ def _is_scale(x, kv_heads: int) -> bool:
         bool(torch.isfinite(x).all() and (x > 0).all())
 
 
-def check_optimizer_state(opt: torch.optim.Optimizer, saved: dict, where: str, fix: str) -> None:
-    """A saved AdamW state fits `opt`: the same groups and parameters, hyper-parameters of the same types, and per
-    parameter a finite step and moments of the parameter's shape (torch would accept a misfit one and fail, or
-    compute garbage, at the first step)."""
+def check_optimizer_state(opt: torch.optim.Optimizer, saved: dict, version: int, where: str, fix: str) -> None:
+    """A saved AdamW state fits `opt` after `version` optimizer steps: the same groups and parameters, the config's
+    settings, and per parameter a step count equal to version and finite moments of the parameter's shape (torch
+    would accept a misfit one and fail, or compute garbage, at the first step)."""
     fresh = opt.state_dict()
     groups, state = saved.get("param_groups"), saved.get("state")
     ok = isinstance(groups, list) and isinstance(state, dict) and len(groups) == len(fresh["param_groups"])
@@ -252,9 +249,9 @@ def check_optimizer_state(opt: torch.optim.Optimizer, saved: dict, where: str, f
             all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and bool(torch.isfinite(t).all())
                 for t in entry.values()) and \
             entry["step"].shape == () and entry["exp_avg"].shape == shape == entry["exp_avg_sq"].shape and \
-            float(entry["step"]) >= 1 and bool((entry["exp_avg_sq"] >= 0).all())  # a second moment is >= 0
-        require(good, f"{where}: the optimizer state of parameter {index!r:.20} does not fit this model or is not "
-                "finite", fix)
+            float(entry["step"]) == version and bool((entry["exp_avg_sq"] >= 0).all())  # a second moment is >= 0
+        require(good, f"{where}: the optimizer state of parameter {index!r:.20} does not fit this model or its "
+                f"{version} steps, or is not finite", fix)
 
 
 def check_resume(run_dir: Path, cfg: TrainConfig, state: State) -> None:

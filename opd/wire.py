@@ -23,11 +23,17 @@ KEY = "opd"
 
 def encode(tree: Any) -> bytes:
     tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
 
     def walk(node):
         if isinstance(node, torch.Tensor):
             name = f"t{len(tensors)}"
-            tensors[name] = node.detach().to("cpu").contiguous().clone()
+            tensor = node.detach().to("cpu").contiguous()
+            storage = tensor.untyped_storage().data_ptr()
+            # safetensors refuses two tensors on one storage (tied weights, views): copy only those, not every
+            # tensor (the weights go through here at every async publish)
+            tensors[name] = tensor.clone() if storage in storages else tensor
+            storages.add(storage)
             return {"__tensor__": name}
         if isinstance(node, dict):
             if all(isinstance(k, str) for k in node) and "__tensor__" not in node and "__pairs__" not in node \
