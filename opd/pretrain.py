@@ -12,6 +12,15 @@ recipe never reuses a stale model. A cache entry that does not match its manifes
 The cache folder itself ($OPD_CACHE, ~/.cache/opd, or --cache-dir) is checked before any training starts
 (`check_cache_dir`): a file, an empty OPD_CACHE or a folder that cannot be written is one line, not a failure to save
 after minutes of training.
+
+Shipped pairs: the four default models (both families, both roles, task `chain`, default steps and seed) are part of
+the package, `opd/pairs/<cache name>/`, with their manifests (~13 MB together). Training is deterministic on one
+machine but not across CPU types (AVX2, AVX-512 and AMX kernels reduce floats in different orders), so models trained
+on two machines differ slightly, and so would every table computed from them. For a default config the shipped
+entry therefore wins over a cache entry: every machine starts from the same models. A non-default config (other
+steps, seed, threads, sizes) has no shipped entry and uses the cache as before; a shipped entry that does not match
+its manifest is ignored with a warning. Nothing writes into opd/pairs: `force` and `opd pretrain`, which re-create
+the models, train into the cache, and `compare_to_shipped` says whether the result equals the shipped one.
 """
 import hashlib
 import json
@@ -27,9 +36,10 @@ from typing import Annotated
 import torch
 import torch.nn.functional as F
 from pydantic import Field, ValidationError
+from safetensors.torch import load_file
 from tqdm import tqdm
 
-from opd.checkpoint import manifest_problem, save_checkpoint
+from opd.checkpoint import MANIFEST, manifest_problem, save_checkpoint
 from opd.data import IGNORE, sft_batch
 from opd.errors import OpdError, require
 from opd.schema import Schema, parse_json, problem, read_text
@@ -39,6 +49,7 @@ from opd.task import get_task, held_out_examples, train_examples
 from opd.tokenizer import TextTokenizer
 
 RECIPE_VERSION = 1
+SHIPPED_DIR = Path(__file__).parent / "pairs"  # the default models, read-only (see the module docstring)
 FAMILIES = ("llama", "qwen3")
 ROLES = ("teacher", "student")
 # Students are teacher-sized but stopped early: smaller models of the llama family did not learn the long-form task
@@ -64,6 +75,9 @@ def check_cache_dir(path: Path | None = None, write: bool = True) -> Path:
     path = Path(path) if path is not None else default_cache_dir()
     fix = "set OPD_CACHE (or --cache-dir) to a writable folder"
     require(not path.exists() or path.is_dir(), f"the pretrain cache {path} is not a folder", fix)
+    require(SHIPPED_DIR.resolve() not in (path.resolve(), *path.resolve().parents),
+            f"the pretrain cache {path} is inside the shipped models' folder {SHIPPED_DIR}",
+            "choose another OPD_CACHE or --cache-dir: the shipped models are read-only")
     try:
         path.mkdir(parents=True, exist_ok=True)
         if write:
@@ -186,9 +200,15 @@ def evaluate(model: Transformer, tok: TextTokenizer, cfg: PretrainConfig) -> dic
     return greedy_accuracy(model, tok, held_out_examples(task, cfg.eval_examples), task.max_new_tokens)
 
 
-def pretrain(cfg: PretrainConfig, cache_dir: Path | None = None, force: bool = False,
-             progress: bool = True) -> tuple[Path, dict]:
-    """The cached checkpoint folder for cfg and its eval.json, training it first if it is not there (or damaged)."""
+def pretrain(cfg: PretrainConfig, cache_dir: Path | None = None, force: bool = False, progress: bool = True,
+             shipped: bool = True) -> tuple[Path, dict]:
+    """The checkpoint folder for cfg and its eval.json: the shipped one for a default config (with shipped), else the
+    cache entry, training it first if it is not there or damaged. force: train again into the cache (never into the
+    shipped folder). shipped=False: ignore the shipped models, as `opd pretrain` does to re-create them."""
+    if shipped and not force:
+        found = shipped_entry(cfg)
+        if found is not None:
+            return found
     root = check_cache_dir(cache_dir, write=False)
     folder = root / cfg.cache_name()
     if (folder / "eval.json").is_file() and not force:
@@ -202,3 +222,45 @@ def pretrain(cfg: PretrainConfig, cache_dir: Path | None = None, force: bool = F
     result = {**evaluate(model, tok, cfg), "eval/seconds": time.perf_counter() - start, **stats}
     save_checkpoint(folder, model, tok, {"pretrain.json": cfg.resolved(), "eval.json": result})
     return folder, result
+
+
+def shipped_entry(cfg: PretrainConfig, shipped_dir: Path = SHIPPED_DIR) -> tuple[Path, dict] | None:
+    """(folder, eval.json) of the shipped model for cfg; None when cfg is not a default config, or (with a warning)
+    when the shipped files do not match their manifest. Only read: the folder may be part of a read-only install."""
+    folder = shipped_dir / cfg.cache_name()
+    if not folder.is_dir():
+        return None
+    damage, result = cached_problem(folder, cfg) if (folder / MANIFEST).is_file() else (f"{MANIFEST} is missing", {})
+    if damage is None:
+        return folder, result
+    print(f"pretrain: the shipped {folder.name} is damaged ({damage}): using the cache instead (reinstall opd to "
+          "restore it)", file=sys.stderr)
+    return None
+
+
+def weight_difference(a: Path, b: Path) -> tuple[bool, float]:
+    """(bitwise equal, max |difference|) of the weights of two checkpoint folders, tensor for tensor. Different
+    tensor names, shapes or dtypes: (False, inf)."""
+    wa, wb = load_file(str(Path(a) / "model.safetensors")), load_file(str(Path(b) / "model.safetensors"))
+    if wa.keys() != wb.keys() or any(wa[k].shape != wb[k].shape or wa[k].dtype != wb[k].dtype for k in wa):
+        return False, math.inf
+    # bytes, not values: -0.0 == 0.0 and NaN != NaN as numbers
+    equal = all(torch.equal(wa[k].flatten().view(torch.uint8), wb[k].flatten().view(torch.uint8)) for k in wa)
+    diff = max((float((wa[k].double() - wb[k].double()).abs().max()) for k in wa if wa[k].numel()), default=0.0)
+    return equal, diff
+
+
+def compare_to_shipped(cfg: PretrainConfig, folder: Path, result: dict, shipped_dir: Path = SHIPPED_DIR) -> str:
+    """One line: does the model re-created for cfg in `folder` (eval.json `result`) equal the shipped one?"""
+    if not (shipped_dir / cfg.cache_name()).is_dir():
+        return "no shipped model (only the default steps, seed, threads and sizes are shipped)"
+    entry = shipped_entry(cfg, shipped_dir)
+    if entry is None:
+        return "the shipped model is damaged (reinstall opd)"
+    equal, diff = weight_difference(folder, entry[0])
+    if equal:
+        return "equal to the shipped model (bitwise)"
+    shipped_accuracy = entry[1]["eval/accuracy"]
+    return (f"differs from the shipped model: max |w - w_shipped| {diff:.2g}, accuracy {result['eval/accuracy']:.3f} "
+            f"here vs {shipped_accuracy:.3f} shipped (training is deterministic per CPU type, not across AVX2, "
+            "AVX-512 and AMX: that is why the pairs are shipped; runs use them)")
