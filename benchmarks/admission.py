@@ -174,8 +174,8 @@ def label_noise(rows: list[dict]) -> tuple[list[str], float]:
 def remeasure(rows: list[dict]) -> list[float]:
     """Every run's probe measured again here (its numbers replace the stored ones); -> seconds per probe. The probe
     does not depend on the loss, so the runs of one (family, seed, plan, sampling) share one measurement."""
-    from opd.admission import probe
-    from opd.trainer import probe_setup
+    from opd.probe import probe
+    from opd.setup import probe_setup
     seconds, done = [], {}
     for i, row in enumerate(rows, 1):
         cfg = stored_config(row)

@@ -9,7 +9,7 @@ times of the steps after `--warmup` (the pipeline fill and first-call costs excl
 not timed. Sync runs twice, first and last, and its throughput is the mean of the two, to share the machine's drift.
 `speedup` is the best async throughput over sync's.
 
-    python benchmarks/async.py            # what the README quotes
+    python benchmarks/async.py            # what docs/benchmarks.md quotes
     python benchmarks/async.py --quick    # ~1 minute after the pair is cached
 
 The last line is `RESULT key=value ...`.

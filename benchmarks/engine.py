@@ -9,7 +9,7 @@ The compiled engine (`Engine(compile=True)`) is timed in the first block too, af
 printed apart; the plan table gives it for three plans. --quick and --no-compile leave the compiled rows out
 (compiling takes about a minute per plan here).
 
-    python benchmarks/engine.py            # what the README quotes
+    python benchmarks/engine.py            # what docs/benchmarks.md quotes
     python benchmarks/engine.py --quick    # < 1 minute
     python benchmarks/engine.py --device cuda   # on a GPU (no vLLM row there)
 
@@ -25,7 +25,7 @@ import transformers
 
 from opd.checkpoint import load_checkpoint, save_checkpoint
 from opd.engine import Engine
-from opd.generate import left_pad
+from opd.naive import left_pad
 from opd.model import ModelConfig, Transformer
 from opd.pretrain import MODEL_SIZE
 from opd.sampling import SamplingParams

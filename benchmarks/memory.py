@@ -22,7 +22,7 @@ with the demo's settings (batch 64, BF16 rollouts, full_rkl); `trl_step_ratio` a
 step here with TRL's DistillationTrainer (beta 1: reverse KL, float32, no gradient checkpointing, `pip install -e
 '.[bench]'`) on the real-vocabulary pair, same batch, prompts and new tokens, both sampling in float32 (opd: plan "").
 
-    python benchmarks/memory.py                  # what the README quotes (~30 minutes on 2 CPU cores)
+    python benchmarks/memory.py                  # what docs/benchmarks.md quotes (~30 minutes on 2 CPU cores)
     python benchmarks/memory.py --quick          # < 1 minute: small sizes, no TRL or baseline comparison
     python benchmarks/memory.py --device cuda    # on a GPU (benchmarks/gpu.sh)
 
@@ -69,13 +69,15 @@ def worker(job: dict) -> dict:
                         "max_new_tokens": job["tokens"], "threads": job["threads"], "device": job["device"],
                         "eval_examples": job.get("examples", 8), **job.get("set", {})})
     if job["kind"] == "admit":
-        from opd.admission import admit, load_thresholds
-        from opd.trainer import probe_setup
+        from opd.admission import load_thresholds
+        from opd.probe import admit
+        from opd.setup import probe_setup
         setup, plan = probe_setup(cfg, job["batch"])
         devices.reset_peak_memory(device)
         admit(setup, plan, load_thresholds(), propose=False)
         return {"peak": devices.peak_memory(device)}
-    from opd.trainer import evaluate, run_step, setup
+    from opd.setup import setup
+    from opd.trainer import evaluate, run_step
     run = setup(cfg)
     devices.reset_peak_memory(device)
     if job["kind"] == "eval":
@@ -92,9 +94,14 @@ def worker(job: dict) -> dict:
 
 
 def builtin_steps(job: dict) -> dict:
-    """Step times on the built-in pair with the API both this code and BASELINE have."""
+    """Step times on the built-in pair with the API both this code and BASELINE have (BASELINE's setup is in its
+    trainer module)."""
     from opd.config import build_config
-    from opd.trainer import run_step, setup
+    from opd.trainer import run_step
+    try:
+        from opd.setup import setup
+    except ImportError:
+        from opd.trainer import setup
     run = setup(build_config({"family": job["family"], "batch_size": job["batch"], "threads": job["threads"]}))
     times = []
     for _ in range(job["steps"]):

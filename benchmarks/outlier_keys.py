@@ -17,13 +17,14 @@ import copy
 
 import torch
 
-from opd.admission import admit, load_thresholds
+from opd.admission import load_thresholds
+from opd.probe import admit
 from opd.config import build_config
 from opd.kv_cache import KVCache
 from opd.plan import Plan
 from opd.stress import add_outlier_keys
 from opd.sweep import PROBE_ROLLOUTS
-from opd.trainer import probe_setup
+from opd.setup import probe_setup
 
 PLANS = {"fp8 fixed": "kv=fp8_e4m3", "fp8 calibrated": "kv=fp8_e4m3 kv_scale=calibrate",
          "int8 calibrated": "kv=int8 kv_scale=calibrate",

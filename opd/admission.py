@@ -38,8 +38,8 @@ whose only mismatch was staleness; a class without such runs is judged by its fo
 A candidate whose nsr is within 2x of the BF16 floor always passes the mismatch test.
 A probe whose effective sample size fraction (`ess_frac`, importance weights q/mu) is under 0.5 is rejected
 whatever its nsr. For rollouts that broken, the teacher also rejects the sampled tokens, which inflates nsr's
-denominator, so nsr understates them (dev/LOG.md: an FP8 cache saturating outlier keys had kl_k3 3.0, ess_frac
-0.075 and nsr only 0.42). No stored run that trained fine had ess_frac under 0.788.
+denominator, so nsr understates them: an FP8 cache saturating outlier keys has a large kl_k3 and a collapsed ESS
+but a modest nsr (docs/admission.md). The floor sits well below the ess_frac of every stored run that trained fine.
 The verdict is the worst of the mismatch's, the staleness's and the ESS floor's. The result is a small JSON file
 (`opd calibrate`) that states what it was calibrated on; the package ships one calibrated on the built-in pairs'
 stored studies (thresholds.json, written by benchmarks/admission.py), and users can pass their own or override the
@@ -49,25 +49,19 @@ limit.
 (they keep all of the memory saving). Otherwise it measures the candidate setting on one layer at a time (the
 sensitivity map) and keeps the most sensitive layers in BF16, one more at a time, until the probe is admitted: the
 cheapest per-layer plan that passes, in layers kept at BF16. `decide` is a pure predicate; the runtime guard
-(trainer.py) applies it to the live training metrics every `guard_every` steps.
+(guard.py) applies it to the live training metrics every `guard_every` steps. The probe itself, which runs the
+models, is probe.py; this module only decides and calibrates.
 """
-import functools
 import math
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated
 
-import torch
 from pydantic import Field, ValidationError
 
 from opd.errors import OpdError, require
-from opd.devices import autocast_dtype
-from opd.engine import Engine
-from opd.learner import collate, score_batch
-from opd.losses import LossConfig, masked_mean
-from opd.metrics import distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics
-from opd.plan import LayerPrecision, Plan, describe_layer
+from opd.losses import LossConfig
+from opd.plan import LayerPrecision, Plan
 from opd.quant import FP8_DTYPES
 from opd.schema import Schema, parse_json, problem, read_text
 
@@ -79,8 +73,7 @@ KEEP = "kv=bf16 w=bf16 noise=0"  # what a layer kept "in BF16" by a proposed pla
 FLOOR_FACTOR = 2.0  # a candidate within this factor of the BF16 engine's own mismatch is at the floor: admitted
 MIN_ESS_FRAC = 0.5  # below this effective sample size fraction the rollouts are not the student's: rejected
 # A cut's errors: an admitted run that degraded costs a whole training run, a rejected one that would have trained
-# fine the speed-up, a fraction of it. Weighting the first 2x cut the held-out admitted-and-degraded runs from 8.2%
-# to 4.8% of the runs for 0.5% of accuracy (docs/admission.md, "The trade-off, measured").
+# fine the speed-up, a fraction of it: the first is weighted 2x (the trade-off this buys: docs/admission.md).
 ADMITTED_DEGRADED_COST = 2.0
 
 
@@ -310,127 +303,18 @@ def best_cut(points: list[tuple[float, bool]], cost: float = ADMITTED_DEGRADED_C
     return {"max": best[2], "knee": True, "errors": best[1], "fine_max": max(fine) if fine else None}
 
 
-# ---- the probe -----------------------------------------------------------------------------------------------------
-
-@dataclass
-class ProbeSetup:
-    """What a probe needs from a training run: the config, the models and an engine factory."""
-    cfg: object  # TrainConfig
-    student: torch.nn.Module
-    teacher: torch.nn.Module
-    tok: object
-    make_engine: object  # (plan) -> engine
-    prompts: list[list[int]] = field(default_factory=list)
-
-
-def probe(setup: ProbeSetup, plan: Plan, floor: dict | None = None) -> dict:
-    """The candidate plan's mismatch on the probe batch (+ the BF16 floor, measured unless given)."""
-    start = time.perf_counter()
-    numbers = measure(setup, plan)
-    if floor is None:
-        floor_plan = Plan.parse(FLOOR_PLAN, len(plan.layers))
-        floor = numbers if str(floor_plan) == str(plan) else measure(setup, floor_plan)
-    numbers |= {"floor_kl_k3": floor["kl_k3"], "floor_nsr": floor[METRIC]}
-    numbers["seconds"] = time.perf_counter() - start
-    return numbers
-
+# ---- staleness and the guard's fallback -----------------------------------------------------------------------
 
 def staleness(cfg) -> int:
     return cfg.max_staleness if cfg.schedule == "async" else 0
 
 
-@torch.no_grad()
-def measure(setup: ProbeSetup, plan: Plan) -> dict:
-    """The probe's metrics for one plan: the engine samples the probe prompts; the student (as the learner computes:
-    its dtype, the training temperature) and the teacher score the tokens, a micro-batch and a chunk at a time; the
-    built-in engine also gives its hidden states (for the exact KL) and KV saturation counts."""
-    from opd.async_rollouts import sampler_seed
-    from opd.sampling import SamplingParams
-    cfg = setup.cfg
-    engine = setup.make_engine(plan)
-    builtin = isinstance(engine, Engine)
-    params = SamplingParams(cfg.new_tokens, **cfg.sampling)
-    if builtin:
-        engine.count_clipped = True
-    try:
-        rollouts = engine.generate(setup.prompts, params, sampler_seed(cfg.seed, 0), return_hidden=builtin)
-    finally:
-        if not builtin:
-            engine.close()
-    batch = collate(rollouts, setup.tok.pad_id)
-    scores = score_batch(setup.student, batch, setup.teacher, temperature=cfg.temperature,
-                         micro_batch_size=cfg.micro_batch_size, chunk_tokens=cfg.chunk_tokens,
-                         autocast=autocast_dtype(cfg.dtype),
-                         rollout=functools.partial(engine.logprobs, params=params) if builtin else None)
-    q, t_y, mask = scores.pi, scores.teacher, batch.mask
-    out = {**mismatch_metrics(batch.mu, q, mask), **importance_metrics(batch.mu, q, mask, cfg.loss.cap),
-           **distortion_metrics(t_y, batch.mu, q, mask)}
-    if scores.kl_exact is not None:
-        out |= exact_kl_metric(scores.kl_exact, mask)
-    if scores.rkl is not None:  # the student's distance to its teacher: exact KL(q || T) per token, the probe's mean
-        out["rkl"] = masked_mean(scores.rkl.double(), mask).item()
-    if builtin:
-        out |= {"kv_clipped_k": engine.kv_clipped[0], "kv_clipped_v": engine.kv_clipped[1]}
-    return {k.split("/")[-1]: v for k, v in out.items()}
-
-
-# ---- the check, and the plan it proposes --------------------------------------------------------------------------
-
-def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, propose: bool = True) -> dict:
-    """ADMIT/REJECT with reasons for the run's rollout configuration; a per-layer plan that passes when rejected."""
-    start = time.perf_counter()
-    cls = estimator_class(setup.cfg.loss)
-    numbers = probe(setup, plan)
-    decision = decide(numbers, thresholds, cls, staleness(setup.cfg), limit, setup.cfg.lr)
-    out = {**decision.to_dict(), "plan": str(plan), "estimator_class": cls, "staleness": staleness(setup.cfg),
-           "probe": numbers, "probe_rollouts": len(setup.prompts)}
-    if not decision.admit and propose and math.isfinite(decision.value):
-        if decision.value > decision.limit:
-            floor = {"kl_k3": numbers["floor_kl_k3"], METRIC: numbers["floor_nsr"]}
-            out["proposal"] = propose_plan(setup, plan, thresholds, cls, limit, floor)
-        else:  # the plan passes; the staleness does not
-            budget = class_limits(thresholds, cls)[0].get("max_drift") if thresholds else None
-            lr = setup.cfg.lr
-            safe = f" to {safe_staleness(budget, lr)} at lr {lr:g}" if budget and lr else ""
-            out["proposal"] = {"plan": None, "layer_kl": [], "note": f"the plan passes: lower max_staleness{safe}, "
-                               "lower the lr, or use another estimator"}
-    out["seconds"] = time.perf_counter() - start
-    return out
-
-
 def calibrated(plan: Plan) -> Plan | None:
     """The plan with its fixed-scale FP8 KV layers calibrated instead (None if it has none). A fixed scale of 1.0
     (vLLM's default) saturates keys beyond the format's range (448 for e4m3); calibrated scales keep all of the KV
-    memory saving (README, "Outlier keys")."""
+    memory saving (docs/tolerance.md, outlier keys)."""
     def fix(layer: LayerPrecision) -> LayerPrecision:
         fixed_fp8 = layer.kv.dtype in FP8_DTYPES and layer.kv.scale_mode == "fixed"
         return replace(layer, kv=replace(layer.kv, scale_mode="calibrate")) if fixed_fp8 else layer
     layers = tuple(map(fix, plan.layers))
     return replace(plan, layers=layers) if layers != plan.layers else None
-
-
-def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, limit: float, floor: dict) -> dict:
-    """First the same plan with calibrated FP8 KV scales, if it has fixed ones; then keep the most sensitive layers
-    at BF16, one more at a time, until the probe passes."""
-    n = len(plan.layers)
-    if (scaled := calibrated(plan)) is not None:
-        decision = decide(probe(setup, scaled, floor), thresholds, cls, 0, limit)
-        if decision.admit:
-            return {"plan": str(scaled), "bf16_layers": [], "layer_kl": [], METRIC: decision.value,
-                    "limit": decision.limit, "note": "calibrated KV scales instead of the fixed 1.0"}
-    sensitivity = []
-    for i in range(n):  # the candidate setting on layer i alone, BF16 elsewhere
-        alone = Plan.parse(f"forward={plan.forward}; {KEEP}; {i}: {describe_layer(plan.layers[i])}", n)
-        numbers = measure(setup, alone)
-        sensitivity.append(numbers.get("kl_exact", numbers["kl_k3"]))  # exact where the engine allows: less noise
-    order = sorted(range(n), key=lambda i: -sensitivity[i])
-    for j in range(1, n + 1):
-        kept = sorted(order[:j])
-        candidate = Plan.parse(f"{plan}; {','.join(map(str, kept))}: {KEEP}", n)
-        numbers = probe(setup, candidate, floor)
-        decision = decide(numbers, thresholds, cls, 0, limit)
-        if decision.admit:
-            return {"plan": str(candidate), "bf16_layers": kept, "layer_kl": sensitivity,
-                    METRIC: decision.value, "limit": decision.limit}
-    return {"plan": None, "layer_kl": sensitivity, "note": "even all-BF16 rollouts exceed the limit"}
-

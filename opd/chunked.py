@@ -134,7 +134,7 @@ class Job:
         return value.detach(), next(grads) if need_h else None, next(grads) if need_w else None
 
     def _record(self, rows: slice, s: torch.Tensor, terms: dict[str, torch.Tensor]) -> None:
-        if self.rollout is not None:  # float32: within 4e-7 of float64 on a batch (dev/LOG.md), at half the cost
+        if self.rollout is not None:  # float32: float64's result to float32 rounding (dev/LOG.md), at half the cost
             terms["kl_exact"] = kl(self.rollout.rows(rows, s.device), s)
         for name, x in terms.items():
             self.terms.setdefault(name, []).append(x.detach())

@@ -18,7 +18,7 @@ from opd.checkpoint import load_checkpoint
 from opd.prompts import PromptFormat, read_prompts
 from opd.scoring import SCORERS
 from opd.scoring import check_name as check_scoring
-from opd.engine import Engine
+from opd.rollouts import make_engine
 from opd.errors import OpdError, require
 from opd.evaluate import greedy_accuracy
 from opd.pretrain import FAMILIES, ROLES, PretrainConfig, check_cache_dir, pretrain
@@ -26,224 +26,7 @@ from opd.plan import Plan
 from opd.sampling import SamplingParams
 from opd.sensitivity import SETTINGS
 from opd.task import TASKS, get_task, held_out_examples
-from opd.vllm_engine import VllmEngine, import_vllm
-
-
-def cmd_pretrain(family: str, role: str, task: str, steps: int, seed: int, cache_dir: Path | None, force: bool,
-                 jobs: int, threads: int) -> None:
-    """Train (or reuse from the cache) the built-in teacher/student pairs and print their held-out accuracy."""
-    families = FAMILIES if family == "all" else (family,)
-    roles = ROLES if role == "both" else (role,)
-    configs = [PretrainConfig(family=f, role=r, task=task, steps=steps, seed=seed, threads=threads)
-               for r in roles for f in families]
-    cache_dir = check_cache_dir(cache_dir)  # a usable cache before minutes of training, not after
-    args = [(c, cache_dir, force, jobs == 1) for c in configs]
-    if jobs == 1:
-        results = [_pretrain_job(a) for a in args]
-    else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            results = list(pool.map(_pretrain_job, args))
-    print(f"{'family':7} {'role':8} {'params':>8} {'steps':>6} {'accuracy':>9} {'train_s':>8}  checkpoint")
-    for cfg, (folder, r) in zip(configs, results):
-        print(f"{cfg.family:7} {cfg.role:8} {r['train/params']:>8} {cfg.steps:>6} {r['eval/accuracy']:>9.3f} "
-              f"{r['train/seconds']:>8.0f}  {folder}")
-
-
-def _pretrain_job(args) -> tuple[Path, dict]:
-    cfg, cache_dir, force, progress = args
-    if not progress:  # parallel jobs: one line per model instead of interleaved progress bars
-        print(f"pretrain {cfg.family} {cfg.role}: {cfg.steps} steps ...", file=sys.stderr, flush=True)
-    return pretrain(cfg, cache_dir, force=force, progress=progress)
-
-
-def cmd_eval(model: Path, task: str, prompts: Path | None, prompt_key: str, answer_key: str, chat: bool,
-             scoring: str, n: int, max_new_tokens: int, plan: str, device: str) -> None:
-    """Greedy accuracy of a checkpoint on the task's held-out split or a JSONL prompt file (its first n lines)."""
-    require(max_new_tokens >= 0, f"--max-new-tokens must be >= 0, got {max_new_tokens}", "0 means the default")
-    check_scoring(scoring)
-    net, tok = load_checkpoint(model, device=devices.resolve(device))
-    parsed = Plan.parse(plan, net.cfg.num_layers)
-    examples = read_prompts(prompts, PromptFormat(prompt_key, answer_key, chat), tok)[:n] if prompts \
-        else held_out_examples(get_task(task), n)
-    if scoring != "none" and not any(ex.answer is not None for ex in examples):
-        raise OpdError(f"no prompt in {prompts} has an answer ({answer_key!r}) to score",
-                       "add the answers, set --answer-key, or use --scoring none")
-    new_tokens = default_new_tokens(max_new_tokens, tok, prompts, task)
-    result = greedy_accuracy(net, tok, examples, new_tokens, plan=parsed, scoring=scoring)
-    print(json.dumps({**result, "eval/plan": str(parsed), "eval/scoring": scoring}))
-
-
-def default_new_tokens(max_new_tokens: int, tok, prompts, task: str) -> int:
-    """--max-new-tokens, else the checkpoint's generation_config.json, else the task's or FILE_PROMPT_TOKENS."""
-    from opd.config import FILE_PROMPT_TOKENS
-    return max_new_tokens or tok.generation.get("max_new_tokens") or \
-        (FILE_PROMPT_TOKENS if prompts else get_task(task).max_new_tokens)
-
-
-def cmd_generate(model: Path, prompt: list[str] | None, prompts: Path | None, prompt_key: str, chat: bool, task: str,
-                 n: int, plan: str, temperature: float | None, top_k: int | None, top_p: float | None,
-                 max_new_tokens: int, seed: int, as_json: bool, engine_name: str, device: str) -> None:
-    """Sample completions from a checkpoint under a precision plan; print them with their log-probs. Sampling
-    settings not given come from the checkpoint's generation_config.json (else temperature 1, no top-k/top-p)."""
-    if engine_name == "vllm":
-        import_vllm()
-    net, tok = load_checkpoint(model, device=devices.resolve(device) if engine_name == "builtin" else "cpu")
-    fmt = PromptFormat(prompt_key, chat=chat)
-    texts = [[{"role": "user", "content": p}] if chat else p for p in prompt] if prompt else \
-        [ex.prompt for ex in (read_prompts(prompts, fmt, tok)[:n] if prompts else held_out_examples(get_task(task), n))]
-    defaults = tok.generation
-    temperature = temperature if temperature is not None else defaults.get("temperature", 1.0)
-    top_k = top_k if top_k is not None else defaults.get("top_k", 0)
-    top_p = top_p if top_p is not None else defaults.get("top_p", 1.0)
-    if engine_name == "vllm":
-        engine = VllmEngine(model, tok.stop_ids, tok.pad_id, Plan.parse(plan, net.cfg.num_layers), seed=seed,
-                            max_model_len=net.cfg.max_position_embeddings, tied=net.cfg.tie_word_embeddings)
-        kv_bytes = None  # vLLM's own cache: not read here
-    else:
-        engine = Engine(net, tok.stop_ids, tok.pad_id, plan)
-        kv_bytes = engine.new_cache(1, 1).bytes_per_token()
-    params = SamplingParams(default_new_tokens(max_new_tokens, tok, prompts, task), temperature, top_k, top_p)
-    try:
-        rollouts = engine.generate([tok.encode_prompt(t) for t in texts], params, seed)
-    finally:
-        if engine_name == "vllm":
-            engine.close()
-    for text, r in zip(texts, rollouts):
-        if as_json:
-            record = asdict(r) | {"raw_logprobs": [None if math.isnan(x) else x for x in r.raw_logprobs]}
-            print(json.dumps({"prompt": text, "completion": tok.decode(r.completion_ids), **record,
-                              "kv_bytes_per_token": kv_bytes}))
-            continue
-        print(f"--- {text!r} -> {tok.decode(r.completion_ids)!r} [{r.finish_reason}, {len(r.completion_ids)} tokens, "
-              f"mean logprob {sum(r.logprobs) / len(r.logprobs):.4f}]")
-        print("    " + " ".join(f"{tok.decode([t])!r}:{lp:.3f}" for t, lp in zip(r.completion_ids, r.logprobs)))
-    if not as_json:
-        print(f"engine: {engine_name}  |  plan: {engine.plan}  |  KV cache: "
-              + (f"{kv_bytes} bytes/token" if kv_bytes else "vLLM's"))
-
-
-def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, resume: bool, overwrite: bool,
-              quiet: bool) -> None:
-    """On-policy distillation of a student from a teacher (a YAML config plus --set overrides)."""
-    from opd.config import load_config
-    from opd.trainer import train
-    cfg = load_config(config, overrides or [])
-    if cfg.engine == "vllm":
-        import_vllm()  # before anything else: an uninstalled engine is a one-line error, not a late one
-    if run_dir is None:
-        require(not resume, "--resume needs --run-dir", "name the run directory to continue")
-        run_dir = Path("runs") / f"{cfg.family if not cfg.student else 'opd'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    print(f"run directory: {run_dir}", flush=True)  # stdout: stderr is for progress and the one error line
-    summary = train(cfg, run_dir, resume=resume, overwrite=overwrite, progress=not quiet)
-    before, after = summary["before"] or {}, summary["after"]
-    print(f"{'':10} {'accuracy':>9} {'sampled':>9} {'rkl':>9}")
-    for name, row in (("before", before), ("after", after)):
-        if row:
-            cells = [f"{row[k]:>9.{digits}f}" if isinstance(row.get(k), (int, float)) else f"{'-':>9}"
-                     for k, digits in (("eval/accuracy", 3), ("eval/sampled_accuracy", 3), ("eval/rkl", 4))]
-            print(f"{name:10} {' '.join(cells)}")
-    print(f"{summary['steps']} steps in {summary['time/step']:.0f} s (+{summary['time/eval']:.0f} s eval), "
-          f"plan: {summary['plan']}; logs in {run_dir}")
-
-
-def cmd_sweep(grid: Path | None, out: Path, family: list[str] | None, plot_only: bool, quiet: bool) -> int | None:
-    """A grid of short OPD runs over mismatch sources and levels (resumable); then the plots and the knee per source."""
-    from opd.sweep import load_grid, read_results, run_sweep
-    from opd.tolerance import report
-    results = out / "results.jsonl"
-    if plot_only:
-        require(results.is_file(), f"no results file {results}", "run `opd sweep` first, or point --out at one")
-        rows = read_results(results)
-    else:
-        try:
-            rows = run_sweep(load_grid(grid), out, family, progress=not quiet)
-        except KeyboardInterrupt as e:  # the run in progress is not resumed: the same command runs it again
-            print(f"opd: interrupted: finished runs are in {results}; the same command continues the sweep",
-                  file=sys.stderr)
-            return 128 + getattr(e, "signum", 2)
-    print(report(rows, out))
-
-
-def cmd_calibrate(results: Path, out: Path) -> None:
-    """Admission thresholds from sweep results: per estimator class, the mismatch that separates fine from degraded."""
-    from opd.admission import calibrate
-    from opd.runlog import write_atomic
-    from opd.sweep import read_results
-    from opd.tolerance import label
-    require(results.is_file(), f"no results file {results}", "run `opd sweep` first")
-    require(not out.is_dir(), f"-o {out} is a folder", "name the thresholds file to write")
-    rows = [r for r in label(read_results(results)) if r["degraded"] is not None]
-    thresholds = calibrate(rows) | {"calibrated_from": str(results), "runs": len(rows)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, json.dumps(thresholds, indent=2) + "\n")
-    for cls, entry in thresholds["classes"].items():
-        drift = "not calibrated" if entry["max_drift"] is None else f"{entry['max_drift']:.3g}"
-        print(f"{cls:10} ADMIT {thresholds['metric']} <= {entry['max']:.3g}, REJECT > {entry['reject']:.3g} "
-              f"({'knee' if entry['knee'] else 'no degradation seen'}; {entry['errors']} of {entry['runs']} runs "
-              f"misclassified)  staleness x lr <= {drift}")
-    print(f"wrote {out}")
-
-
-def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit: float, rollouts: int,
-              as_json: bool, propose: bool) -> int:
-    """Before training: is this rollout configuration safe for OPD? ADMIT (exit 0), REJECT (exit 1) or UNCERTAIN (exit
-    3: run it only under the runtime guard), with reasons."""
-    from opd.admission import admit, load_thresholds
-    from opd.config import load_config
-    from opd.trainer import probe_setup
-    cfg = load_config(config, overrides or [])
-    require(limit >= 0, f"--limit must be >= 0, got {limit}", "0 uses the calibrated limit")
-    limits = load_thresholds(thresholds)
-    if cfg.engine == "vllm":
-        import_vllm()
-    setup, plan = probe_setup(cfg, rollouts)
-    result = admit(setup, plan, limits, limit, propose)
-    if as_json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(f"{result['decision']}  plan: {result['plan']}  (estimator class '{result['estimator_class']}', "
-              f"staleness {result['staleness']}, {result['probe_rollouts']} probe rollouts, {result['seconds']:.1f} s)")
-        for reason in result["reasons"]:
-            print(f"  - {reason}")
-        proposal = result.get("proposal")
-        if proposal:
-            note = f" ({proposal['note']})" if proposal.get("note") else ""
-            print(f"  proposed plan: {proposal['plan']}{note}" if proposal["plan"]
-                  else f"  no plan proposed: {proposal['note']}")
-        if proposal and proposal["layer_kl"]:
-            print("  KL of the candidate setting on one layer alone (BF16 elsewhere): "
-                  + ", ".join(f"layer {i} {v:.2g}" for i, v in enumerate(proposal["layer_kl"])))
-    return {"ADMIT": 0, "REJECT": 1, "UNCERTAIN": 3}[result["decision"]]
-
-
-def cmd_sensitivity(family: list[str] | None, student: Path | None, teacher: Path | None, task: str,
-                    setting: list[str] | None, base: str, rollouts: int, out: Path, threads: int) -> None:
-    """Per-layer sensitivity: the mismatch when only one layer's KV cache or weights run at lower precision."""
-    from opd.config import TrainConfig
-    from opd.runlog import check_writable
-    from opd.sensitivity import SETTINGS, layer_map, write
-    from opd.trainer import probe_setup
-    check_writable(out, "--out")
-    require(bool(student) == bool(teacher), "give both --student and --teacher, or neither",
-            "neither: the built-in pairs")
-    common = dict(task=task, plan="", threads=threads)
-    targets = {"model": TrainConfig(student=str(student), teacher=str(teacher), **common)} if student \
-        else {f: TrainConfig(family=f, **common) for f in family or FAMILIES}
-    maps = {}
-    for name, cfg in targets.items():
-        setup, _ = probe_setup(cfg, rollouts)
-        for s in setting or []:
-            Plan.parse(f"{base}; 0: {s}", setup.student.cfg.num_layers)  # a bad setting fails before measuring
-        maps[name] = layer_map(setup, tuple(setting or SETTINGS), base)
-    print(write(maps, out))
-
-
-def cmd_report(run_dirs: list[Path], out: Path) -> None:
-    """A Markdown + HTML report (training curves, mismatch over time, quality vs mismatch, speed) from run folders."""
-    from opd.report import write_report
-    from opd.runlog import check_writable
-    check_writable(out, "--out")
-    print(f"wrote {write_report(run_dirs, out)} and {out / 'report.html'}")
+from opd.vllm_engine import import_vllm
 
 
 def int_in(low: int, high: int | None = None, high_text: str = ""):
@@ -280,23 +63,63 @@ class _Parser(argparse.ArgumentParser):
         raise OpdError(f"{where}: {message}" if where else message, f"see `{self.prog} --help`")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="opd", description="On-policy distillation with mismatched rollouts.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("pretrain", help=cmd_pretrain.__doc__)
+COMMANDS: list[tuple[str, object, object]] = []  # (name, cmd_<name>, the function that declares its flags)
+
+
+def command(arguments):
+    """Register the decorated `cmd_<name>` as subcommand <name>, its flags declared by `arguments(parser)`, which is
+    written just above the command: a command and its flags are read together."""
+    def register(fn):
+        COMMANDS.append((fn.__name__.removeprefix("cmd_"), fn, arguments))
+        return fn
+    return register
+
+
+def pretrain_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--family", choices=FAMILIES + ("all",), default="all")
     p.add_argument("--role", choices=ROLES + ("both",), default="both")
     p.add_argument("--task", choices=list(TASKS), default="chain")
     p.add_argument("--steps", type=int, default=0, help="optimizer steps (0: the role's default)")
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--cache-dir", type=Path, help="default: $OPD_CACHE or ~/.cache/opd")
-    p.add_argument("--force", action="store_true", help="retrain even if the cache has the model")
+    p.add_argument("--force", action="store_true", help="retrain even if the cache has the model (the shipped ones "
+                   "are never used or changed here)")
     p.add_argument("--jobs", type=positive_int, default=2, help="models trained in parallel processes")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per model (part of the config)")
-    p.set_defaults(func=cmd_pretrain)
 
-    p = sub.add_parser("eval", help=cmd_eval.__doc__)
+
+@command(pretrain_arguments)
+def cmd_pretrain(family: str, role: str, task: str, steps: int, seed: int, cache_dir: Path | None, force: bool,
+                 jobs: int, threads: int) -> None:
+    """Re-create the built-in teacher/student pairs (train them into the cache, or reuse the cache's) and say, per
+    model, its held-out accuracy and whether it equals the shipped one (opd/pairs, which runs use)."""
+    from opd.pretrain import compare_to_shipped
+    families = FAMILIES if family == "all" else (family,)
+    roles = ROLES if role == "both" else (role,)
+    configs = [PretrainConfig(family=f, role=r, task=task, steps=steps, seed=seed, threads=threads)
+               for r in roles for f in families]
+    cache_dir = check_cache_dir(cache_dir)  # a usable cache before minutes of training, not after
+    args = [(c, cache_dir, force, jobs == 1) for c in configs]
+    if jobs == 1:
+        results = [_pretrain_job(a) for a in args]
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            results = list(pool.map(_pretrain_job, args))
+    print(f"{'family':7} {'role':8} {'params':>8} {'steps':>6} {'accuracy':>9} {'train_s':>8}  vs shipped  checkpoint")
+    for cfg, (folder, r) in zip(configs, results):
+        print(f"{cfg.family:7} {cfg.role:8} {r['train/params']:>8} {cfg.steps:>6} {r['eval/accuracy']:>9.3f} "
+              f"{r['train/seconds']:>8.0f}  {compare_to_shipped(cfg, folder, r)}  {folder}")
+
+
+def _pretrain_job(args) -> tuple[Path, dict]:
+    cfg, cache_dir, force, progress = args
+    if not progress:  # parallel jobs: one line per model instead of interleaved progress bars
+        print(f"pretrain {cfg.family} {cfg.role}: {cfg.steps} steps ...", file=sys.stderr, flush=True)
+    return pretrain(cfg, cache_dir, force=force, progress=progress, shipped=False)
+
+
+def eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, required=True, help="HF checkpoint folder")
     p.add_argument("--task", choices=list(TASKS), default="chain")
     p.add_argument("--prompts", type=Path, help="JSONL prompt file instead of the task's held-out split")
@@ -308,9 +131,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: the task's default")
     p.add_argument("--plan", default="", help="precision plan to decode under (default: full precision)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("generate", help=cmd_generate.__doc__)
+
+@command(eval_arguments)
+def cmd_eval(model: Path, task: str, prompts: Path | None, prompt_key: str, answer_key: str, chat: bool,
+             scoring: str, n: int, max_new_tokens: int, plan: str, device: str) -> None:
+    """Greedy accuracy of a checkpoint on the task's held-out split or a JSONL prompt file (its first n lines)."""
+    require(max_new_tokens >= 0, f"--max-new-tokens must be >= 0, got {max_new_tokens}", "0 means the default")
+    check_scoring(scoring)
+    net, tok = load_checkpoint(model, device=devices.resolve(device))
+    parsed = Plan.parse(plan, net.cfg.num_layers)
+    examples = read_prompts(prompts, PromptFormat(prompt_key, answer_key, chat), tok)[:n] if prompts \
+        else held_out_examples(get_task(task), n)
+    if scoring != "none" and not any(ex.answer is not None for ex in examples):
+        raise OpdError(f"no prompt in {prompts} has an answer ({answer_key!r}) to score",
+                       "add the answers, set --answer-key, or use --scoring none")
+    new_tokens = default_new_tokens(max_new_tokens, tok, prompts, task)
+    result = greedy_accuracy(net, tok, examples, new_tokens, plan=parsed, scoring=scoring)
+    print(json.dumps({**result, "eval/plan": str(parsed), "eval/scoring": scoring}))
+
+
+def default_new_tokens(max_new_tokens: int, tok, prompts, task: str) -> int:
+    """--max-new-tokens, else the checkpoint's generation_config.json, else the task's or FILE_PROMPT_TOKENS."""
+    from opd.config import FILE_PROMPT_TOKENS
+    return max_new_tokens or tok.generation.get("max_new_tokens") or \
+        (FILE_PROMPT_TOKENS if prompts else get_task(task).max_new_tokens)
+
+
+def generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, required=True, help="HF checkpoint folder")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: held-out task prompts")
     p.add_argument("--prompts", type=Path, help="JSONL prompt file (its first --n lines)")
@@ -328,9 +176,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", dest="engine_name", choices=["builtin", "vllm"], default="builtin",
                    help="vllm: real vLLM (pip install -e '.[vllm]'); whole-model plans only")
     p.add_argument("--device", default="auto", help="builtin engine: auto (CUDA when present), cpu, cuda or cuda:N")
-    p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("train", help=cmd_train.__doc__)
+
+@command(generate_arguments)
+def cmd_generate(model: Path, prompt: list[str] | None, prompts: Path | None, prompt_key: str, chat: bool, task: str,
+                 n: int, plan: str, temperature: float | None, top_k: int | None, top_p: float | None,
+                 max_new_tokens: int, seed: int, as_json: bool, engine_name: str, device: str) -> None:
+    """Sample completions from a checkpoint under a precision plan; print them with their log-probs. Sampling
+    settings not given come from the checkpoint's generation_config.json (else temperature 1, no top-k/top-p)."""
+    if engine_name == "vllm":
+        import_vllm()
+    net, tok = load_checkpoint(model, device=devices.resolve(device) if engine_name == "builtin" else "cpu")
+    fmt = PromptFormat(prompt_key, chat=chat)
+    texts = [[{"role": "user", "content": p}] if chat else p for p in prompt] if prompt else \
+        [ex.prompt for ex in (read_prompts(prompts, fmt, tok)[:n] if prompts else held_out_examples(get_task(task), n))]
+    defaults = tok.generation
+    temperature = temperature if temperature is not None else defaults.get("temperature", 1.0)
+    top_k = top_k if top_k is not None else defaults.get("top_k", 0)
+    top_p = top_p if top_p is not None else defaults.get("top_p", 1.0)
+    engine = make_engine(engine_name, net, tok.stop_ids, tok.pad_id, plan, model_dir=model, seed=seed)
+    kv_bytes = engine.new_cache(1, 1).bytes_per_token() if engine.hidden_states else None  # vLLM's: not read here
+    params = SamplingParams(default_new_tokens(max_new_tokens, tok, prompts, task), temperature, top_k, top_p)
+    try:
+        rollouts = engine.generate([tok.encode_prompt(t) for t in texts], params, seed)
+    finally:
+        engine.close()
+    for text, r in zip(texts, rollouts):
+        if as_json:
+            record = asdict(r) | {"raw_logprobs": [None if math.isnan(x) else x for x in r.raw_logprobs]}
+            print(json.dumps({"prompt": text, "completion": tok.decode(r.completion_ids), **record,
+                              "kv_bytes_per_token": kv_bytes}))
+            continue
+        print(f"--- {text!r} -> {tok.decode(r.completion_ids)!r} [{r.finish_reason}, {len(r.completion_ids)} tokens, "
+              f"mean logprob {sum(r.logprobs) / len(r.logprobs):.4f}]")
+        print("    " + " ".join(f"{tok.decode([t])!r}:{lp:.3f}" for t, lp in zip(r.completion_ids, r.logprobs)))
+    if not as_json:
+        print(f"engine: {engine_name}  |  plan: {engine.plan}  |  KV cache: "
+              + (f"{kv_bytes} bytes/token" if kv_bytes else "vLLM's"))
+
+
+def train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="YAML config file (default: built-in defaults, see opd/config.py)")
     p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
                    help="override a config key (repeatable), e.g. --set lr=3e-4 --set loss.name=fkl")
@@ -338,17 +223,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its checkpoint")
     p.add_argument("--overwrite", action="store_true", help="delete the run in --run-dir and start over")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("sweep", help=cmd_sweep.__doc__)
+
+@command(train_arguments)
+def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, resume: bool, overwrite: bool,
+              quiet: bool) -> None:
+    """On-policy distillation of a student from a teacher (a YAML config plus --set overrides)."""
+    from opd.config import load_config
+    from opd.trainer import train
+    cfg = load_config(config, overrides or [])
+    if cfg.engine == "vllm":
+        import_vllm()  # before anything else: an uninstalled engine is a one-line error, not a late one
+    if run_dir is None:
+        require(not resume, "--resume needs --run-dir", "name the run directory to continue")
+        run_dir = Path("runs") / f"{cfg.family if not cfg.student else 'opd'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    print(f"run directory: {run_dir}", flush=True)  # stdout: stderr is for progress and the one error line
+    summary = train(cfg, run_dir, resume=resume, overwrite=overwrite, progress=not quiet)
+    before, after = summary["before"] or {}, summary["after"]
+    print(f"{'':10} {'accuracy':>9} {'sampled':>9} {'rkl':>9}")
+    for name, row in (("before", before), ("after", after)):
+        if row:
+            cells = [f"{row[k]:>9.{digits}f}" if isinstance(row.get(k), (int, float)) else f"{'-':>9}"
+                     for k, digits in (("eval/accuracy", 3), ("eval/sampled_accuracy", 3), ("eval/rkl", 4))]
+            print(f"{name:10} {' '.join(cells)}")
+    print(f"{summary['steps']} steps in {summary['time/step']:.0f} s (+{summary['time/eval']:.0f} s eval), "
+          f"plan: {summary['plan']}; logs in {run_dir}")
+
+
+def sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid", type=Path, help="YAML grid (default: the built-in tolerance study, see opd/sweep.py)")
     p.add_argument("--out", type=Path, default=Path("runs/sweep"), help="results.jsonl, run folders and plots go here")
     p.add_argument("--family", action="append", choices=FAMILIES, help="only these families of the grid (repeatable)")
     p.add_argument("--plot-only", action="store_true", help="no runs: plots and knees from the results file")
     p.add_argument("--quiet", action="store_true", help="no per-run progress lines")
-    p.set_defaults(func=cmd_sweep)
 
-    p = sub.add_parser("sensitivity", help=cmd_sensitivity.__doc__)
+
+@command(sweep_arguments)
+def cmd_sweep(grid: Path | None, out: Path, family: list[str] | None, plot_only: bool, quiet: bool) -> int | None:
+    """A grid of short OPD runs over mismatch sources and levels (resumable); then the plots and the knee per source."""
+    from opd.sweep import load_grid, read_results, run_sweep
+    from opd.tolerance import report
+    results = out / "results.jsonl"
+    if plot_only:
+        require(results.is_file(), f"no results file {results}", "run `opd sweep` first, or point --out at one")
+        rows = read_results(results)
+    else:
+        try:
+            rows = run_sweep(load_grid(grid), out, family, progress=not quiet)
+        except KeyboardInterrupt as e:  # the run in progress is not resumed: the same command runs it again
+            print(f"opd: interrupted: finished runs are in {results}; the same command continues the sweep",
+                  file=sys.stderr)
+            return 128 + getattr(e, "signum", 2)
+    print(report(rows, out))
+
+
+def sensitivity_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--family", action="append", choices=FAMILIES, help="built-in pairs (default: all; repeatable)")
     p.add_argument("--student", type=Path, help="HF checkpoint folder instead of a built-in pair (with --teacher)")
     p.add_argument("--teacher", type=Path, help="HF checkpoint folder of the teacher (scores the probe)")
@@ -360,19 +289,72 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollouts", type=positive_int, default=32, help="probe batch size")
     p.add_argument("--out", type=Path, default=Path("runs/sensitivity"), help="sensitivity.json and .png go here")
     p.add_argument("--threads", type=positive_int, default=2)
-    p.set_defaults(func=cmd_sensitivity)
 
-    p = sub.add_parser("report", help=cmd_report.__doc__)
+
+@command(sensitivity_arguments)
+def cmd_sensitivity(family: list[str] | None, student: Path | None, teacher: Path | None, task: str,
+                    setting: list[str] | None, base: str, rollouts: int, out: Path, threads: int) -> None:
+    """Per-layer sensitivity: the mismatch when only one layer's KV cache or weights run at lower precision."""
+    from opd.config import TrainConfig
+    from opd.runlog import check_writable
+    from opd.sensitivity import SETTINGS, layer_map, write
+    from opd.setup import probe_setup
+    check_writable(out, "--out")
+    require(bool(student) == bool(teacher), "give both --student and --teacher, or neither",
+            "neither: the built-in pairs")
+    common = dict(task=task, plan="", threads=threads)
+    targets = {"model": TrainConfig(student=str(student), teacher=str(teacher), **common)} if student \
+        else {f: TrainConfig(family=f, **common) for f in family or FAMILIES}
+    maps = {}
+    for name, cfg in targets.items():
+        setup, _ = probe_setup(cfg, rollouts)
+        for s in setting or []:
+            Plan.parse(f"{base}; 0: {s}", setup.student.cfg.num_layers)  # a bad setting fails before measuring
+        maps[name] = layer_map(setup, tuple(setting or SETTINGS), base)
+    print(write(maps, out))
+
+
+def report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="folders written by opd train")
     p.add_argument("--out", type=Path, default=Path("runs/report"), help="report.md, report.html and the PNGs")
-    p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("calibrate", help=cmd_calibrate.__doc__)
+
+@command(report_arguments)
+def cmd_report(run_dirs: list[Path], out: Path) -> None:
+    """A Markdown + HTML report (training curves, mismatch over time, quality vs mismatch, speed) from run folders."""
+    from opd.report import write_report
+    from opd.runlog import check_writable
+    check_writable(out, "--out")
+    print(f"wrote {write_report(run_dirs, out)} and {out / 'report.html'}")
+
+
+def calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("results", type=Path, help="a sweep's results.jsonl")
     p.add_argument("-o", "--out", type=Path, default=Path("thresholds.json"), help="the thresholds file to write")
-    p.set_defaults(func=cmd_calibrate)
 
-    p = sub.add_parser("admit", help=cmd_admit.__doc__)
+
+@command(calibrate_arguments)
+def cmd_calibrate(results: Path, out: Path) -> None:
+    """Admission thresholds from sweep results: per estimator class, the mismatch that separates fine from degraded."""
+    from opd.admission import calibrate
+    from opd.runlog import write_atomic
+    from opd.sweep import read_results
+    from opd.tolerance import label
+    require(results.is_file(), f"no results file {results}", "run `opd sweep` first")
+    require(not out.is_dir(), f"-o {out} is a folder", "name the thresholds file to write")
+    rows = [r for r in label(read_results(results)) if r["degraded"] is not None]
+    thresholds = calibrate(rows) | {"calibrated_from": str(results), "runs": len(rows)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, json.dumps(thresholds, indent=2) + "\n")
+    for cls, entry in thresholds["classes"].items():
+        drift = "not calibrated" if entry["max_drift"] is None else f"{entry['max_drift']:.3g}"
+        print(f"{cls:10} ADMIT {thresholds['metric']} <= {entry['max']:.3g}, REJECT > {entry['reject']:.3g} "
+              f"({'knee' if entry['knee'] else 'no degradation seen'}; {entry['errors']} of {entry['runs']} runs "
+              f"misclassified)  staleness x lr <= {drift}")
+    print(f"wrote {out}")
+
+
+def admit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="the training config (YAML) whose rollout set-up is checked")
     p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE", help="as in `opd train`")
     p.add_argument("--thresholds", default="", help="from `opd calibrate` (default: the shipped opd/thresholds.json)")
@@ -381,7 +363,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollouts", type=positive_int, default=16, help="probe batch size")
     p.add_argument("--json", dest="as_json", action="store_true", help="print the full result as JSON")
     p.add_argument("--no-propose", dest="propose", action="store_false", help="on REJECT, do not search for a plan")
-    p.set_defaults(func=cmd_admit)
+
+
+@command(admit_arguments)
+def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit: float, rollouts: int,
+              as_json: bool, propose: bool) -> int:
+    """Before training: is this rollout configuration safe for OPD? ADMIT (exit 0), REJECT (exit 1) or UNCERTAIN (exit
+    3: run it only under the runtime guard), with reasons."""
+    from opd.admission import load_thresholds
+    from opd.probe import admit
+    from opd.config import load_config
+    from opd.setup import probe_setup
+    cfg = load_config(config, overrides or [])
+    require(limit >= 0, f"--limit must be >= 0, got {limit}", "0 uses the calibrated limit")
+    limits = load_thresholds(thresholds)
+    if cfg.engine == "vllm":
+        import_vllm()
+    setup, plan = probe_setup(cfg, rollouts)
+    result = admit(setup, plan, limits, limit, propose)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"{result['decision']}  plan: {result['plan']}  (estimator class '{result['estimator_class']}', "
+              f"staleness {result['staleness']}, {result['probe_rollouts']} probe rollouts, {result['seconds']:.1f} s)")
+        for reason in result["reasons"]:
+            print(f"  - {reason}")
+        proposal = result.get("proposal")
+        if proposal:
+            note = f" ({proposal['note']})" if proposal.get("note") else ""
+            print(f"  proposed plan: {proposal['plan']}{note}" if proposal["plan"]
+                  else f"  no plan proposed: {proposal['note']}")
+        if proposal and proposal["layer_kl"]:
+            print("  KL of the candidate setting on one layer alone (BF16 elsewhere): "
+                  + ", ".join(f"layer {i} {v:.2g}" for i, v in enumerate(proposal["layer_kl"])))
+    return {"ADMIT": 0, "REJECT": 1, "UNCERTAIN": 3}[result["decision"]]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="opd", description="On-policy distillation with mismatched rollouts.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, fn, arguments in COMMANDS:
+        p = sub.add_parser(name, help=fn.__doc__)
+        arguments(p)
+        p.set_defaults(func=fn)
     return parser
 
 

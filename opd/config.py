@@ -81,7 +81,7 @@ class TrainConfig:
     worker_timeout: float = 120.0  # async: seconds without a message from a busy worker before it counts as hung
     max_worker_restarts: int = 2  # async: a dead or hung worker is restarted this many times, then the run stops
     guard_every: int = 0  # the runtime admission check on the live rollouts every this many steps; 0: off
-    guard_action: str = "warn"  # on REJECT: "warn", "fallback" (a safer plan from then on, trainer.safer_plan), "stop"
+    guard_action: str = "warn"  # on REJECT: "warn", "fallback" (a safer plan from then on, guard.safer_plan), "stop"
     guard_thresholds: str = ""  # a thresholds file from `opd calibrate`; "": the shipped opd/thresholds.json
     guard_limit: float = 0.0  # > 0: this limit on the rollout-vs-learner nsr (admission.py), not the calibrated one
     seed: int = 0

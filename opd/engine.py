@@ -25,8 +25,8 @@ them back into the distributions the tokens were drawn from. That is how the exa
 `compile=True` runs the rollout copy's forward through `torch.compile` (inductor, dynamic shapes): one graph for the
 prefill and one for every decode step, whatever the prompt lengths, kept across weight updates (the weights are
 graph inputs, updated in place), compiled when the engine is built. It fuses the few hundred small ops of a decode step
-into a few kernels, which is where a small model's time goes (README: ~1.5x the eager engine on this CPU). Building
-it compiles (about a minute here; inductor's on-disk cache makes later processes faster). Inductor is told to round
+into a few kernels, which is where a small model's time goes (docs/benchmarks.md has the speed-up). Building
+it compiles (about a minute on a 2-core CPU; inductor's on-disk cache makes later processes faster). Inductor is told to round
 to bfloat16 where eager PyTorch rounds (`emulate_precision_casts`), so a compiled bf16 plan keeps the eager plan's
 numerics instead of computing its fused intermediates in float32; only the order of some float reductions differs
 (tested).
@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from opd.errors import OpdError, require
-from opd.generate import left_pad, prefill_mask
+from opd.naive import left_pad, prefill_mask
 from opd.kv_cache import KVCache
 from opd.model import Transformer
 from opd.plan import Plan
@@ -73,6 +73,9 @@ def drawn_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, params: Sampl
 
 
 class Engine:
+    """The built-in rollout engine: the student under a precision plan, decoding with its own KV cache."""
+    hidden_states = True  # can return each step's hidden state (the exact KL) and count KV saturation (`stats`)
+
     def __init__(self, model: Transformer, stop_ids: int | list[int], pad_id: int, plan: Plan | str | None = None,
                  version: int = 0, noise_seed: int = 0, compile: bool = False, shadows: bool | None = None):
         """shadows: keep dequantized copies of quantized weights and KV caches (weight_quant.QuantLinear, kv_cache);
@@ -91,8 +94,6 @@ class Engine:
         bf16 = plan.forward == "bf16" and self.shadows
         self.weights = [LayerWeights("bf16" if bf16 and p.weights == "none" else p.weights, p.noise, p.key_outlier)
                         for p in plan.layers]
-        self.count_clipped = False  # set: each generate leaves (keys, values) saturated fractions in kv_clipped
-        self.kv_clipped: tuple[float, float] | None = None
         self.scales: dict = {}  # layer -> [k_scale, v_scale], shared by every batch
         self.model = rollout_copy(model, self.weights, noise_seed, self.shadows, plan.forward)
         self.forward = compiled_forward(self.model) if compile else \
@@ -137,20 +138,25 @@ class Engine:
                 self.scales.pop(i, None)
         return self.scales
 
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int, count_clipped: bool = False) -> KVCache:
         dtype = self.model.embed_tokens.weight.dtype
         return KVCache(self.model.cfg, batch_size, max_len, dtype, self.device, specs=self.kv_plan,
-                       scales=self._scales_for_batch(), count_clipped=self.count_clipped, shadow=self.shadows)
+                       scales=self._scales_for_batch(), count_clipped=count_clipped, shadow=self.shadows)
+
+    def close(self) -> None:
+        """Nothing to release: the engine is tensors in this process (VllmEngine has an engine process to stop)."""
 
     def logprobs(self, hidden: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         return drawn_logprobs(self.model.lm_head, hidden.to(self.device), params)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | int,
-                 return_hidden: bool = False) -> list[Rollout]:
+                 return_hidden: bool = False, stats: dict | None = None) -> list[Rollout]:
         """generator: one on this engine's device, or a seed. return_hidden also keeps each step's final hidden
-        state (for the exact rollout-vs-trainer KL, through `logprobs`)."""
-        return self._decode(prompts, params, seeded(generator, self.device), return_hidden)
+        state (for the exact rollout-vs-trainer KL, through `logprobs`). stats, if given, receives the share of the
+        keys and values the KV cache's fp8/int8 layers saturated (`kv_clipped_k`, `kv_clipped_v`): the admission
+        probe's sign of outlier keys."""
+        return self._decode(prompts, params, seeded(generator, self.device), return_hidden, stats=stats)
 
     @torch.no_grad()
     def teacher_force(self, prompts: list[list[int]], completions: list[list[int]],
@@ -164,7 +170,8 @@ class Engine:
                                                                                                      completions))))
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None,
-                return_hidden: bool = False, forced: tuple[torch.Tensor, list[int]] | None = None) -> list[Rollout]:
+                return_hidden: bool = False, forced: tuple[torch.Tensor, list[int]] | None = None,
+                stats: dict | None = None) -> list[Rollout]:
         """Prefill, then one token a step: sampled, or (forced: tokens [B, N], lengths) the given one."""
         require(all(len(p) > 0 for p in prompts), "every prompt needs at least one token")
         device = self.device
@@ -173,7 +180,7 @@ class Engine:
         N = params.max_new_tokens
         require(P + N <= self.model.cfg.context, f"prompt ({P}) + max_new_tokens ({N}) exceeds the model's context "
                 f"({self.model.cfg.context})", "shorten the prompts or lower max_new_tokens")
-        cache = self.new_cache(B, P + N)
+        cache = self.new_cache(B, P + N, count_clipped=stats is not None)
         h, logits = self.forward(ids, (valid.cumsum(1) - 1).clamp(min=0), prefill_mask(valid), cache)  # [B, V]
         next_pos = valid.sum(1, keepdim=True)  # [B, 1]
         key_valid = torch.cat([valid, torch.ones(B, N, dtype=torch.bool, device=device)], 1)
@@ -198,7 +205,8 @@ class Engine:
             if done.all() or t == N - 1:
                 break
             h, logits = self.forward(tok[:, None], next_pos + t, key_valid[:, None, None, :P + t + 1], cache)
-        self.kv_clipped = cache.clipped_fractions() if self.count_clipped else None
+        if stats is not None:
+            stats["kv_clipped_k"], stats["kv_clipped_v"] = cache.clipped_fractions()
         hidden = torch.stack(hidden, 1) if return_hidden else None  # [B, steps, d]
         tokens, mu, raw, lengths, done = (x.cpu() for x in (tokens, mu, raw, lengths, done))
         return [Rollout(prompts[b], tokens[b, :lengths[b]].tolist(), mu[b, :lengths[b]].tolist(),

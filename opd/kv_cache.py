@@ -20,7 +20,7 @@ generation call recalibrates every step; `scale_mode="fixed"` uses 1.0, vLLM's d
 Attention reads the stored values dequantized to the compute dtype. On CUDA each step dequantizes the layer's stored
 codes (one layer at a time), as a real engine's attention kernel reads its cache. On the CPU the cache also keeps
 the dequantized values it has stored (`shadow`), so a decode step costs O(new tokens), not O(context): without it
-the emulated engine decoded 96 tokens 1.8x slower with fp8 and int4 caches here (dev/LOG.md). The shadow is a
+decoding would slow down with every token for fp8 and int4 caches (dev/LOG.md). The shadow is a
 compute-dtype copy of the stored cache (4x an fp8 cache in float32; none where storage and compute dtypes agree)
 and holds exactly what dequantizing the stored codes would give. `bytes_per_token` counts only the real storage
 (codes and per-token scales), read from the tensors; `shadow_bytes_per_token` the shadow.

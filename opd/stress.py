@@ -12,12 +12,12 @@ weights, which the norms apply after normalizing.
 
 A KV format with a fixed scale then saturates (FP8 e4m3 keeps at most 448 with vLLM's default scale 1.0), and a
 uniform grid calibrated on the outlier (int8) has too coarse a step for the other channels. The admission check
-has to see both (README, "Outlier keys"; tests/test_admission.py).
+has to see both (docs/tolerance.md, outlier keys; tests/test_admission.py).
 
 A stressed *checkpoint* is for inference only: the model computes the same function, but it does not *train* the
 same. AdamW's steps are about the same size for every parameter, so the query rows scaled by 1/alpha change alpha
 times faster relative to their size. Even with BF16 rollouts, 60 OPD steps of the llama student at alpha 300
-diverged (held-out reverse KL 0.41 -> 2.19; dev/LOG.md). To train under outlier keys, use the plan setting
+diverged (dev/LOG.md). To train under outlier keys, use the plan setting
 `key_outlier=alpha` instead: the rollout engine applies the same transform to its copy of the weights each time
 they are published (weight_quant.apply_weight_precision), so the learner trains the original parametrization while
 the engine's KV cache holds the outlier keys, which is what a real outlier model's engine would store.

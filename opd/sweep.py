@@ -1,6 +1,6 @@
 """Sweeps: a grid of short OPD runs over mismatch sources and levels x estimators x seeds; one JSON line per run.
 
-A grid is YAML (`DEFAULT_GRID` below is the one the README's tolerance study ran):
+A grid is YAML (`DEFAULT_GRID` below is the one the tolerance study (docs/tolerance.md) ran):
 
     families: [llama, qwen3]
     base: {steps: 60, batch_size: 32}                   # TrainConfig keys shared by every run
@@ -40,7 +40,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_validator
 
-from opd.admission import CLASSES, estimator_class, probe, staleness
+from opd.admission import CLASSES, estimator_class, staleness
+from opd.probe import probe
 from opd.config import TrainConfig, build_config, merge, resolve_generation
 from opd.errors import OpdError, require
 from opd.plan import Plan
@@ -320,7 +321,8 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
     --out: before each run the results are read again (another sweep may have finished it meanwhile), and a run whose
     folder another live process holds (train's lock) is left to it."""
     from opd.runlog import RunDirLocked
-    from opd.trainer import probe_setup, train
+    from opd.setup import probe_setup
+    from opd.trainer import train
     results_path = out / "results.jsonl"
     runs = expand(grid, families)  # the whole grid is valid, and --out writable, before the first run
     check_writable(out)

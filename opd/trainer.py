@@ -1,28 +1,21 @@
-"""The synchronous OPD trainer: the reference loop that every other schedule must reproduce.
+"""The OPD training loop: the reference that every schedule must reproduce.
 
-One step: draw prompts -> the engine (the student's published weights, run under the precision plan) samples
-rollouts -> the teacher scores every generated token in full precision -> the learner recomputes the student's
-log-probs in full precision -> loss (losses.py) -> optimizer step -> the engine receives the new weights and
-version. The learner needs `q` (the weights that sampled) and `pi` (the current weights); in this schedule they are
-the same weights, so one forward gives both, and `pi - q` (staleness) is zero by construction.
+One step: the rollouts (rollouts.py: an engine in this process, or the async worker; the loop does not ask which)
+give a batch sampled by the student's published weights under the precision plan -> the teacher scores every
+generated token in full precision -> the learner recomputes the student's log-probs in full precision -> loss
+(losses.py) -> optimizer step -> the rollouts receive the new weights and version. The learner needs `q` (the weights
+that sampled) and `pi` (the current weights): in the synchronous schedule one forward gives both (staleness is zero by
+construction); the async worker sends `q` with each batch, so numerics mismatch and staleness are measured apart.
 
-`schedule: async` replaces the in-process engine with a rollout worker process (async_rollouts.py) that samples the
-next batches while this process scores and trains; everything else in the step is the same code. The worker sends
-`q` with each batch (it has the sampling weights), so numerics mismatch and staleness are measured apart. Batch i is
-sampled with seed `sampler_seed(seed, i)` in both schedules, so `max_staleness` 0 reproduces the synchronous run.
-
-Every step logs the mismatch between the rollout engine and the trainer (`mu` vs `q`, metrics.py), the
-distortion of the OPD signal, the loss, gradient norm, lengths and the time split; every `eval_every` steps,
-held-out accuracy (greedy and sampled) and reverse KL to the teacher. A step whose loss or gradient is not finite
-is skipped and counted; `max_bad_steps` in a row stop the run. A checkpoint (HF folder + optimizer, RNG, engine
-scales and step) is written every `save_every` steps, at the end, on Ctrl-C and when the run stops with an error
-(non-finite steps, a lost rollout worker); `resume` continues from it (exactly, from a periodic checkpoint).
-With `guard_every` > 0 the runtime guard (admission.py's decision on the live rollout mismatch) runs every that
-many steps and warns, falls back to a safer plan or stops (`guard_action`); its events go to guard.jsonl. The
-fallback ladder: a plan with fixed-scale FP8 KV layers first gets calibrated scales (which keep the memory saving and
-fix saturated outlier keys), anything else BF16 rollouts; a plan already at BF16 only warns.
+Every step logs the mismatch between the rollout engine and the trainer (`mu` vs `q`, metrics.py), the distortion of
+the OPD signal, the loss, gradient norm, lengths and the time split; every `eval_every` steps, held-out accuracy
+(greedy and sampled) and reverse KL to the teacher. A step whose loss or gradient is not finite is skipped and
+counted; `max_bad_steps` in a row stop the run. A checkpoint (HF folder + optimizer, engine scales, async batches and
+the counters) is written every `save_every` steps, at the end, on SIGINT/SIGTERM (at the next step boundary) and when
+the run stops with an error; `resume` continues from it exactly. The runtime guard (guard.py) checks the live
+mismatch every `guard_every` steps and may switch the rollouts to a safer plan (`Rollouts.set_plan`). Loading the
+pair and building the run's parts is setup.py.
 """
-import functools
 import json
 import math
 import signal
@@ -30,20 +23,16 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from pydantic import ConfigDict, StrictBool, StrictStr, conint
 from tqdm import tqdm
 
-from opd.admission import (FLOOR_PLAN, METRIC, MIN_ESS_FRAC, ProbeSetup, calibrated, decide, estimator_class,
-                           load_thresholds)
-from opd.async_rollouts import AsyncRollouts, sampler_seed, worker_spec
-from opd import devices
+from opd import devices, wire
+from opd.admission import FLOOR_PLAN
 from opd.checkpoint import MANIFEST, load_checkpoint, read_manifest, recover_checkpoint, save_checkpoint
-from opd.config import TrainConfig, resolve_generation
-from opd.engine import Engine, drawn_logprobs
+from opd.config import TrainConfig
 from opd.errors import OpdError, require
 from opd.evaluate import greedy_accuracy, sampled_quality
 from opd.learner import Scores, collate, score_batch
@@ -52,78 +41,10 @@ from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics
                          rollout_metrics, staleness_metrics)
 from opd.model import Transformer
 from opd.plan import Plan
-from opd.pretrain import PretrainConfig, pretrain
-from opd.runlog import (RunLock, RunLog, check_run_dir, check_same_run, clear_run_dir, read_guard_events,
-                        read_metrics, save_config, write_atomic)
-from opd.sampling import SamplingParams
-from opd.prompts import PromptSet
-from opd.scoring import check_scorer
-from opd.tokenizer import TextTokenizer, first_difference
-from opd.vllm_engine import VllmEngine
-from opd import wire
+from opd.runlog import RunLock, RunLog, check_run_dir, check_same_run, clear_run_dir, read_guard_events, \
+    read_metrics, save_config, write_atomic
 from opd.schema import Schema, check, read_json
-
-def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer, Path]:
-    """(student, teacher, tokenizer, the student's folder): the given checkpoints, or the built-in pair of
-    cfg.family (pretrained on first use, then cached). The student is float32 (the master weights) on `device`, the
-    teacher in `teacher_dtype` on `teacher_device`; both devices are checked before anything is loaded."""
-    device = devices.resolve(cfg.device)
-    teacher_device = devices.resolve(cfg.teacher_device, "teacher_device") if cfg.teacher_device else device
-    devices.resolve_dtype(cfg.dtype, device)
-    teacher_dtype = devices.resolve_dtype(cfg.teacher_dtype, teacher_device, "teacher_dtype")
-    if cfg.student:
-        student_dir, teacher_dir = Path(cfg.student), Path(cfg.teacher)
-    else:
-        student_dir, _ = pretrain(PretrainConfig(family=cfg.family, role="student", task=cfg.task))
-        teacher_dir, _ = pretrain(PretrainConfig(family=cfg.family, role="teacher", task=cfg.task))
-    student, tok = load_checkpoint(student_dir, torch.float32, device)
-    teacher, teacher_tok = load_checkpoint(teacher_dir, teacher_dtype, teacher_device)
-    check_same_tokenizer(student, tok, teacher, teacher_tok)
-    for role, model, folder in (("student", student, student_dir), ("teacher", teacher, teacher_dir)):
-        bad = next((name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
-        require(bad is None, f"the {role} checkpoint {folder} has NaN/Inf weights ({bad})",
-                "use an undamaged checkpoint: every step would be skipped as non-finite")
-    return student, teacher.eval().requires_grad_(False), tok, student_dir
-
-
-def check_same_tokenizer(student: Transformer, tok: TextTokenizer, teacher: Transformer,
-                         teacher_tok: TextTokenizer) -> None:
-    """OPD compares the two models' log-probs of the same token ids: their vocabularies must be the same, token for
-    token (the student's tokenizer, chat template and stop ids are the ones used)."""
-    fix = "distill between models that share one tokenizer (cross-tokenizer distillation is not supported)"
-    difference = first_difference(tok.vocab(), teacher_tok.vocab())
-    require(difference is None, f"student and teacher tokenizers differ at {difference}", fix)
-    require(student.cfg.vocab_size == teacher.cfg.vocab_size, f"student and teacher output layers differ in size "
-            f"({student.cfg.vocab_size} vs {teacher.cfg.vocab_size} rows) although their tokenizers agree", fix)
-
-
-@dataclass
-class State:
-    step: int = 0  # optimizer steps attempted so far (the next step's index)
-    version: int = 0  # policy version of the engine's weights: optimizer steps actually taken
-    bad_steps: int = 0  # non-finite steps in a row
-    skipped: int = 0  # non-finite steps in total
-    fallback: bool = False  # the runtime guard switched the rollouts to a safer plan (kept on resume)
-    fallback_plan: str = ""  # the plan it switched to last ("" with fallback: BF16, as before this field existed)
-
-
-@dataclass
-class Run:
-    """Everything one step needs; `save_state`/`load_state` persist what changes between steps."""
-    cfg: TrainConfig
-    student: Transformer
-    teacher: Transformer
-    tok: TextTokenizer
-    engine: Engine | VllmEngine | None  # sync: the rollout engine
-    rollouts: AsyncRollouts | None  # async: the rollout worker
-    plan: Plan
-    opt: torch.optim.Optimizer
-    prompts: PromptSet
-    params: SamplingParams
-    state: State
-    exact_kl: bool  # keep the engine's hidden states for mismatch/kl_exact (cfg.exact_kl, builtin engine)
-    student_dir: Path
-    guard_thresholds: dict | None  # the runtime guard's limits (cfg.guard_every > 0)
+from opd.setup import Run, State, setup
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -168,18 +89,15 @@ class StateFile(Schema):
 def save_state(run_dir: Path, run: Run, wait: bool = True) -> None:
     """wait (async): collect the batches in flight first, so that a resume continues exactly. Everything is tensors +
     JSON: a checkpoint someone hands you cannot run code when it is resumed (wire.py)."""
-    blob = {"optimizer": run.opt.state_dict()}
-    if run.engine is not None:
-        blob["engine_scales"] = dict(run.engine.scales)
-    else:
-        blob["async"] = run.rollouts.state_dict(wait)
-        blob["engine_scales"] = dict(run.rollouts.scales)
+    blob = {"optimizer": run.opt.state_dict(), **run.rollouts.state_dict(wait)}
     save_checkpoint(run_dir / "checkpoint", run.student, run.tok, extra_json={"trainer_state.json": vars(run.state)},
                     extra_files={STATE_FILE: wire.encode(blob)})
 
 
 def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
-    """-> (trainer state, the saved blob: engine scales and, for async runs, the rollout worker's batches)."""
+    """-> (trainer state, the saved blob: the optimizer's state and what `Rollouts.state_dict` saved, for
+    `Rollouts.start`). The student's weights and the optimizer are loaded; a guard fallback recorded in the state is
+    applied to the rollouts."""
     folder = run_dir / "checkpoint"
     recover_checkpoint(folder)
     fix = "the checkpoint is damaged or was not written by opd: start the run again with --overwrite"
@@ -215,9 +133,6 @@ def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
     run.state = state
     if state.fallback:
         use_plan(run, Plan.parse(state.fallback_plan or FLOOR_PLAN, run.student.cfg.num_layers))
-    if run.engine is not None:
-        run.engine.update_weights(run.student.state_dict(), state.version)
-        run.engine.scales.update(blob["engine_scales"])
     return state, blob
 
 
@@ -323,75 +238,12 @@ def train_step(student: Transformer, teacher: Transformer, opt: torch.optim.Opti
     return metrics, ok
 
 
-def setup(cfg: TrainConfig) -> Run:
-    """Load the pair and build the optimizer and the rollout side (an engine, or for async the worker's spec;
-    the worker itself starts in `train`, once the weights to start from are known)."""
-    asynchronous = cfg.schedule == "async"
-    torch.set_num_threads(cfg.threads - cfg.worker_threads if asynchronous else cfg.threads)
-    student, teacher, tok, student_dir = load_pair(cfg)
-    cfg = resolve_generation(cfg, tok.generation)
-    context = min(student.cfg.context, teacher.cfg.context)
-    plan = parse_plan(cfg, student.cfg.num_layers)
-    if cfg.engine_compile:
-        print("opd: engine_compile: the rollout engine compiles before step 0 (about a minute on a cold cache)",
-              file=sys.stderr)
-    engine = None if asynchronous else build_engine(cfg, student, tok, plan, student_dir)
-    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    exact_kl = cfg.exact_kl and cfg.engine == "builtin"
-    if cfg.exact_kl and cfg.engine == "vllm":
-        print("opd: exact_kl off: vllm returns the sampled tokens' log-probs only; mismatch/kl_k3 estimates the "
-              "same KL", file=sys.stderr)
-    prompts = PromptSet(cfg, tok, context, cfg.new_tokens)
-    check_scorer(cfg.scoring, prompts.held_out)
-    params = SamplingParams(cfg.new_tokens, **cfg.sampling)
-    rollouts = AsyncRollouts(cfg, worker_spec(cfg, student, tok, plan, params, exact_kl, student_dir), prompts) \
-        if asynchronous else None
-    thresholds = load_thresholds(cfg.guard_thresholds) if cfg.guard_every and not cfg.guard_limit else None
-    return Run(cfg, student, teacher, tok, engine, rollouts, plan, opt, prompts, params, State(), exact_kl,
-               student_dir, thresholds)
-
-
-def build_engine(cfg: TrainConfig, student: Transformer, tok: TextTokenizer, plan: Plan, student_dir: Path):
-    """The sync schedule's rollout engine. The built-in one runs the learner's own tensors where the plan keeps full
-    precision (it samples only between optimizer steps, so those are the published version) and its own copy of the
-    layers the plan changes, re-made at every publish (engine.py)."""
-    if cfg.engine == "vllm":
-        return VllmEngine(student_dir, tok.stop_ids, tok.pad_id, plan, seed=cfg.seed,
-                          max_model_len=student.cfg.max_position_embeddings, tied=student.cfg.tie_word_embeddings)
-    return Engine(student, tok.stop_ids, tok.pad_id, plan, noise_seed=cfg.noise_seed, compile=cfg.engine_compile)
-
-
-def parse_plan(cfg: TrainConfig, num_layers: int) -> Plan:
-    return Plan.from_mapping(cfg.plan, num_layers) if isinstance(cfg.plan, dict) else Plan.parse(cfg.plan, num_layers)
-
-
-def probe_setup(cfg: TrainConfig, n: int) -> tuple[ProbeSetup, Plan]:
-    """The admission probe of a training config: its pair, an engine factory, its first n training prompts."""
-    torch.set_num_threads(cfg.threads)
-    student, teacher, tok, student_dir = load_pair(cfg)
-    cfg = resolve_generation(cfg, tok.generation)
-    context = min(student.cfg.context, teacher.cfg.context)
-    prompts = PromptSet(replace(cfg, batch_size=n), tok, context, cfg.new_tokens).batch(0)
-    probe_cfg = replace(cfg, engine_compile=False)  # 16 rollouts per engine: compiling would cost more than it saves
-    return ProbeSetup(cfg, student, teacher, tok, lambda plan: build_engine(probe_cfg, student, tok, plan, student_dir),
-                      prompts), parse_plan(cfg, student.cfg.num_layers)
-
-
 def run_step(run: Run) -> dict:
     """Step `run.state.step`: sample, score, update, publish. Returns the step's metrics."""
     cfg, state = run.cfg, run.state
     start = time.perf_counter()
-    rollout = None
-    if run.engine is not None:
-        rollouts = run.engine.generate(run.prompts.batch(state.step), run.params, sampler_seed(cfg.seed, state.step),
-                                       return_hidden=run.exact_kl)
-        sample_metrics = {"time/generate": time.perf_counter() - start}
-        if run.exact_kl:
-            rollout = functools.partial(run.engine.logprobs, params=run.params)
-    else:
-        rollouts, sample_metrics = run.rollouts.next_batch(state.version)
-        if run.exact_kl:  # hidden states come back only without staleness: the learner's head sampled them
-            rollout = functools.partial(drawn_logprobs, run.student.lm_head, params=run.params)
+    sampled = run.rollouts.next_batch(state.step, state.version)
+    rollouts, sample_metrics, rollout = sampled.rollouts, sampled.metrics, sampled.engine_logprobs
     batch = collate(rollouts, run.tok.pad_id)
     metrics, ok = train_step(run.student, run.teacher, run.opt, batch, cfg, lr_at(state.version, cfg), state.version,
                              rollout)
@@ -400,10 +252,7 @@ def run_step(run: Run) -> dict:
         state.version += 1
         state.bad_steps = 0
         sync = time.perf_counter()
-        if run.engine is not None:
-            run.engine.update_weights(run.student.state_dict(), state.version)
-        else:
-            run.rollouts.publish(run.student.state_dict(), state.version)
+        run.rollouts.publish(run.student.state_dict(), state.version)
         metrics["time/sync"] = time.perf_counter() - sync
     else:
         state.bad_steps += 1
@@ -435,15 +284,10 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
             elif overwrite:
                 clear_run_dir(run_dir)
             save_config(run_dir, cfg)
-            if run.rollouts is not None:
-                run.rollouts.start(run.student.state_dict(), run.state.version, saved.get("engine_scales", {}),
-                                   saved.get("async"))
+            run.rollouts.start(run.student.state_dict(), run.state.version, saved)
             return _train(run, cfg, run_dir, progress, on_step)
         finally:
-            if run.rollouts is not None:
-                run.rollouts.close()
-            if hasattr(run.engine, "close"):
-                run.engine.close()
+            run.rollouts.close()
 
 
 class Interrupted(KeyboardInterrupt):
@@ -482,14 +326,6 @@ def step_boundary_signals():
             signal.signal(sig, old)
 
 
-def safer_plan(plan: Plan, engine: str = "builtin") -> Plan | None:
-    """The guard's next rung down from plan: its fixed-scale FP8 KV layers calibrated (they keep all of the memory
-    saving, and fix saturated outlier keys: README, "Outlier keys"; the vllm engine has fixed scales only), else
-    BF16 rollouts; None when already at BF16."""
-    floor = Plan.parse(FLOOR_PLAN, len(plan.layers))
-    return None if plan == floor else (calibrated(plan) if engine == "builtin" else None) or floor
-
-
 def fall_back(run: Run, plan: Plan) -> None:
     """The guard's `fallback`: plan from now on (recorded in the state, so a resumed run keeps it)."""
     run.state.fallback, run.state.fallback_plan = True, str(plan)
@@ -498,100 +334,20 @@ def fall_back(run: Run, plan: Plan) -> None:
 
 def use_plan(run: Run, plan: Plan) -> None:
     run.plan = plan
-    if run.rollouts is not None:
-        run.rollouts.set_plan(run.plan)
-        return
-    if hasattr(run.engine, "close"):
-        run.engine.close()
-    run.engine = build_engine(run.cfg, run.student, run.tok, run.plan, run.student_dir)
-    run.engine.update_weights(run.student.state_dict(), run.state.version)
-
-
-GUARD_NSR, GUARD_ESS, GUARD_TOTAL = "opd/nsr", "is/ess_frac", "stale/total_nsr"  # read from each step's metrics
-GUARD_KEYS = (GUARD_NSR, GUARD_ESS, GUARD_TOTAL)
-
-
-def _window_mean(window: list[dict], key: str, finite_only: bool) -> float | None:
-    """The mean over the window's steps that have `key` (None when none has it); NaN if one is NaN, unless
-    finite_only (then non-finite values are skipped as unknown)."""
-    values = [row[key] for row in window if key in row and (not finite_only or math.isfinite(row[key]))]
-    return sum(values) / len(values) if values else None
-
-
-def guard(run: Run, window: list[dict], step: int, run_dir: Path) -> dict:
-    """The admission check on the live rollouts, averaged over the steps since the last check: the numerics'
-    noise-to-signal ratio `opd/nsr` (mean |q - mu| / mean |T - q|: the rollout engine vs the trainer's forward with
-    the weights that sampled, the probe's metric, on which the limit was calibrated) against the estimator's limit,
-    and the numerics' effective sample size fraction `is/ess_frac` (weights q/mu) against MIN_ESS_FRAC.
-    Staleness is not judged here: the admission check's max_staleness does that, and no plan fallback can fix it.
-    `stale/total_nsr` (pi in place of q: numerics and staleness together) is reported beside it (`guard/total_nsr`)
-    but decides nothing: in healthy async runs at lr 1e-3 it reached 0.52 over 5-step windows (dev/LOG.md, 2026-12-01).
-    Not the ESS of pi/mu either: one token whose probability an update moved a lot collapses it (0.005 in one step
-    of a healthy max_staleness 4 run). A non-finite nsr (broken rollouts) is a REJECT; so is a window without any
-    (async with recompute_fraction 0 has no q, which is why the config refuses the guard there). On REJECT (nsr
-    above the calibration band's upper edge, or the ESS under its floor) the event goes to guard.jsonl and stderr,
-    and `guard_action` is taken; inside the band (UNCERTAIN, the runs the admission check sends to the guard) the
-    window is logged as `guard/uncertain` and training goes on."""
-    cfg = run.cfg
-    nsr = _window_mean(window, GUARD_NSR, finite_only=False)  # NaN: broken rollouts, a REJECT
-    ess, total = _window_mean(window, GUARD_ESS, True), _window_mean(window, GUARD_TOTAL, True)
-    window.clear()
-    nsr = math.nan if nsr is None else nsr
-    decision = decide({METRIC: nsr, "ess_frac": ess}, run.guard_thresholds, estimator_class(cfg.loss), 0,
-                      cfg.guard_limit)
-    out = {"guard/nsr": nsr, "guard/limit": decision.limit, "guard/triggered": float(decision.reject),
-           "guard/uncertain": float(decision.verdict == "UNCERTAIN")}
-    if ess is not None:
-        out["guard/ess_frac"] = ess
-    if total is not None and cfg.schedule == "async":
-        out["guard/total_nsr"] = total
-    if not decision.reject:
-        return out
-    safer = safer_plan(run.plan, cfg.engine)
-    action = "warn" if cfg.guard_action == "fallback" and safer is None else cfg.guard_action
-    event = {"step": step, "action": action, "nsr": nsr, "ess_frac": ess, "limit": decision.limit,
-             "reject_at": decision.reject_at, "plan": str(run.plan), "reasons": decision.reasons}
-    if action == "fallback":
-        event["to"] = str(safer)
-    with open(run_dir / "guard.jsonl", "a") as f:
-        f.write(json.dumps(event) + "\n")
-    what = f"nsr {nsr:.3g} {'>' if nsr > decision.reject_at else '<='} {decision.reject_at:.3g}" + (
-        "" if ess is None else f", ess_frac {ess:.3g} {'<' if ess < MIN_ESS_FRAC else '>='} {MIN_ESS_FRAC}")
-    print(f"opd: guard: step {step}: rollout-vs-learner {what} (plan {run.plan}): {action}"
-          + (f" to {event['to']}" if "to" in event else ""), file=sys.stderr)
-    if action == "stop":
-        raise OpdError(f"guard: the rollouts' mismatch exceeded what the admission check allows at step {step} "
-                       f"({what})", "use a safer plan (`opd admit` proposes one), guard_action=fallback, or a higher "
-                       "guard_limit")
-    if action == "fallback":
-        fall_back(run, safer)
-    return out
-
-
-def _guard_window(run_dir: Path, step: int, every: int) -> list[dict]:
-    """On resume: the live numbers of the steps since the last check (from metrics.jsonl), so the checks see what
-    they would have seen; and guard events of the steps to be re-run are dropped (they are logged again)."""
-    path = run_dir / "guard.jsonl"
-    if path.is_file():
-        kept = [event for event in read_guard_events(run_dir) if event["step"] < step]
-        write_atomic(path, "".join(json.dumps(event) + "\n" for event in kept))
-    if not every:
-        return []
-    first = step - step % every
-    return [{key: math.nan if row[key] is None else row[key] for key in GUARD_KEYS if key in row}
-            for row in read_metrics(run_dir) if first <= row["step"] < step]  # null: logged non-finite
+    run.rollouts.set_plan(plan)
 
 
 def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step) -> dict:
-    log, window = RunLog(run_dir, run.state.step), _guard_window(run_dir, run.state.step, cfg.guard_every)
+    log = RunLog(run_dir, run.state.step)
+    run.guard.resume(run_dir, run.state.step)
     before = evaluate(run, cfg) if run.state.step == 0 else _first_eval(run_dir)
     bar = tqdm(range(run.state.step, cfg.steps), desc=f"opd {cfg.family if not cfg.student else 'train'}",
                disable=not progress, initial=run.state.step, total=cfg.steps)
     with step_boundary_signals() as received:
-        return _loop(run, cfg, run_dir, on_step, log, window, before, bar, received)
+        return _loop(run, cfg, run_dir, on_step, log, before, bar, received)
 
 
-def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, window: list, before, bar, received) -> dict:
+def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, before, bar, received) -> dict:
     """The steps, then the final evaluation and the summary. On an error or a signal the state is saved only where it
     agrees with the log (every step the state has taken is logged): otherwise the last checkpoint stands."""
     last_eval, logged = before, run.state.step
@@ -601,15 +357,16 @@ def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, windo
             if step > 0 and cfg.eval_every and step % cfg.eval_every == 0:
                 metrics |= (last_eval := evaluate(run, cfg))
             metrics |= run_step(run)
-            if cfg.guard_every:
-                window.append({key: metrics[key] for key in GUARD_KEYS if key in metrics})
-                if (step + 1) % cfg.guard_every == 0:
-                    try:
-                        metrics |= guard(run, window, step, run_dir)
-                    except OpdError:  # guard_action stop: the step was taken; log it, then stop
-                        log.write(step, metrics)
-                        logged = step + 1
-                        raise
+            if run.guard.observe(step, metrics):
+                try:
+                    out, safer = run.guard.check(step, run.plan, run_dir)
+                    metrics |= out
+                    if safer is not None:
+                        fall_back(run, safer)
+                except OpdError:  # guard_action stop (or the fallback failed): the step was taken; log it, then stop
+                    log.write(step, metrics)
+                    logged = step + 1
+                    raise
             log.write(step, metrics)
             logged = step + 1
             bar.set_postfix(rkl=f"{metrics['loss/rkl_sampled']:.4f}", kl_k3=f"{metrics.get('mismatch/kl_k3', 0):.1e}",
@@ -646,8 +403,7 @@ def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, windo
     summary = {"before": before, "after": after, "steps": run.state.step, "skipped_steps": run.state.skipped,
                "plan": str(run.plan), "schedule": cfg.schedule, "guard_fallback": run.state.fallback,
                **_seconds(read_metrics(run_dir))}
-    if run.rollouts is not None:
-        summary |= {f"async/{k}": v for k, v in run.rollouts.counts.items()}
+    summary |= {f"async/{k}": v for k, v in run.rollouts.counts.items()}
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 

@@ -82,6 +82,9 @@ def cpu_can_run_fp8_kv() -> bool:
 
 
 class VllmEngine:
+    """vLLM as the rollout engine (the same methods as engine.Engine)."""
+    hidden_states = False  # returns the sampled tokens' log-probs only: no hidden states, no KV saturation counts
+
     def __init__(self, model_dir: str, stop_ids: int | list[int], pad_id: int, plan: Plan, version: int = 0,
                  seed: int = 0, max_model_len: int = 512, tied: bool = True, memory_fraction: float = 0.15,
                  in_process: bool = False):
@@ -114,7 +117,8 @@ class VllmEngine:
         self.version = version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | int,
-                 return_hidden: bool = False) -> list[Rollout]:
+                 return_hidden: bool = False, stats: dict | None = None) -> list[Rollout]:
+        """As Engine.generate; stats gets nothing (vLLM does not report KV saturation)."""
         from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
         require(not return_hidden, "the vllm engine returns the sampled tokens' log-probs, not hidden states",

@@ -116,8 +116,7 @@ class QuantLinear(nn.Module):
     """y = act_quant(x) @ W_q^T + b, W_q held as the scheme stores it (buffers, see quantize_weight).
 
     The float32 weight a matmul needs is dequantized for each call on CUDA. On the CPU it is also kept dequantized
-    (`cache`): the CPU has no fast float8 conversion (0.17 ms for a 384x128 fp8 weight, more than its matmul at batch
-    64; dev/LOG.md). That cache is one float32 copy of the quantized layers' linear weights, never of the embeddings
+    (`cache`): the CPU has no fast float8 conversion (converting a weight costs more than its matmul; dev/LOG.md). That cache is one float32 copy of the quantized layers' linear weights, never of the embeddings
     or output layer, and it is the emulation's only weight shadow."""
 
     def __init__(self, scheme: str, weight: torch.Tensor, bias: torch.Tensor | None, cache: bool):

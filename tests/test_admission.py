@@ -5,15 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from opd.admission import (best_cut, calibrate, decide, estimator_class, load_thresholds, measure, probe, propose_plan,
-                           DEFAULT_THRESHOLDS)
+from opd.admission import best_cut, calibrate, decide, estimator_class, load_thresholds, DEFAULT_THRESHOLDS
 from opd.errors import OpdError
 from opd.losses import LossConfig
 from opd.plan import Plan
-from opd.trainer import probe_setup
+from opd.probe import measure, probe, propose_plan
+from opd.setup import probe_setup
 
-from test_cli import assert_one_line_error, opd
-from test_trainer import comparable, config, crash_at, pair  # noqa: F401 (fixture)
+from helpers import assert_one_line_error, comparable, config, crash_at, make_checkpoint, opd
 
 GUARD_LIMIT = 0.05  # nsr: the injected noise=0.5 is far above it, BF16 rollouts far below (tiny random pair)
 LIMITS = {"classes": {"full": {"max": 0.5, "knee": False, "max_staleness": 4},
@@ -242,7 +241,7 @@ def test_the_guards_window_means():
     """A NaN nsr (broken rollouts) makes the window's nsr NaN, which decide() rejects; a NaN or missing ESS (no q
     for that step) is skipped as unknown; a window that never had the key has no mean."""
     import math
-    from opd.trainer import GUARD_ESS, GUARD_NSR, _window_mean
+    from opd.guard import GUARD_ESS, GUARD_NSR, window_mean as _window_mean
     window = [{GUARD_NSR: 0.1, GUARD_ESS: 0.9}, {GUARD_NSR: math.nan, GUARD_ESS: math.nan}, {GUARD_ESS: 0.7}]
     assert math.isnan(_window_mean(window, GUARD_NSR, finite_only=False))
     assert _window_mean(window[:1] + window[2:], GUARD_NSR, finite_only=False) == pytest.approx(0.1)
@@ -251,7 +250,7 @@ def test_the_guards_window_means():
 
 
 def test_the_guards_fallback_ladder():
-    from opd.trainer import safer_plan
+    from opd.guard import safer_plan
     n, floor = 4, Plan.parse("forward=bf16 kv=bf16", 4)  # admission.FLOOR_PLAN
     fixed = Plan.parse("kv=fp8_e4m3 w=bf16 key_outlier=300; 0: kv=bf16", n)
     calibrated = "kv=fp8_e4m3 kv_scale=calibrate w=bf16 key_outlier=300; 0: kv=bf16 kv_scale=fixed"
@@ -377,7 +376,6 @@ def test_outlier_keys_keep_the_function_and_break_fixed_scale_fp8_kv(pair, tmp_p
     import torch
     from opd.kv_cache import KVCache
     from opd.stress import add_outlier_keys
-    from test_trainer import make_checkpoint
     models = pair if arch == "llama" else (make_checkpoint(tmp_path / "s", 0, arch="qwen3", qk_norm=True),
                                            make_checkpoint(tmp_path / "t", 1, arch="qwen3", qk_norm=True))
     setup, _ = probe_setup(config(models, plan=""), 8)
@@ -424,7 +422,6 @@ def test_the_key_outlier_plan_setting_is_the_stressed_model_in_the_engine(tmp_pa
     from opd.engine import Engine
     from opd.sampling import SamplingParams
     from opd.stress import add_outlier_keys
-    from test_trainer import make_checkpoint
     model, tok = load_checkpoint(make_checkpoint(tmp_path / "s", 0, arch=arch, qk_norm=arch == "qwen3"))
     update, _ = load_checkpoint(make_checkpoint(tmp_path / "u", 1, arch=arch, qk_norm=arch == "qwen3"))
     prompts, params = [[1, 5, 6, 7], [1, 8, 9]], SamplingParams(12)

@@ -10,14 +10,14 @@ import signal
 import time
 from dataclasses import asdict
 from functools import partial
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from opd import wire
-from opd.async_rollouts import (AsyncRollouts, Channel, Result, RolloutWorker, WorkerSpec, plan_from_tree, plan_tree,
-                                recompute, rollout_from_tree, rollout_tree, spec_from_tree, spec_tree)
+from opd.async_rollouts import AsyncRollouts, Result
+from opd.worker import (Channel, RolloutWorker, WorkerSpec, plan_from_tree, plan_tree, recompute, rollout_from_tree,
+                        rollout_tree, spec_from_tree, spec_tree)
 from opd.checkpoint import load_checkpoint
 from opd.engine import Engine, Rollout
 from opd.errors import OpdError
@@ -30,18 +30,9 @@ from opd.runlog import read_metrics
 from opd.sampling import SamplingParams
 from opd.trainer import train
 
-from test_cli import assert_one_line_error, opd
-from test_engine import recorded_distributions
-from test_trainer import comparable, config, crash_at, make_checkpoint
+from helpers import assert_one_line_error, comparable, config, crash_at, opd, recorded_distributions
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    return make_checkpoint(root / "student", 0), make_checkpoint(root / "teacher", 1)
-
 
 def async_config(pair, **overrides):
     # threads=2: one for the worker, one for the trainer, so the trainer's arithmetic matches a threads=1 sync run
@@ -52,9 +43,12 @@ def no_worker_left():
     return multiprocessing.active_children() == []
 
 
-def test_staleness_zero_reproduces_the_sync_run(pair, tmp_path):
-    train(config(pair, plan="kv=fp8_e4m3"), tmp_path / "sync", progress=False)
-    train(async_config(pair, max_staleness=0), tmp_path / "async", progress=False)
+@pytest.mark.parametrize("plan", ["kv=fp8_e4m3", "forward=bf16 kv=fp8_e4m3"])
+def test_staleness_zero_reproduces_the_sync_run(pair, tmp_path, plan):
+    """Including the exact KL, which the trainer computes from the worker's hidden states with the sampling engine's
+    output layer (bf16 in a bf16 forward: that case used to fail on mixed dtypes)."""
+    train(config(pair, plan=plan), tmp_path / "sync", progress=False)
+    train(async_config(pair, max_staleness=0, plan=plan), tmp_path / "async", progress=False)
     sync, asyn = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "async")
     assert len(sync) == len(asyn) == 7
     assert comparable(sync) == [{k: v for k, v in row.items() if k in s} for row, s in zip(comparable(asyn), sync)]
@@ -300,15 +294,17 @@ def test_a_worker_spec_and_rollouts_round_trip_exactly():
 
 def test_the_async_state_round_trips_through_wire():
     """What the trainer saves in a checkpoint: finished batches (with hidden states), keys and counters."""
-    cfg = SimpleNamespace(lookahead=2, worker_timeout=5.0)
-    one, other = AsyncRollouts(cfg, None, None), AsyncRollouts(cfg, None, None)
+    def schedule():
+        return AsyncRollouts(None, None, seed=0, max_staleness=2, lookahead=2, stale_policy="requeue",
+                             worker_timeout=5.0, max_worker_restarts=0)
+    one, other = schedule(), schedule()
     one.next_index, one.counts = 4, {"dropped": 1, "requeued": 2, "worker_restarts": 0}
     one.order.extend([(1, 1), (2, 0), (3, 0)])
     batch = [Rollout([1, 2], [3], [-0.5], [-0.6], "length", 1, torch.randn(1, 4))]
     one.ready[(2, 0)] = Result(batch, (1.0, 2.0), 0.0)
-    state = one.state_dict(wait=False)
+    state = one.state_dict(wait=False)["async"]
     other.load_state_dict(through_wire(state))
     assert (other.next_index, other.counts, other.order, list(other.ready)) == (4, one.counts, one.order, [(2, 0)])
     (back,) = other.ready[(2, 0)].rollouts
     assert torch.equal(back.hidden, batch[0].hidden) and {**vars(back), "hidden": 0} == {**vars(batch[0]), "hidden": 0}
-    assert other.state_dict(wait=False)["order"] == state["order"]
+    assert other.state_dict(wait=False)["async"]["order"] == state["order"]

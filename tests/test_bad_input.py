@@ -25,7 +25,7 @@ from opd.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
 from opd.cli import main
 from opd.config import build_config, dump_config
 
-from test_trainer import make_checkpoint, pair  # noqa: F401 (fixture)
+from helpers import make_checkpoint
 
 pytestmark = pytest.mark.reliability
 

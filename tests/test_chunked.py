@@ -10,10 +10,11 @@ from opd.engine import Engine
 from opd.evaluate import sampled_quality
 from opd.learner import collate, completion_logprobs, score_batch
 from opd.losses import LossConfig, kl, opd_loss
-from opd.model import ModelConfig, Transformer
 from opd.sampling import SamplingParams
 from opd.task import Example
 from opd.tokenizer import TextTokenizer
+
+from helpers import batch_of, grads, recorded_distributions, tiny
 
 LOSSES = [LossConfig("full_rkl"), LossConfig("fkl"), LossConfig("jsd", jsd_beta=0.3), LossConfig("topk_rkl", topk=3),
           LossConfig("topk_rkl", topk=3, topk_support="teacher"),
@@ -73,25 +74,6 @@ def test_default_chunk_is_a_fixed_number_of_floats():
 
 # ---- score_batch on a model: against the unchunked oracle path, and micro-batches against one batch -----------------
 
-def tiny(seed: int, vocab: int = 40, tied: bool = True, **overrides) -> Transformer:
-    cfg = ModelConfig(arch="qwen3", vocab_size=vocab, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
-                      num_kv_heads=1, head_dim=8, qk_norm=True, tie_word_embeddings=tied, **overrides)
-    return Transformer(cfg).init_weights(torch.Generator().manual_seed(seed), std=0.3).double()
-
-
-def batch_of(model: Transformer, n: int = 6, new_tokens: int = 7, eos: int = 2):
-    engine = Engine(model, eos, 0)
-    prompts = [[1] + [3 + (i * 7 + j) % 30 for j in range(2 + i % 4)] for i in range(n)]
-    rollouts = engine.generate(prompts, SamplingParams(new_tokens, temperature=1.0), 3, return_hidden=True)
-    batch = collate(rollouts, 0)
-    batch.mu = batch.mu.double() + 0.05 * batch.mask  # a sampler a little off the learner
-    return batch, engine
-
-
-def grads(model: Transformer) -> dict:
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("cfg", [LossConfig("full_rkl"), LossConfig("jsd"), LossConfig("sampled_rkl",
                                                                                          correction="tis")],
                          ids=lambda c: c.name)
@@ -120,7 +102,6 @@ def test_score_batch_equals_the_unchunked_oracle_path(cfg, tied):
 
 
 def test_exact_kl_from_hidden_states_equals_the_kl_of_the_distributions_the_engine_drew_from():
-    from test_engine import recorded_distributions
     student = tiny(0).float()
     engine = Engine(student, 2, 0, plan="kv=fp8_e5m2")
     params = SamplingParams(9, temperature=0.8, top_k=20)

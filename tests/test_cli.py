@@ -1,7 +1,5 @@
 """The CLI end to end: a shortened pretrain, eval and generate. (Bad input through the CLI: test_bad_input.py.)"""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -10,20 +8,7 @@ from opd.checkpoint import save_checkpoint
 from opd.model import ModelConfig, Transformer
 from opd.tokenizer import TextTokenizer
 
-
-def opd(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "opd.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=600)
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("opd: error: ")
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
+from helpers import opd
 
 
 @pytest.fixture(scope="module")

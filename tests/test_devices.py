@@ -6,7 +6,7 @@ import torch
 
 from opd.checkpoint import load_checkpoint, save_checkpoint
 from opd.engine import Engine
-from opd.generate import naive_sample
+from opd.naive import naive_sample
 from opd.learner import collate, completion_logprobs, score_batch
 from opd.losses import LossConfig, opd_loss
 from opd.runlog import read_metrics
@@ -14,19 +14,11 @@ from opd.sampling import SamplingParams
 from opd.tokenizer import TextTokenizer
 from opd.trainer import train
 
-from test_chunked import batch_of, grads, tiny
-from test_trainer import config, make_checkpoint
+from helpers import batch_of, config, grads, tiny
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                  reason="PyTorch sees no CUDA GPU here"))]
 PLANS = ["kv=fp8_e4m3 w=bf16", "kv=int4 kv_group=4 w=fp8", "kv=int8 kv_scale=calibrate w=int4", "w=fp8_block noise=0.1"]
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    return make_checkpoint(root / "student", 0), make_checkpoint(root / "teacher", 1)
-
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_engine_equals_the_naive_loop_on_the_device(device):
@@ -127,7 +119,7 @@ def test_the_async_worker_recomputes_q_as_the_learner_computes():
     """With a bf16 learner, q (the sampling weights' log-probs) is the bf16-autocast forward, as the learner's pi of
     the same weights is: the numerics mismatch is measured against the policy the trainer differentiates."""
     from functools import partial
-    from opd.async_rollouts import recompute
+    from opd.worker import recompute
     student = tiny(0, vocab=300).float()
     engine = Engine(student, -1, 0, "kv=bf16 w=bf16")
     params = SamplingParams(10)
@@ -147,7 +139,7 @@ def test_the_async_worker_recomputes_q_as_the_learner_computes():
 def test_a_run_on_the_device_with_bf16_learner_and_teacher(pair, tmp_path, device, schedule):
     """A short run with dtype bf16 and teacher_dtype bf16: master weights and optimizer state stay float32, the teacher
     is stored in bf16, and the loss comes down as in float32."""
-    from opd import trainer
+    from opd.setup import setup
     cfg = config(pair, steps=8, batch_size=8, lr=1e-2, warmup_steps=0, loss={"name": "full_rkl"}, device=device,
                  dtype="bf16", teacher_dtype="bf16", micro_batch_size=4, schedule=schedule,
                  **({"threads": 2, "max_staleness": 1} if schedule == "async" else {}))
@@ -155,12 +147,11 @@ def test_a_run_on_the_device_with_bf16_learner_and_teacher(pair, tmp_path, devic
     rows = read_metrics(tmp_path / "run")
     assert rows[-2]["loss/value"] < rows[0]["loss/value"]
     assert summary["after"]["eval/rkl"] < summary["before"]["eval/rkl"]
-    run = trainer.setup(cfg)
+    run = setup(cfg)
     assert {p.dtype for p in run.student.parameters()} == {torch.float32}
     assert {p.dtype for p in run.teacher.parameters()} == {torch.bfloat16}
     assert run.student.embed_tokens.weight.device.type == device
-    if run.rollouts is not None:
-        run.rollouts.close()
+    run.rollouts.close()
 
 
 @pytest.mark.parametrize("device", DEVICES)

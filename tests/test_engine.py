@@ -1,5 +1,4 @@
 """The rollout engine against its oracles: the naive uncached sampling loop, and the trainer-side recomputation."""
-import contextlib
 import copy
 
 import pytest
@@ -7,7 +6,7 @@ import torch
 
 from opd.engine import Engine
 from opd.errors import OpdError
-from opd.generate import naive_sample
+from opd.naive import naive_sample
 from opd.plan import Plan
 from opd.model import ModelConfig, Transformer
 from opd.sampling import SamplingParams, process_logits, sample
@@ -16,22 +15,6 @@ CFG = ModelConfig(arch="qwen3", vocab_size=50, hidden_size=64, intermediate_size
                   num_kv_heads=2, head_dim=16, qk_norm=True)
 EOS, PAD = 2, 0
 PROMPTS = [[1, 5, 9], [1, 7, 8, 9, 10, 11, 12], [1, 30], [1, 4, 4, 4, 4]]
-
-
-@contextlib.contextmanager
-def recorded_distributions(engine: Engine):
-    """Record the processed log-probs [B, V] of every step an engine samples from (what it drew each token from).
-    Yields dists(batch) -> [B, N, V] aligned with learner.collate's batch of the records."""
-    steps, step = [], engine._step
-
-    def record(logits, params, generator, given=None):
-        steps.append(process_logits(logits, params) if params.reshapes_distribution else logits.float().log_softmax(-1))
-        return step(logits, params, generator, given)
-    engine._step = record
-    try:
-        yield lambda batch: torch.stack(steps, 1)[:, :batch.tokens.shape[1]]
-    finally:
-        engine._step = step
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,7 @@ from fuzzlib import FUZZ, mutated_file, outcome
 from opd import cli
 from opd.checkpoint import MANIFEST, _sha256
 from opd.config import load_config
-from opd.trainer import parse_plan
-
-from test_trainer import pair  # noqa: F401 (fixture)
+from opd.setup import parse_plan
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.reliability]
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from opd.errors import OpdError
-from opd.generate import left_pad, prefill_mask
+from opd.naive import left_pad, prefill_mask
 from opd.kv_cache import KVCache, KVSpec
 from opd.model import ModelConfig, Transformer
 

@@ -20,7 +20,7 @@ from opd.engine import Engine
 from opd.errors import OpdError
 from opd.prompts import held_out_share
 from opd.sampling import SamplingParams
-from opd.trainer import check_same_tokenizer
+from opd.setup import check_same_tokenizer
 
 FAMILIES = ("qwen3", "llama3")
 README = Path(__file__).resolve().parents[1] / "README.md"

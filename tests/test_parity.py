@@ -5,7 +5,7 @@ import transformers
 
 from opd.checkpoint import load_checkpoint, save_checkpoint
 from opd.engine import Engine
-from opd.generate import naive_greedy
+from opd.naive import naive_greedy
 from opd.model import ModelConfig, Transformer
 from opd.sampling import SamplingParams
 from opd.tokenizer import TextTokenizer

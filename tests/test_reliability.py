@@ -17,7 +17,7 @@ from opd.errors import OpdError
 from opd.runlog import read_metrics
 from opd.trainer import train
 
-from test_trainer import comparable, config, pair  # noqa: F401 (fixture)
+from helpers import comparable, config
 
 pytestmark = pytest.mark.reliability
 

@@ -5,8 +5,7 @@ import re
 from opd.report import FIGURES
 from opd.trainer import train
 
-from test_cli import opd
-from test_trainer import config, pair  # noqa: F401 (fixture)
+from helpers import config, opd
 
 
 def test_report_from_short_runs(pair, tmp_path):

@@ -11,10 +11,9 @@ from opd.errors import OpdError
 from opd.sensitivity import layer_map, spread
 from opd.sweep import expand, load_grid, read_results, run_sweep
 from opd.tolerance import band, knees, label, report
-from opd.trainer import probe_setup
+from opd.setup import probe_setup
 
-from test_cli import assert_one_line_error, opd
-from test_trainer import config, pair  # noqa: F401 (fixture)
+from helpers import assert_one_line_error, config, opd
 
 
 def tiny_grid(pair, points):

@@ -11,56 +11,17 @@ import torch
 import yaml
 
 from opd.checkpoint import save_checkpoint
-from opd.config import TrainConfig, build_config, load_config, parse_overrides
+from opd.config import load_config, parse_overrides
 from opd.errors import OpdError
 from opd.learner import collate, completion_logprobs, token_logprobs
 from opd.engine import Engine
-from opd.model import ModelConfig, Transformer
 from opd.runlog import read_metrics
 from opd.sampling import SamplingParams
-from opd.tokenizer import TextTokenizer
 from opd import trainer
+from opd.setup import probe_setup, setup as make_run
 from opd.trainer import run_step, train
 
-from test_cli import opd
-
-TINY = dict(arch="llama", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-            head_dim=16, tie_word_embeddings=True, max_position_embeddings=64)
-
-
-def make_checkpoint(folder: Path, seed: int, vocab_size: int = 100, **overrides) -> Path:
-    cfg = ModelConfig(vocab_size=vocab_size, **(TINY | overrides))
-    save_checkpoint(folder, Transformer(cfg).init_weights(torch.Generator().manual_seed(seed), std=0.2),
-                    TextTokenizer.builtin())
-    return folder
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    return make_checkpoint(root / "student", 0), make_checkpoint(root / "teacher", 1)
-
-
-def config(pair, **overrides) -> TrainConfig:
-    student, teacher = pair
-    values = dict(student=str(student), teacher=str(teacher), task="add", steps=6, batch_size=4, eval_every=0,
-                  eval_examples=8, save_every=3, threads=1, plan="")
-    return build_config(values | overrides)
-
-
-def crash_at(at_step: int):
-    """An on_step hook that raises (a simulated crash) after step `at_step` is logged."""
-    def crash(step, run):
-        if step == at_step:
-            raise RuntimeError("simulated crash")
-    return crash
-
-
-def comparable(rows):
-    """Metric lines without the values that depend on timing: wall-clock ones, and the async queue depth (how many
-    batches were ready)."""
-    return [{k: v for k, v in row.items() if not k.startswith(("time", "throughput")) and k != "async/queue_depth"}
-            for row in rows]
+from helpers import comparable, config, opd
 
 
 def test_opd_lowers_the_reverse_kl_to_the_teacher(pair, tmp_path):
@@ -94,10 +55,10 @@ def test_engine_compile_reaches_the_rollout_engines_that_sample_for_training(pai
     linears = [type(model.layers[0].mlp.up_proj).__name__ for model in compiled]  # once per engine, not per update
     assert linears == ["Linear", "QuantLinear"]  # the run's engine (the learner itself), then the fallback's copy
     compiled.clear()
-    setup, plan = trainer.probe_setup(cfg, 4)
+    setup, plan = probe_setup(cfg, 4)
     setup.make_engine(plan)
     assert not compiled
-    assert trainer.setup(config(pair, engine_compile=True, schedule="async", threads=2)).rollouts.spec.compile
+    assert make_run(config(pair, engine_compile=True, schedule="async", threads=2)).rollouts.spec.compile
 
 
 def test_trainer_q_equals_engine_mu_at_full_precision(pair):

@@ -18,9 +18,9 @@ from opd.sampling import SamplingParams
 from opd.trainer import train
 from opd.vllm_engine import vllm_settings
 
-from test_trainer import config, make_checkpoint
+from helpers import config, make_checkpoint
 
-# vLLM's CPU attention needs a head size it has kernels for (32 here), unlike test_trainer's TINY shape
+# vLLM's CPU attention needs a head size it has kernels for (32 here), unlike helpers.TINY
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
              max_position_embeddings=256)
 PROMPTS = [[1, 20, 21, 22], [1, 30, 31, 32, 33, 34], [1, 5, 6], [1, 40, 41, 42, 43]] * 4
@@ -44,6 +44,7 @@ def vllm_test(fn):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
+    """conftest.py's pair in vLLM's SHAPE (overrides it in this file)."""
     root = tmp_path_factory.mktemp("vllm-pair")
     return make_checkpoint(root / "a", 0, **SHAPE), make_checkpoint(root / "b", 1, **SHAPE)
 

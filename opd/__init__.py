@@ -1,0 +1,96 @@
+"""opd: on-policy distillation whose rollouts run on cheaper, numerically mismatched inference, with the admission
+check that says when that mismatch is safe.
+
+The Python API is the CLI's commands as functions, for notebooks and scripts:
+
+    import opd
+    cfg = opd.make_config(family="qwen3", plan="kv=fp8_e4m3", schedule="async", max_staleness=1, steps=40)
+    verdict = opd.admit(cfg)               # as `opd admit --json`: decision, reasons, proposal
+    summary = opd.train(cfg, "runs/api")   # as `opd train`: the run's summary.json
+    opd.generate("runs/api/checkpoint", ["Continue the chain: 3 1 4"])
+
+Errors are `opd.OpdError` (the CLI prints them as its one-line `opd: error:`). Importing opd loads nothing heavy:
+each function imports what it needs.
+"""
+from pathlib import Path
+
+from opd.errors import OpdError
+
+__all__ = ["OpdError", "admit", "generate", "make_config", "train"]
+
+
+def make_config(path: str | Path | None = None, /, **values):
+    """A checked training config (opd.config.TrainConfig): the YAML file at `path` (optional) with `values` on top,
+    given as the file's keys (`loss={"name": "full_rkl"}` for a section). Unknown keys, wrong types and values out of
+    range raise OpdError naming the key, as in a config file. (Not `opd.config`: that name is the module
+    opd/config.py.)"""
+    from opd.config import build_config, load_config, merge
+    base = load_config(Path(path)).to_dict() if path is not None else {}
+    return build_config(merge(base, values))
+
+
+def train(cfg, run_dir: str | Path, resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict:
+    """Run (or with resume, continue) one OPD run of `cfg` in run_dir, as `opd train`; returns its summary (held-out
+    metrics before and after, steps, the plan it ended with, time), also written to run_dir/summary.json."""
+    from opd.trainer import train as run
+    return run(_checked(cfg), Path(run_dir), resume=resume, overwrite=overwrite, progress=progress)
+
+
+def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0.0, propose: bool = True) -> dict:
+    """The admission check of cfg's rollout set-up, as `opd admit --json`: a dict with "decision" (ADMIT, UNCERTAIN:
+    run it only under the runtime guard, or REJECT), "reasons", the probe's numbers and, when not admitted, a
+    "proposal" (a plan that passes, or what to change). rollouts: the probe's batch of the run's own prompts;
+    thresholds: a file from `opd calibrate` ("" = the shipped one); limit > 0 replaces the calibrated nsr limit."""
+    from opd.admission import load_thresholds
+    from opd.probe import admit as check
+    from opd.setup import probe_setup
+    from opd.errors import require
+    require(limit >= 0, f"limit must be >= 0, got {limit}", "0 uses the calibrated limit")
+    require(isinstance(rollouts, int) and rollouts > 0, f"rollouts must be a positive integer, got {rollouts!r}")
+    cfg = _checked(cfg)
+    limits = load_thresholds(thresholds)
+    if cfg.engine == "vllm":
+        from opd.vllm_engine import import_vllm
+        import_vllm()
+    setup, plan = probe_setup(cfg, rollouts)
+    return check(setup, plan, limits, limit, propose)
+
+
+def generate(model: str | Path, prompts: list, max_new_tokens: int = 64, plan: str = "", seed: int = 0,
+             temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+             chat: bool = False, engine: str = "builtin", device: str = "auto") -> list[str]:
+    """Sample one completion per prompt from the HF checkpoint folder `model` (a run's checkpoint works) under a
+    precision plan ("" = float32), as `opd generate`; returns the completions' text. prompts: strings (chat: sent
+    through the model's chat template as one user message) or lists of chat messages. Sampling settings not given
+    come from the checkpoint's generation_config.json, else temperature 1 with no top-k/top-p."""
+    from opd import devices
+    from opd.checkpoint import load_checkpoint
+    from opd.errors import require
+    from opd.rollouts import make_engine
+    from opd.sampling import SamplingParams
+    require(isinstance(prompts, list) and prompts, "prompts must be a non-empty list", "e.g. [\"3 + 4 =\"]")
+    require(engine in ("builtin", "vllm"), f"unknown engine {engine!r}", "use builtin or vllm")
+    net, tok = load_checkpoint(Path(model), device=devices.resolve(device) if engine == "builtin" else "cpu")
+    texts = [[{"role": "user", "content": p}] if chat and isinstance(p, str) else p for p in prompts]
+    defaults = tok.generation
+    params = SamplingParams(max_new_tokens, defaults.get("temperature", 1.0) if temperature is None else temperature,
+                            defaults.get("top_k", 0) if top_k is None else top_k,
+                            defaults.get("top_p", 1.0) if top_p is None else top_p)
+    if engine == "vllm":
+        from opd.vllm_engine import import_vllm
+        import_vllm()
+    rollout_engine = make_engine(engine, net, tok.stop_ids, tok.pad_id, plan, model_dir=Path(model), seed=seed)
+    try:
+        rollouts = rollout_engine.generate([tok.encode_prompt(t) for t in texts], params, seed)
+    finally:
+        rollout_engine.close()
+    return [tok.decode(r.completion_ids) for r in rollouts]
+
+
+def _checked(cfg):
+    from opd.config import TrainConfig
+    if isinstance(cfg, dict):
+        return make_config(**cfg)
+    if not isinstance(cfg, TrainConfig):
+        raise OpdError(f"expected a config from opd.make_config(), got {type(cfg).__name__}", "cfg = opd.make_config(...)")
+    return cfg

@@ -1,0 +1,111 @@
+"""The runtime guard: the admission check's decision (admission.decide) on the live rollouts, every `guard_every`
+steps, and the fallback ladder it climbs down when the rollouts' mismatch is too large.
+
+It judges the numerics' noise-to-signal ratio `opd/nsr` (mean |q - mu| / mean |T - q|: the rollout engine vs the
+trainer's forward with the weights that sampled, the probe's metric, on which the limit was calibrated) against the
+estimator's limit, and the numerics' effective sample size fraction `is/ess_frac` (weights q/mu) against
+MIN_ESS_FRAC, each averaged over the steps since the last check. Staleness is not judged here: the admission check's
+max_staleness does that, and no plan fallback can fix it. `stale/total_nsr` (pi in place of q: numerics and
+staleness together) is reported beside it (`guard/total_nsr`) but decides nothing: healthy async runs at lr 1e-3
+reach high values over short windows (dev/LOG.md). Not the ESS of pi/mu either: one token whose probability an
+update moved a lot collapses it. A non-finite nsr (broken rollouts) is a REJECT; so is a window without any (async
+with recompute_fraction 0 has no q, which is why the config refuses the guard there).
+
+On REJECT (nsr above the calibration band's upper edge, or the ESS under its floor) the event goes to guard.jsonl
+and stderr, and `guard_action` is taken: warn, stop, or fall back. The ladder (`safer_plan`): a plan with
+fixed-scale FP8 KV layers first gets calibrated scales (which keep the memory saving and fix saturated outlier
+keys), anything else BF16 rollouts; a plan already at BF16 only warns. Inside the band (UNCERTAIN, the runs the
+admission check sends to the guard) the window is logged as `guard/uncertain` and training goes on.
+"""
+import json
+import math
+import sys
+from pathlib import Path
+
+from opd.admission import FLOOR_PLAN, METRIC, MIN_ESS_FRAC, calibrated, decide, estimator_class, load_thresholds
+from opd.errors import OpdError
+from opd.plan import Plan
+from opd.runlog import read_guard_events, read_metrics, write_atomic
+
+GUARD_NSR, GUARD_ESS, GUARD_TOTAL = "opd/nsr", "is/ess_frac", "stale/total_nsr"  # read from each step's metrics
+GUARD_KEYS = (GUARD_NSR, GUARD_ESS, GUARD_TOTAL)
+
+
+def safer_plan(plan: Plan, engine: str = "builtin") -> Plan | None:
+    """The guard's next rung down from plan: its fixed-scale FP8 KV layers calibrated (they keep all of the memory
+    saving, and fix saturated outlier keys: docs/tolerance.md, "Outlier keys"; the vllm engine has fixed scales
+    only), else BF16 rollouts; None when already at BF16."""
+    floor = Plan.parse(FLOOR_PLAN, len(plan.layers))
+    return None if plan == floor else (calibrated(plan) if engine == "builtin" else None) or floor
+
+
+def window_mean(window: list[dict], key: str, finite_only: bool) -> float | None:
+    """The mean over the window's steps that have `key` (None when none has it); NaN if one is NaN, unless
+    finite_only (then non-finite values are skipped as unknown)."""
+    values = [row[key] for row in window if key in row and (not finite_only or math.isfinite(row[key]))]
+    return sum(values) / len(values) if values else None
+
+
+class Guard:
+    """The guard of one run (cfg.guard_every > 0; with 0, `observe` is never due)."""
+
+    def __init__(self, cfg):
+        self.every, self.action, self.limit = cfg.guard_every, cfg.guard_action, cfg.guard_limit
+        self.engine, self.asynchronous, self.cls = cfg.engine, cfg.schedule == "async", estimator_class(cfg.loss)
+        self.thresholds = load_thresholds(cfg.guard_thresholds) if cfg.guard_every and not cfg.guard_limit else None
+        self.window: list[dict] = []
+
+    def observe(self, step: int, metrics: dict) -> bool:
+        """Add a step's live numbers to the window; whether a check is due after this step."""
+        if not self.every:
+            return False
+        self.window.append({key: metrics[key] for key in GUARD_KEYS if key in metrics})
+        return (step + 1) % self.every == 0
+
+    def check(self, step: int, plan: Plan, run_dir: Path) -> tuple[dict, Plan | None]:
+        """The check over the window (then emptied) -> (the guard/* metrics, the plan to fall back to or None).
+        Raises OpdError when the action is `stop`."""
+        nsr = window_mean(self.window, GUARD_NSR, finite_only=False)  # NaN: broken rollouts, a REJECT
+        ess, total = window_mean(self.window, GUARD_ESS, True), window_mean(self.window, GUARD_TOTAL, True)
+        self.window.clear()
+        nsr = math.nan if nsr is None else nsr
+        decision = decide({METRIC: nsr, "ess_frac": ess}, self.thresholds, self.cls, 0, self.limit)
+        out = {"guard/nsr": nsr, "guard/limit": decision.limit, "guard/triggered": float(decision.reject),
+               "guard/uncertain": float(decision.verdict == "UNCERTAIN")}
+        if ess is not None:
+            out["guard/ess_frac"] = ess
+        if total is not None and self.asynchronous:
+            out["guard/total_nsr"] = total
+        if not decision.reject:
+            return out, None
+        safer = safer_plan(plan, self.engine)
+        action = "warn" if self.action == "fallback" and safer is None else self.action
+        event = {"step": step, "action": action, "nsr": nsr, "ess_frac": ess, "limit": decision.limit,
+                 "reject_at": decision.reject_at, "plan": str(plan), "reasons": decision.reasons}
+        if action == "fallback":
+            event["to"] = str(safer)
+        with open(run_dir / "guard.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
+        what = f"nsr {nsr:.3g} {'>' if nsr > decision.reject_at else '<='} {decision.reject_at:.3g}" + (
+            "" if ess is None else f", ess_frac {ess:.3g} {'<' if ess < MIN_ESS_FRAC else '>='} {MIN_ESS_FRAC}")
+        print(f"opd: guard: step {step}: rollout-vs-learner {what} (plan {plan}): {action}"
+              + (f" to {event['to']}" if "to" in event else ""), file=sys.stderr)
+        if action == "stop":
+            raise OpdError(f"guard: the rollouts' mismatch exceeded what the admission check allows at step {step} "
+                           f"({what})", "use a safer plan (`opd admit` proposes one), guard_action=fallback, or a "
+                           "higher guard_limit")
+        return out, safer if action == "fallback" else None
+
+    def resume(self, run_dir: Path, step: int) -> None:
+        """On resume: the live numbers of the steps since the last check (from metrics.jsonl), so the checks see what
+        they would have seen; and guard events of the steps to be re-run are dropped (they are logged again)."""
+        path = run_dir / "guard.jsonl"
+        if path.is_file():
+            kept = [event for event in read_guard_events(run_dir) if event["step"] < step]
+            write_atomic(path, "".join(json.dumps(event) + "\n" for event in kept))
+        if not self.every:
+            self.window = []
+            return
+        first = step - step % self.every
+        self.window = [{key: math.nan if row[key] is None else row[key] for key in GUARD_KEYS if key in row}
+                       for row in read_metrics(run_dir) if first <= row["step"] < step]  # null: logged non-finite

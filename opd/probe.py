@@ -1,0 +1,128 @@
+"""The admission check's probe: the candidate rollout engine samples a small batch of the run's own prompts, the
+trainer's full-precision forward and the teacher score the same tokens, and admission.decide judges the numbers
+(admission.py explains the statistic, the calibration and the decision; this module runs the models).
+
+`admit` is the check `opd admit` runs: the candidate plan and the BF16 floor measured, the decision with its reasons
+and, when it does not admit, the plan `propose_plan` finds: the same plan with calibrated FP8 KV scales if it had
+fixed ones, else the most sensitive layers kept at BF16, one more at a time, until the probe is admitted.
+"""
+import functools
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from opd.admission import (FLOOR_PLAN, KEEP, METRIC, calibrated, class_limits, decide, estimator_class,
+                           safe_staleness, staleness)
+from opd.devices import autocast_dtype
+from opd.learner import collate, score_batch
+from opd.losses import masked_mean
+from opd.metrics import distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics
+from opd.plan import Plan, describe_layer
+from opd.rollouts import sampler_seed
+from opd.sampling import SamplingParams
+
+
+@dataclass
+class ProbeSetup:
+    """What a probe needs from a training run: the config, the models and an engine factory."""
+    cfg: object  # TrainConfig
+    student: torch.nn.Module
+    teacher: torch.nn.Module
+    tok: object
+    make_engine: object  # (plan) -> engine
+    prompts: list[list[int]] = field(default_factory=list)
+
+
+def probe(setup: ProbeSetup, plan: Plan, floor: dict | None = None) -> dict:
+    """The candidate plan's mismatch on the probe batch (+ the BF16 floor, measured unless given)."""
+    start = time.perf_counter()
+    numbers = measure(setup, plan)
+    if floor is None:
+        floor_plan = Plan.parse(FLOOR_PLAN, len(plan.layers))
+        floor = numbers if str(floor_plan) == str(plan) else measure(setup, floor_plan)
+    numbers |= {"floor_kl_k3": floor["kl_k3"], "floor_nsr": floor[METRIC]}
+    numbers["seconds"] = time.perf_counter() - start
+    return numbers
+
+
+@torch.no_grad()
+def measure(setup: ProbeSetup, plan: Plan) -> dict:
+    """The probe's metrics for one plan: the engine samples the probe prompts; the student (as the learner computes:
+    its dtype, the training temperature) and the teacher score the tokens, a micro-batch and a chunk at a time; the
+    built-in engine also gives its hidden states (for the exact KL) and KV saturation counts."""
+    cfg = setup.cfg
+    engine = setup.make_engine(plan)
+    full = engine.hidden_states  # the built-in engine: hidden states (exact KL) and KV saturation counts
+    params = SamplingParams(cfg.new_tokens, **cfg.sampling)
+    clipped = {}
+    try:
+        rollouts = engine.generate(setup.prompts, params, sampler_seed(cfg.seed, 0), return_hidden=full,
+                                   stats=clipped)
+        batch = collate(rollouts, setup.tok.pad_id)
+        scores = score_batch(setup.student, batch, setup.teacher, temperature=cfg.temperature,
+                             micro_batch_size=cfg.micro_batch_size, chunk_tokens=cfg.chunk_tokens,
+                             autocast=autocast_dtype(cfg.dtype),
+                             rollout=functools.partial(engine.logprobs, params=params) if full else None)
+    finally:
+        engine.close()
+    q, t_y, mask = scores.pi, scores.teacher, batch.mask
+    out = {**mismatch_metrics(batch.mu, q, mask), **importance_metrics(batch.mu, q, mask, cfg.loss.cap),
+           **distortion_metrics(t_y, batch.mu, q, mask)}
+    if scores.kl_exact is not None:
+        out |= exact_kl_metric(scores.kl_exact, mask)
+    if scores.rkl is not None:  # the student's distance to its teacher: exact KL(q || T) per token, the probe's mean
+        out["rkl"] = masked_mean(scores.rkl.double(), mask).item()
+    out |= clipped  # kv_clipped_k, kv_clipped_v (the built-in engine)
+    return {k.split("/")[-1]: v for k, v in out.items()}
+
+
+# ---- the check, and the plan it proposes --------------------------------------------------------------------------
+
+def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, propose: bool = True) -> dict:
+    """ADMIT/REJECT with reasons for the run's rollout configuration; a per-layer plan that passes when rejected."""
+    start = time.perf_counter()
+    cls = estimator_class(setup.cfg.loss)
+    numbers = probe(setup, plan)
+    decision = decide(numbers, thresholds, cls, staleness(setup.cfg), limit, setup.cfg.lr)
+    out = {**decision.to_dict(), "plan": str(plan), "estimator_class": cls, "staleness": staleness(setup.cfg),
+           "probe": numbers, "probe_rollouts": len(setup.prompts)}
+    if not decision.admit and propose and math.isfinite(decision.value):
+        if decision.value > decision.limit:
+            floor = {"kl_k3": numbers["floor_kl_k3"], METRIC: numbers["floor_nsr"]}
+            out["proposal"] = propose_plan(setup, plan, thresholds, cls, limit, floor)
+        else:  # the plan passes; the staleness does not
+            budget = class_limits(thresholds, cls)[0].get("max_drift") if thresholds else None
+            lr = setup.cfg.lr
+            safe = f" to {safe_staleness(budget, lr)} at lr {lr:g}" if budget and lr else ""
+            out["proposal"] = {"plan": None, "layer_kl": [], "note": f"the plan passes: lower max_staleness{safe}, "
+                               "lower the lr, or use another estimator"}
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, limit: float, floor: dict) -> dict:
+    """First the same plan with calibrated FP8 KV scales, if it has fixed ones; then keep the most sensitive layers
+    at BF16, one more at a time, until the probe passes."""
+    n = len(plan.layers)
+    if (scaled := calibrated(plan)) is not None:
+        decision = decide(probe(setup, scaled, floor), thresholds, cls, 0, limit)
+        if decision.admit:
+            return {"plan": str(scaled), "bf16_layers": [], "layer_kl": [], METRIC: decision.value,
+                    "limit": decision.limit, "note": "calibrated KV scales instead of the fixed 1.0"}
+    sensitivity = []
+    for i in range(n):  # the candidate setting on layer i alone, BF16 elsewhere
+        alone = Plan.parse(f"forward={plan.forward}; {KEEP}; {i}: {describe_layer(plan.layers[i])}", n)
+        numbers = measure(setup, alone)
+        sensitivity.append(numbers.get("kl_exact", numbers["kl_k3"]))  # exact where the engine allows: less noise
+    order = sorted(range(n), key=lambda i: -sensitivity[i])
+    for j in range(1, n + 1):
+        kept = sorted(order[:j])
+        candidate = Plan.parse(f"{plan}; {','.join(map(str, kept))}: {KEEP}", n)
+        numbers = probe(setup, candidate, floor)
+        decision = decide(numbers, thresholds, cls, 0, limit)
+        if decision.admit:
+            return {"plan": str(candidate), "bf16_layers": kept, "layer_kl": sensitivity,
+                    METRIC: decision.value, "limit": decision.limit}
+    return {"plan": None, "layer_kl": sensitivity, "note": "even all-BF16 rollouts exceed the limit"}

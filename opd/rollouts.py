@@ -1,0 +1,148 @@
+"""Where a training step's rollouts come from: one interface, two schedules.
+
+The trainer holds one `Rollouts` and never asks which schedule it is:
+
+    start(weights, version, saved)   begin sampling from these weights; saved: what `state_dict` returned (a resume)
+    next_batch(step, version)        the batch to train step `step` on, the learner being at `version`
+    publish(weights, version)        the learner's new weights after an optimizer step
+    set_plan(plan)                   sample under another precision plan from now on (the guard's fallback)
+    state_dict(wait)                 what a checkpoint needs to continue exactly (tensors and plain values)
+    close()
+
+`SyncRollouts` (here) samples in the trainer's process between optimizer steps, so its rollouts are never stale;
+`AsyncRollouts` (async_rollouts.py) samples ahead in a worker process, within `max_staleness`. Batch i is sampled with
+seed `sampler_seed(seed, i)` by both, so the async schedule at staleness 0 reproduces the synchronous run exactly.
+`too_stale` is the one rule for how old a batch may be; `make_engine` the one place an engine is built.
+"""
+import functools
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from opd.engine import Engine, Rollout, drawn_logprobs
+from opd.plan import Plan
+from opd.sampling import SamplingParams
+
+
+def sampler_seed(seed: int, index: int, attempt: int = 0) -> int:
+    """The sampling seed of prompt batch `index` (attempt > 0: a re-sample): both schedules draw batch i alike."""
+    return (seed * 1_000_003 + index) * 64 + attempt
+
+
+def too_stale(sampled_version: int, learner_version: int, max_staleness: int) -> str | None:
+    """Why a batch sampled by policy version `sampled_version` may not train the learner at `learner_version`, or None
+    when it may: the learner is at most `max_staleness` optimizer steps ahead of the weights that sampled it."""
+    gap = learner_version - sampled_version
+    if gap <= max_staleness:
+        return None
+    return f"sampled by version {sampled_version}, {gap} steps behind the learner's {learner_version} " \
+           f"(max_staleness {max_staleness})"
+
+
+def make_engine(kind: str, model, stop_ids: int | list[int], pad_id: int, plan: Plan | str, *, model_dir: str = "",
+                version: int = 0, seed: int = 0, noise_seed: int = 0, compile: bool = False,
+                in_process: bool = False):
+    """The rollout engine `kind` ("builtin" or "vllm") for `model` under `plan`. The built-in one runs `model`'s own
+    tensors where the plan keeps full precision and its own copy of the layers the plan changes (engine.py); vLLM loads
+    the checkpoint in model_dir, to be sent `model`'s weights by `update_weights`. Both have the same methods
+    (generate, update_weights, logprobs where `hidden_states`, close, scales, plan)."""
+    if isinstance(plan, str):
+        plan = Plan.parse(plan, model.cfg.num_layers)
+    if kind == "vllm":
+        from opd.vllm_engine import VllmEngine
+        return VllmEngine(model_dir, stop_ids, pad_id, plan, version, seed=seed,
+                          max_model_len=model.cfg.max_position_embeddings, tied=model.cfg.tie_word_embeddings,
+                          in_process=in_process)
+    return Engine(model, stop_ids, pad_id, plan, version, noise_seed, compile)
+
+
+@dataclass
+class Batch:
+    """One step's rollouts, the sampling side's metrics, and (for the exact KL) a function from the sampling engine's
+    hidden rows to its log-probs, or None."""
+    rollouts: list[Rollout]
+    metrics: dict
+    engine_logprobs: Callable | None = None
+
+
+class Rollouts(Protocol):
+    scales: dict  # the engine's calibrated KV scales (layer -> [k_scale, v_scale]), saved with a checkpoint
+    counts: dict  # the schedule's event counts, reported in the summary as async/<name> ({} for sync)
+
+    def start(self, weights: dict, version: int, saved: dict) -> None: ...
+    def next_batch(self, step: int, version: int) -> Batch: ...
+    def publish(self, weights: dict, version: int) -> None: ...
+    def set_plan(self, plan: Plan) -> None: ...
+    def state_dict(self, wait: bool) -> dict: ...
+    def close(self) -> None: ...
+
+
+class SyncRollouts:
+    """The synchronous schedule: an engine in this process samples batch `step` with the weights of the step just
+    taken (the built-in engine shares the learner's tensors where the plan keeps full precision, so a publish re-makes
+    only the layers the plan changes)."""
+    counts: dict = {}
+
+    def __init__(self, build: Callable[[Plan], object], plan: Plan, prompts, params: SamplingParams, seed: int,
+                 exact_kl: bool):
+        """build(plan) -> an engine (make_engine with the run's settings); exact_kl: keep the hidden states."""
+        self.build, self.prompts, self.params, self.seed, self.exact_kl = build, prompts, params, seed, exact_kl
+        self.engine = build(plan)
+        self.published: tuple[dict, int] | None = None
+
+    @property
+    def scales(self) -> dict:
+        return self.engine.scales
+
+    def start(self, weights: dict, version: int, saved: dict) -> None:
+        """A fresh run samples from the weights the engine was built on; a resumed one gets the checkpoint's weights
+        and KV scales."""
+        self.published = (weights, version)
+        if saved:
+            self.engine.update_weights(weights, version)
+            self.engine.scales.update(saved.get("engine_scales", {}))
+
+    def next_batch(self, step: int, version: int) -> Batch:
+        start = time.perf_counter()
+        rollouts = self.engine.generate(self.prompts.batch(step), self.params, sampler_seed(self.seed, step),
+                                        return_hidden=self.exact_kl)
+        logprobs = functools.partial(self.engine.logprobs, params=self.params) if self.exact_kl else None
+        return Batch(rollouts, {"time/generate": time.perf_counter() - start}, logprobs)
+
+    def publish(self, weights: dict, version: int) -> None:
+        self.published = (weights, version)
+        self.engine.update_weights(weights, version)
+
+    def set_plan(self, plan: Plan) -> None:
+        """A new engine under plan (its KV scales start afresh), sent the newest weights if sampling has started."""
+        self.engine.close()
+        self.engine = self.build(plan)
+        if self.published is not None:
+            self.engine.update_weights(*self.published)
+
+    def state_dict(self, wait: bool) -> dict:
+        return {"engine_scales": dict(self.engine.scales)}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def learner_logprobs(lm_head, params: SamplingParams, forward: str = "fp32") -> Callable:
+    """Hidden rows -> log-probs as the sampling engine's output layer computes them, from the learner's: the exact KL
+    of rollouts the learner's current weights sampled (async at staleness 0, where the worker sends its hidden states
+    back). The engine's head is the learner's in a float32 forward; in a bf16 forward (plan `forward=bf16`) it is the
+    learner's weights rounded to bf16, applied to bf16 hidden states (weight_quant.rollout_copy), so that is what is
+    computed here (the weights are converted again after each optimizer step)."""
+    if forward != "bf16":
+        return functools.partial(drawn_logprobs, lm_head, params=params)
+    cached: dict = {}
+
+    def head(hidden):
+        weight = lm_head.weight
+        key = (weight.data_ptr(), weight._version)  # changes with every in-place optimizer update
+        if cached.get("key") != key:
+            cached.update(key=key, weight=weight.detach().to(torch.bfloat16))
+        return torch.nn.functional.linear(hidden, cached["weight"])
+    return functools.partial(drawn_logprobs, head, params=params)

@@ -1,0 +1,152 @@
+"""From a training config to everything a run needs: the pair, the tokenizer, the prompts, the optimizer, the
+rollouts (one engine in this process, or the async worker), the guard's limits. The loop (trainer.py) starts from a
+`Run`; the admission probe from a `ProbeSetup` of the same config.
+
+Nothing here trains: loading is checked (both devices before any weights load, the two tokenizers equal token for
+token, no NaN/Inf weights), so a bad pair fails before minutes of work.
+"""
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from opd import devices
+from opd.async_rollouts import AsyncRollouts
+from opd.checkpoint import load_checkpoint
+from opd.config import TrainConfig, resolve_generation
+from opd.errors import require
+from opd.guard import Guard
+from opd.model import Transformer
+from opd.plan import Plan
+from opd.pretrain import PretrainConfig, pretrain
+from opd.probe import ProbeSetup
+from opd.prompts import PromptSet
+from opd.rollouts import Rollouts, SyncRollouts, make_engine
+from opd.sampling import SamplingParams
+from opd.scoring import check_scorer
+from opd.tokenizer import TextTokenizer, first_difference
+from opd.worker import WorkerSpec
+
+
+def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer, Path]:
+    """(student, teacher, tokenizer, the student's folder): the given checkpoints, or the built-in pair of
+    cfg.family (shipped, or pretrained on first use and cached). The student is float32 (the master weights) on
+    `device`, the teacher in `teacher_dtype` on `teacher_device`; both devices are checked before anything is
+    loaded."""
+    device = devices.resolve(cfg.device)
+    teacher_device = devices.resolve(cfg.teacher_device, "teacher_device") if cfg.teacher_device else device
+    devices.resolve_dtype(cfg.dtype, device)
+    teacher_dtype = devices.resolve_dtype(cfg.teacher_dtype, teacher_device, "teacher_dtype")
+    if cfg.student:
+        student_dir, teacher_dir = Path(cfg.student), Path(cfg.teacher)
+    else:
+        student_dir, _ = pretrain(PretrainConfig(family=cfg.family, role="student", task=cfg.task))
+        teacher_dir, _ = pretrain(PretrainConfig(family=cfg.family, role="teacher", task=cfg.task))
+    student, tok = load_checkpoint(student_dir, torch.float32, device)
+    teacher, teacher_tok = load_checkpoint(teacher_dir, teacher_dtype, teacher_device)
+    check_same_tokenizer(student, tok, teacher, teacher_tok)
+    for role, model, folder in (("student", student, student_dir), ("teacher", teacher, teacher_dir)):
+        bad = next((name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+        require(bad is None, f"the {role} checkpoint {folder} has NaN/Inf weights ({bad})",
+                "use an undamaged checkpoint: every step would be skipped as non-finite")
+    return student, teacher.eval().requires_grad_(False), tok, student_dir
+
+
+def check_same_tokenizer(student: Transformer, tok: TextTokenizer, teacher: Transformer,
+                         teacher_tok: TextTokenizer) -> None:
+    """OPD compares the two models' log-probs of the same token ids: their vocabularies must be the same, token for
+    token (the student's tokenizer, chat template and stop ids are the ones used)."""
+    fix = "distill between models that share one tokenizer (cross-tokenizer distillation is not supported)"
+    difference = first_difference(tok.vocab(), teacher_tok.vocab())
+    require(difference is None, f"student and teacher tokenizers differ at {difference}", fix)
+    require(student.cfg.vocab_size == teacher.cfg.vocab_size, f"student and teacher output layers differ in size "
+            f"({student.cfg.vocab_size} vs {teacher.cfg.vocab_size} rows) although their tokenizers agree", fix)
+
+
+def parse_plan(cfg: TrainConfig, num_layers: int) -> Plan:
+    return Plan.from_mapping(cfg.plan, num_layers) if isinstance(cfg.plan, dict) else Plan.parse(cfg.plan, num_layers)
+
+
+def engine_builder(cfg: TrainConfig, student: Transformer, tok: TextTokenizer, student_dir: Path):
+    """plan -> the config's rollout engine for the student (rollouts.make_engine)."""
+    return lambda plan: make_engine(cfg.engine, student, tok.stop_ids, tok.pad_id, plan, model_dir=student_dir,
+                                    seed=cfg.seed, noise_seed=cfg.noise_seed, compile=cfg.engine_compile)
+
+
+@dataclass
+class State:
+    step: int = 0  # optimizer steps attempted so far (the next step's index)
+    version: int = 0  # policy version of the engine's weights: optimizer steps actually taken
+    bad_steps: int = 0  # non-finite steps in a row
+    skipped: int = 0  # non-finite steps in total
+    fallback: bool = False  # the runtime guard switched the rollouts to a safer plan (kept on resume)
+    fallback_plan: str = ""  # the plan it switched to last ("" with fallback: BF16, as before this field existed)
+
+
+@dataclass
+class Run:
+    """Everything one step needs; trainer.save_state/load_state persist what changes between steps."""
+    cfg: TrainConfig
+    student: Transformer
+    teacher: Transformer
+    tok: TextTokenizer
+    rollouts: Rollouts  # sync (an engine here) or async (a worker process): the same methods
+    plan: Plan
+    opt: torch.optim.Optimizer
+    prompts: PromptSet
+    params: SamplingParams
+    state: State
+    student_dir: Path
+    guard: Guard  # the runtime admission check (cfg.guard_every > 0)
+
+
+def setup(cfg: TrainConfig) -> Run:
+    """Load the pair and build the optimizer and the rollouts (an async worker starts in `Rollouts.start`, once the
+    weights to start from are known)."""
+    asynchronous = cfg.schedule == "async"
+    torch.set_num_threads(cfg.threads - cfg.worker_threads if asynchronous else cfg.threads)
+    student, teacher, tok, student_dir = load_pair(cfg)
+    cfg = resolve_generation(cfg, tok.generation)
+    context = min(student.cfg.context, teacher.cfg.context)
+    plan = parse_plan(cfg, student.cfg.num_layers)
+    if cfg.engine_compile:
+        print("opd: engine_compile: the rollout engine compiles before step 0 (about a minute on a cold cache)",
+              file=sys.stderr)
+    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    exact_kl = cfg.exact_kl and cfg.engine == "builtin"  # needs the engine's distributions
+    if cfg.exact_kl and cfg.engine == "vllm":
+        print("opd: exact_kl off: vllm returns the sampled tokens' log-probs only; mismatch/kl_k3 estimates the "
+              "same KL", file=sys.stderr)
+    prompts = PromptSet(cfg, tok, context, cfg.new_tokens)
+    check_scorer(cfg.scoring, prompts.held_out)
+    params = SamplingParams(cfg.new_tokens, **cfg.sampling)
+    if asynchronous:
+        rollouts = AsyncRollouts(worker_spec(cfg, student, tok, plan, params, exact_kl, student_dir), prompts,
+                                 cfg.seed, cfg.max_staleness, cfg.lookahead, cfg.stale_policy, cfg.worker_timeout,
+                                 cfg.max_worker_restarts, student.lm_head)
+    else:
+        rollouts = SyncRollouts(engine_builder(cfg, student, tok, student_dir), plan, prompts, params, cfg.seed,
+                                exact_kl)
+    return Run(cfg, student, teacher, tok, rollouts, plan, opt, prompts, params, State(), student_dir, Guard(cfg))
+
+
+def worker_spec(cfg: TrainConfig, model: Transformer, tok, plan: Plan, params: SamplingParams, return_hidden: bool,
+                model_dir: str | Path = "") -> WorkerSpec:
+    """The async rollout worker's settings, from the config (worker.py)."""
+    return WorkerSpec(asdict(model.cfg), tok.stop_ids, tok.pad_id, plan, cfg.noise_seed, params, cfg.worker_threads,
+                      return_hidden, recompute=cfg.lookahead > 0, recompute_fraction=cfg.recompute_fraction,
+                      vllm_model_dir=str(model_dir) if cfg.engine == "vllm" else "", compile=cfg.engine_compile,
+                      device=str(model.embed_tokens.weight.device), chunk_tokens=cfg.chunk_tokens, dtype=cfg.dtype)
+
+
+def probe_setup(cfg: TrainConfig, n: int) -> tuple[ProbeSetup, Plan]:
+    """The admission probe of a training config: its pair, an engine factory, its first n training prompts."""
+    torch.set_num_threads(cfg.threads)
+    student, teacher, tok, student_dir = load_pair(cfg)
+    cfg = resolve_generation(cfg, tok.generation)
+    context = min(student.cfg.context, teacher.cfg.context)
+    prompts = PromptSet(replace(cfg, batch_size=n), tok, context, cfg.new_tokens).batch(0)
+    probe_cfg = replace(cfg, engine_compile=False)  # 16 rollouts per engine: compiling would cost more than it saves
+    return ProbeSetup(cfg, student, teacher, tok, engine_builder(probe_cfg, student, tok, student_dir), prompts), \
+        parse_plan(cfg, student.cfg.num_layers)
