@@ -322,7 +322,7 @@ def test_the_shipped_thresholds_are_the_calibration_of_the_stored_studies():
 
 def test_admission_benchmark_quick_mode():
     """The stored studies decided with thresholds calibrated without the held-out runs: the numbers docs/admission.md
-    and the README quote (accuracy >= 0.9 leaving sources out is not reached on the final data, and 4.8% of the runs
+    and docs/admission.md quotes (accuracy >= 0.9 leaving sources out is not reached on the final data, and 4.8% of the runs
     are admitted and degraded against the goal's 2%: issue 22's block), and the check's cost."""
     import subprocess
     import sys
@@ -349,7 +349,7 @@ def test_outlier_training_benchmark_quick_mode():
 def test_staleness_training_benchmark_quick_mode():
     """The stored staleness runs at lr 1e-3 (benchmarks/staleness_training.py), decided with the shipped thresholds
     (in sample since issue 22; the drift budget admits all of them, and the two single-seed runs labelled degraded
-    are admitted): the README's counts. The runs whose old guard windows were over the limit trained fine, and the guard's own
+    are admitted): the counts docs/admission.md quotes. The runs whose old guard windows were over the limit trained fine, and the guard's own
     metric (the numerics' opd/nsr) stayed at the BF16 floor in all of them."""
     import subprocess
     import sys

@@ -1,5 +1,5 @@
 """`make demo` at test size: the Makefile's demo recipe, line by line as written, with size overrides appended (the
-last `--set` of a key wins), in a scratch folder. Its full size and time: the README."""
+last `--set` of a key wins), in a scratch folder. Its full size and time: docs/training.md, "The demo"."""
 import re
 import subprocess
 import sys

@@ -12,7 +12,7 @@ from opd.pretrain import PretrainConfig, evaluate, pretrain, train
 
 def test_pretrain_reduces_loss():
     """A short run cuts the completion loss from ln(vocab) to well below it. (Accuracy needs thousands of steps
-    even on 3-digit addition; the full runs' accuracies are in the README and dev/LOG.md.)"""
+    even on 3-digit addition; the full runs' accuracies are in docs/pairs.md and dev/LOG.md.)"""
     cfg = PretrainConfig(family="llama", role="student", task="add", steps=200, lr=1e-2)
     _, tok, stats = train(cfg, progress=False)
     assert stats["train/final_loss"] < 0.35 * math.log(tok.vocab_size)
