@@ -13,17 +13,19 @@ types and bad values are errors that name the key.
 import difflib
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
 
-from opd.devices import check_dtype_name, check_name
 from opd.errors import OpdError, require
 from opd.scoring import check_name as check_scoring
-from opd.losses import LossConfig
-from opd.pretrain import FAMILIES
 from opd.task import get_task
+
+FAMILIES = ("llama", "qwen3")  # the built-in pairs' model families (pretrain.py)
+DTYPE_NAMES = ("float32", "bf16")  # the learner's and teacher's dtypes (devices.DTYPES: their torch dtypes)
+DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
 
 SCHEDULES = ("sync", "async")
 ENGINES = ("builtin", "vllm")
@@ -34,6 +36,45 @@ LONG_PROMPTS = ("refuse", "drop")
 FILE_PROMPT_TOKENS = 512  # max_new_tokens with a prompt file when neither the config nor the checkpoint sets it
 SEED_LIMIT = 2 ** 32  # seeds are in [0, SEED_LIMIT): sampler_seed(seed, step) must stay a 64-bit generator seed
 INT_LIMIT = 2 ** 31  # any other integer setting (a count or a size) is below it
+
+
+LOSSES = ("sampled_rkl", "full_rkl", "topk_rkl", "fkl", "jsd")
+STUDENT_TERMS = ("sampler", "learner")
+CORRECTIONS = ("none", "tis", "mis")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    name: str = "full_rkl"  # the lowest-variance estimator; see dev/LOG.md for the others on the built-in pairs
+    student_term: str = "learner"
+    correction: str = "none"
+    cap: float = 2.0  # C of TIS / MIS
+    topk: int = 16
+    topk_support: str = "student"
+    jsd_beta: float = 0.5
+
+    def __post_init__(self):
+        require(self.name in LOSSES, f"unknown loss {self.name!r}", f"use one of {', '.join(LOSSES)}")
+        require(self.student_term in STUDENT_TERMS, f"unknown student_term {self.student_term!r}",
+                f"use one of {', '.join(STUDENT_TERMS)}")
+        require(self.correction in CORRECTIONS, f"unknown correction {self.correction!r}",
+                f"use one of {', '.join(CORRECTIONS)}")
+        require(self.cap > 1, f"correction cap must be > 1, got {self.cap}")
+        require(self.topk > 0, f"topk must be positive, got {self.topk}")
+        require(self.topk_support in ("student", "teacher"), f"topk_support must be student or teacher, "
+                                                             f"got {self.topk_support!r}")
+        require(0 < self.jsd_beta < 1, f"jsd_beta must be in (0, 1), got {self.jsd_beta}",
+                "use loss fkl or full_rkl for the limits")
+
+
+def check_name(name: str, what: str = "device") -> None:
+    """A device name a config may use (whether this machine has it: devices.resolve, when a run is set up)."""
+    require(isinstance(name, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", name) is not None,
+            f"config: unknown {what} {name!r}", f"use {DEVICE_FORMS}")
+
+
+def check_dtype_name(name: str, what: str = "dtype") -> None:
+    require(name in DTYPE_NAMES, f"config: unknown {what} {name!r}", f"use one of {', '.join(DTYPE_NAMES)}")
 
 
 @dataclass

@@ -9,23 +9,12 @@ Dtypes (`dtype`, `teacher_dtype`): `float32`, or `bf16`. For the learner, bf16 m
 it); for the frozen teacher it means weights stored in bf16, half the memory of float32. CPUs run bf16 in any
 PyTorch (slowly without native support); a GPU needs to support it (`torch.cuda.is_bf16_supported`).
 """
-import re
-
 import torch
 
+from opd.config import DTYPE_NAMES, check_dtype_name, check_name
 from opd.errors import OpdError, require
 
-DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
-DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
-
-
-def check_name(name: str, what: str = "device") -> None:
-    require(isinstance(name, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", name) is not None,
-            f"config: unknown {what} {name!r}", f"use {DEVICE_FORMS}")
-
-
-def check_dtype_name(name: str, what: str = "dtype") -> None:
-    require(name in DTYPES, f"config: unknown {what} {name!r}", f"use one of {', '.join(DTYPES)}")
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16)))
 
 
 def autocast_dtype(name: str) -> torch.dtype | None:

@@ -34,40 +34,12 @@ log_softmax and the KL (about twice as many, each allocating). jsd and topk_rkl 
 to the whole-batch `opd_loss` and its autograd gradient in float64.
 """
 import math
-from dataclasses import dataclass
 
 import torch
 
-from opd.errors import require
+from opd.config import LossConfig  # the loss section of the training config (its names and checks)
 
-LOSSES = ("sampled_rkl", "full_rkl", "topk_rkl", "fkl", "jsd")
-STUDENT_TERMS = ("sampler", "learner")
-CORRECTIONS = ("none", "tis", "mis")
 CLOSED_FORM = ("full_rkl", "fkl", "sampled_rkl")  # losses whose logit gradient logit_gradient() computes
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    name: str = "full_rkl"  # the lowest-variance estimator; see dev/LOG.md for the others on the built-in pairs
-    student_term: str = "learner"
-    correction: str = "none"
-    cap: float = 2.0  # C of TIS / MIS
-    topk: int = 16
-    topk_support: str = "student"
-    jsd_beta: float = 0.5
-
-    def __post_init__(self):
-        require(self.name in LOSSES, f"unknown loss {self.name!r}", f"use one of {', '.join(LOSSES)}")
-        require(self.student_term in STUDENT_TERMS, f"unknown student_term {self.student_term!r}",
-                f"use one of {', '.join(STUDENT_TERMS)}")
-        require(self.correction in CORRECTIONS, f"unknown correction {self.correction!r}",
-                f"use one of {', '.join(CORRECTIONS)}")
-        require(self.cap > 1, f"correction cap must be > 1, got {self.cap}")
-        require(self.topk > 0, f"topk must be positive, got {self.topk}")
-        require(self.topk_support in ("student", "teacher"), f"topk_support must be student or teacher, "
-                                                             f"got {self.topk_support!r}")
-        require(0 < self.jsd_beta < 1, f"jsd_beta must be in (0, 1), got {self.jsd_beta}",
-                "use loss fkl or full_rkl for the limits")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

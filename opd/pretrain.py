@@ -40,6 +40,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from opd.checkpoint import MANIFEST, manifest_problem, save_checkpoint
+from opd.config import FAMILIES
 from opd.data import IGNORE, sft_batch
 from opd.errors import OpdError, require
 from opd.schema import Schema, parse_json, problem, read_text
@@ -50,7 +51,6 @@ from opd.tokenizer import TextTokenizer
 
 RECIPE_VERSION = 1
 SHIPPED_DIR = Path(__file__).parent / "pairs"  # the default models, read-only (see the module docstring)
-FAMILIES = ("llama", "qwen3")
 ROLES = ("teacher", "student")
 # Students are teacher-sized but stopped early: smaller models of the llama family did not learn the long-form task
 # in 1,000 steps at all (dev/LOG.md), so they could not be distilled up to the teacher either.

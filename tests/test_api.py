@@ -64,3 +64,17 @@ def test_train_is_opd_train_and_generate_samples_the_checkpoint(tmp_path):
     texts = opd.generate(tmp_path / "api" / "checkpoint", ["41+81+61+52=", "18+26="], max_new_tokens=8, seed=1)
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
     assert texts == opd.generate(tmp_path / "api" / "checkpoint", ["41+81+61+52=", "18+26="], max_new_tokens=8, seed=1)
+
+
+def test_reading_a_config_imports_nothing_heavy(tmp_path):
+    """A config is read (and checked) without torch, the models or the engines: 0.2 s instead of 2 s, and a bad config
+    fails before any of them load."""
+    import subprocess
+    import sys
+    path = tmp_path / "c.yaml"
+    path.write_text("family: qwen3\nplan: kv=fp8_e4m3\nloss: {name: sampled_rkl, correction: tis}\n")
+    code = ("import sys; from opd.config import load_config; load_config(sys.argv[1], ['max_staleness=2']); "
+            "heavy = sorted(m for m in ('torch', 'opd.model', 'opd.engine', 'opd.pretrain') if m in sys.modules); "
+            "print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
