@@ -69,6 +69,10 @@ def generate(model: str | Path, prompts: list, max_new_tokens: int = 64, plan: s
     from opd.rollouts import make_engine
     from opd.sampling import SamplingParams
     require(isinstance(prompts, list) and prompts, "prompts must be a non-empty list", "e.g. [\"3 + 4 =\"]")
+    require(all(isinstance(p, str) or (isinstance(p, list) and all(isinstance(m, dict) for m in p)) for p in prompts),
+            "each prompt must be a string or a list of chat messages", 'e.g. ["3 + 4 ="] or '
+            '[[{"role": "user", "content": "3 + 4 ="}]]')
+    require(isinstance(seed, int) and 0 <= seed < 2 ** 32, f"seed must be an integer in [0, 2**32), got {seed!r}")
     require(engine in ("builtin", "vllm"), f"unknown engine {engine!r}", "use builtin or vllm")
     net, tok = load_checkpoint(Path(model), device=devices.resolve(device) if engine == "builtin" else "cpu")
     texts = [[{"role": "user", "content": p}] if chat and isinstance(p, str) else p for p in prompts]
