@@ -11,7 +11,13 @@ The Python API is the CLI's commands as functions, for notebooks and scripts:
 
 Errors are `opd.OpdError` (the CLI prints them as its one-line `opd: error:`). Importing opd loads nothing heavy:
 each function imports what it needs.
+
+In a script, put the calls under `if __name__ == "__main__":`. The async schedule's rollout worker (and vLLM) run
+in processes that multiprocessing starts by importing the script's main module: without the guard, its top level
+would run again in each of them (train, admit and generate refuse to run there, so that mistake is one error, not a
+hang). Notebooks and `python -c` need no guard.
 """
+import multiprocessing
 from pathlib import Path
 
 from opd.errors import OpdError
@@ -25,6 +31,8 @@ def make_config(path: str | Path | None = None, /, **values):
     range raise OpdError naming the key, as in a config file. (Not `opd.config`: that name is the module
     opd/config.py.)"""
     from opd.config import build_config, load_config, merge
+    if path is not None and not isinstance(path, (str, Path)):
+        raise OpdError(f"the config path must be a str or Path, got {type(path).__name__}", "e.g. \"configs/demo.yaml\"")
     base = load_config(Path(path)).to_dict() if path is not None else {}
     return build_config(merge(base, values))
 
@@ -32,8 +40,15 @@ def make_config(path: str | Path | None = None, /, **values):
 def train(cfg, run_dir: str | Path, resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict:
     """Run (or with resume, continue) one OPD run of `cfg` in run_dir, as `opd train`; returns its summary (held-out
     metrics before and after, steps, the plan it ended with, time), also written to run_dir/summary.json."""
+    _not_in_a_starting_worker("opd.train")
+    from opd.errors import from_os_error, require
     from opd.trainer import train as run
-    return run(_checked(cfg), Path(run_dir), resume=resume, overwrite=overwrite, progress=progress)
+    require(isinstance(run_dir, (str, Path)) and str(run_dir), f"run_dir must be a path, got {run_dir!r}",
+            "e.g. \"runs/my-run\"")
+    try:
+        return run(_checked(cfg), Path(run_dir), resume=resume, overwrite=overwrite, progress=progress)
+    except OSError as e:
+        raise from_os_error(e) from None
 
 
 def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0.0, propose: bool = True) -> dict:
@@ -41,12 +56,16 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
     run it only under the runtime guard, or REJECT), "reasons", the probe's numbers and, when not admitted, a
     "proposal" (a plan that passes, or what to change). rollouts: the probe's batch of the run's own prompts;
     thresholds: a file from `opd calibrate` ("" = the shipped one); limit > 0 replaces the calibrated nsr limit."""
+    _not_in_a_starting_worker("opd.admit")
     from opd.admission import load_thresholds
     from opd.probe import admit as check
     from opd.setup import probe_setup
     from opd.errors import require
-    require(limit >= 0, f"limit must be >= 0, got {limit}", "0 uses the calibrated limit")
-    require(isinstance(rollouts, int) and rollouts > 0, f"rollouts must be a positive integer, got {rollouts!r}")
+    require(_number(limit) and limit >= 0, f"limit must be a number >= 0, got {limit!r}", "0 uses the calibrated limit")
+    require(isinstance(rollouts, int) and not isinstance(rollouts, bool) and 0 < rollouts <= 4096,
+            f"rollouts must be an integer in [1, 4096], got {rollouts!r}", "the probe needs 16 or so")
+    require(isinstance(thresholds, (str, Path)), f"thresholds must be a path, got {thresholds!r}",
+            "\"\" uses the shipped thresholds")
     cfg = _checked(cfg)
     limits = load_thresholds(thresholds)
     if cfg.engine == "vllm":
@@ -63,6 +82,7 @@ def generate(model: str | Path, prompts: list, max_new_tokens: int = 64, plan: s
     precision plan ("" = float32), as `opd generate`; returns the completions' text. prompts: strings (chat: sent
     through the model's chat template as one user message) or lists of chat messages. Sampling settings not given
     come from the checkpoint's generation_config.json, else temperature 1 with no top-k/top-p."""
+    _not_in_a_starting_worker("opd.generate")
     from opd import devices
     from opd.checkpoint import load_checkpoint
     from opd.errors import require
@@ -74,6 +94,12 @@ def generate(model: str | Path, prompts: list, max_new_tokens: int = 64, plan: s
             '[[{"role": "user", "content": "3 + 4 ="}]]')
     require(isinstance(seed, int) and 0 <= seed < 2 ** 32, f"seed must be an integer in [0, 2**32), got {seed!r}")
     require(engine in ("builtin", "vllm"), f"unknown engine {engine!r}", "use builtin or vllm")
+    require(isinstance(model, (str, Path)), f"model must be a checkpoint folder's path, got {model!r}")
+    require(isinstance(plan, str), f"plan must be a plan string, got {plan!r}", "e.g. \"kv=fp8_e4m3; 0: kv=bf16\"")
+    require(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool),
+            f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+        require(value is None or _number(value), f"{name} must be a number or None, got {value!r}")
     net, tok = load_checkpoint(Path(model), device=devices.resolve(device) if engine == "builtin" else "cpu")
     texts = [[{"role": "user", "content": p}] if chat and isinstance(p, str) else p for p in prompts]
     defaults = tok.generation
@@ -89,6 +115,20 @@ def generate(model: str | Path, prompts: list, max_new_tokens: int = 64, plan: s
     finally:
         rollout_engine.close()
     return [tok.decode(r.completion_ids) for r in rollouts]
+
+
+def _not_in_a_starting_worker(what: str) -> None:
+    """Refuse to run while multiprocessing starts a child process (it is importing the parent's main module: a
+    script without the `__main__` guard); in that state the child never gets to its real work, and the parent would
+    wait for it."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise OpdError(f"{what} was called while a worker process was starting: it imports the script's main module, "
+                       "whose top level runs again there", "put the script's code under "
+                       "`if __name__ == \"__main__\":`")
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # x == x: not NaN
 
 
 def _checked(cfg):

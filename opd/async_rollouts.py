@@ -63,7 +63,9 @@ class AsyncRollouts:
             self.worker.start(self.weights, self.scales)
         except WorkerLost as e:
             raise OpdError(f"rollout worker {self.worker.address} {e} while starting",
-                           "check memory, the plan and the checkpoint; see the message above") from None
+                           "check memory, the plan and the checkpoint; see the message above (from a script: its "
+                           "code must be under `if __name__ == \"__main__\":`, since a worker process imports it)") \
+                from None
         for key in self.order:
             if key not in self.ready:  # in flight when the run stopped: sample again with the current weights
                 self._send_generate(key)

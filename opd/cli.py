@@ -19,7 +19,7 @@ from opd.prompts import PromptFormat, read_prompts
 from opd.scoring import SCORERS
 from opd.scoring import check_name as check_scoring
 from opd.rollouts import make_engine
-from opd.errors import OpdError, require
+from opd.errors import OpdError, from_os_error, require
 from opd.evaluate import greedy_accuracy
 from opd.pretrain import FAMILIES, ROLES, PretrainConfig, check_cache_dir, pretrain
 from opd.plan import Plan
@@ -45,6 +45,8 @@ def int_in(low: int, high: int | None = None, high_text: str = ""):
 
 positive_int = int_in(1)
 seed = int_in(0, 2 ** 32, "2**32")
+batch_count = int_in(1, 4097)  # probe batches and prompt counts: each is work per item, so a typo must not hang
+prompt_count = int_in(1, 100_001)
 
 
 def finite_float(text: str) -> float:
@@ -127,7 +129,7 @@ def eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-key", default="answer", help="the reference answer's field")
     p.add_argument("--chat", action="store_true", help="send text prompts through the chat template")
     p.add_argument("--scoring", default="last_hash", help=f"{', '.join(SCORERS)}, or module:function")
-    p.add_argument("--n", type=positive_int, default=500, help="held-out examples (or the first n lines)")
+    p.add_argument("--n", type=prompt_count, default=500, help="held-out examples (or the first n lines)")
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: the task's default")
     p.add_argument("--plan", default="", help="precision plan to decode under (default: full precision)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
@@ -165,7 +167,7 @@ def generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-key", default="prompt", help="the prompt's field in each line (text or chat messages)")
     p.add_argument("--chat", action="store_true", help="send text prompts through the chat template")
     p.add_argument("--task", choices=list(TASKS), default="chain")
-    p.add_argument("--n", type=positive_int, default=4, help="held-out prompts when no prompt is given")
+    p.add_argument("--n", type=prompt_count, default=4, help="held-out prompts when no prompt is given")
     p.add_argument("--plan", default="", help='precision plan, e.g. "kv=fp8_e4m3; 0,3: kv=bf16" (see plan.py)')
     p.add_argument("--temperature", type=finite_float, help="default: generation_config.json's, else 1")
     p.add_argument("--top-k", type=int, help="default: generation_config.json's, else 0 (off)")
@@ -286,7 +288,7 @@ def sensitivity_arguments(p: argparse.ArgumentParser) -> None:
                    f"(repeatable; default: {' | '.join(SETTINGS)})")
     p.add_argument("--base", default="", help="the plan of every other layer (default: full precision; e.g. "
                    "\"forward=bf16 kv=bf16\", a bf16 engine)")
-    p.add_argument("--rollouts", type=positive_int, default=32, help="probe batch size")
+    p.add_argument("--rollouts", type=batch_count, default=32, help="probe batch size")
     p.add_argument("--out", type=Path, default=Path("runs/sensitivity"), help="sensitivity.json and .png go here")
     p.add_argument("--threads", type=positive_int, default=2)
 
@@ -360,7 +362,7 @@ def admit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thresholds", default="", help="from `opd calibrate` (default: the shipped opd/thresholds.json)")
     p.add_argument("--limit", type=finite_float, default=0.0,
                    help="override the limit on the noise-to-signal ratio nsr (0: the calibrated one)")
-    p.add_argument("--rollouts", type=positive_int, default=16, help="probe batch size")
+    p.add_argument("--rollouts", type=batch_count, default=16, help="probe batch size")
     p.add_argument("--json", dest="as_json", action="store_true", help="print the full result as JSON")
     p.add_argument("--no-propose", dest="propose", action="store_false", help="on REJECT, do not search for a plan")
 
@@ -424,9 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"opd: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        where = f": {e.filename}" if e.filename else ""
-        print(f"opd: error: {e.strerror or e}{where} (check that the path exists and is writable, and that the disk "
-              "has room)", file=sys.stderr)
+        print(f"opd: error: {from_os_error(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         from opd.trainer import Interrupted

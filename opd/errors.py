@@ -15,3 +15,11 @@ class OpdError(Exception):
 def require(ok: bool, problem: str, fix: str = "") -> None:
     if not ok:
         raise OpdError(problem, fix)
+
+
+def from_os_error(e: OSError) -> OpdError:
+    """An error of the operating system (a full disk, a path that is not there or not writable) as one line that
+    names the path and the system's reason."""
+    where = f": {e.filename}" if e.filename else ""
+    return OpdError(f"{e.strerror or e}{where}", "check that the path exists and is writable, and that the disk "
+                    "has room")

@@ -8,8 +8,8 @@ travel as wire-encoded bytes, never pickle, and no shared memory. Receiving ther
 feeder thread with an unbounded local queue (as `multiprocessing.Queue` has): a pipe write blocks while the pipe is
 full, and with weights going one way and rollouts the other, two blocked writers would wait for each other forever.
 Each end also has a reader thread, so that no wait on a message, even one half written by a worker that then hung,
-outlasts its timeout. Starting the worker is `multiprocessing`'s spawn of our own child on this machine: its
-arguments are bytes (the wire-encoded settings and weights) and the pipe's handle, nothing else. The same worker could
+outlasts its timeout. Starting the worker is `multiprocessing`'s spawn of our own child on this machine: its only
+argument is the pipe's handle; its settings and first weights are the first two messages. The same worker could
 be hosted as an actor on a cluster engine by swapping the channel. Messages, each a dict with its `kind`:
 
     trainer -> worker   weights   version, state (state_dict)                     publish new weights
@@ -221,9 +221,10 @@ def _exit_with(parent: int) -> None:
     os._exit(0)
 
 
-def worker_main(address: str, conn, init: bytes, weights: bytes) -> None:
-    """The rollout worker process: build the engine, then serve the channel until "stop" or the trainer is gone.
-    init: the wire-encoded {"spec", "scales"}; weights: the latest "weights" message."""
+def worker_main(address: str, conn) -> None:
+    """The rollout worker process: read its start-up data from the channel (the wire-encoded {"spec", "scales"},
+    then the latest "weights" message), build the engine, then serve the channel until "stop" or the trainer is
+    gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer owns Ctrl-C and stops us cleanly
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     # No named semaphores here: a worker may be killed (the guard's fallback, a hang), and a semaphore it registered
@@ -233,6 +234,9 @@ def worker_main(address: str, conn, init: bytes, weights: bytes) -> None:
     TqdmDefaultWriteLock.mp_lock = None
     channel = Channel(conn)
     try:
+        init, weights = channel.receive(), channel.receive()
+        if init is None or weights is None:
+            return  # the trainer is gone
         spec = spec_from_tree(wire.decode(init, what="the rollout worker's settings")["spec"])
         scales = wire.decode(init, spec.device, "the rollout worker's settings")["scales"]  # again: onto spec.device
         first = read(weights, spec.device, "the rollout worker's weights", ("weights",))
@@ -302,9 +306,10 @@ class RolloutWorker:
         ctx = multiprocessing.get_context("spawn")
         conn, child = ctx.Pipe()
         self.channel = Channel(conn)
-        init = wire.encode({"spec": spec_tree(self.spec), "scales": scales})
-        self.process = ctx.Process(target=worker_main, args=(self.address, child, init, weights), name=self.address,
-                                   daemon=True)
+        # The start-up data goes through the channel, not through spawn's arguments: spawn writes those into a pipe
+        # whose read end this process also holds, so a child that exits before reading them (a script without the
+        # `__main__` guard, which the child imports) would block that write forever.
+        self.process = ctx.Process(target=worker_main, args=(self.address, child), name=self.address, daemon=True)
         # vLLM runs inside the worker (a daemon process may not start its own engine processes); its OpenMP pool
         # must be sized before torch is imported there, and a spawned child reads the environment at start
         extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(self.spec.threads)} \
@@ -320,6 +325,8 @@ class RolloutWorker:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+        self.channel.send(wire.encode({"spec": spec_tree(self.spec), "scales": scales}))
+        self.channel.send(weights)
         message = self.receive(self.timeout + (COMPILE_GRACE if self.spec.compile else 0))  # the engine compiles
         if message["kind"] == "error":
             raise OpdError(f"rollout worker {self.address} failed to start: {message['message']}")

@@ -29,7 +29,7 @@ def test_the_readme_python_example_runs_as_written(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(opd, "make_config", lambda *a, **values: make_config(*a, **{**values, **SMALL}))
     monkeypatch.setattr(opd, "admit", lambda cfg, **kw: admit(cfg, **{"rollouts": 4, **kw}))
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "README.md", "exec"), {"__name__": "__main__"})
     out = capsys.readouterr().out
     assert re.search(r"^(ADMIT|UNCERTAIN|REJECT)", out, re.M), out
     if "REJECT" not in out.splitlines()[0]:
@@ -78,3 +78,19 @@ def test_reading_a_config_imports_nothing_heavy(tmp_path):
             "print(heavy)")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_script_without_the_main_guard_gets_an_error_not_a_hang(tmp_path):
+    """The async worker is a spawned process that imports the script's main module: unguarded, the script's top level
+    runs again there. opd refuses to train inside that start-up, and the run stops with one error naming the guard
+    (it used to hang: the parent blocked writing the worker's start-up data to a child that never read it)."""
+    import subprocess
+    import sys
+    script = tmp_path / "unguarded.py"
+    script.write_text("import opd\n"
+                      "cfg = opd.make_config(family='llama', schedule='async', threads=2, steps=1, batch_size=2,\n"
+                      "                      eval_examples=2, eval_every=0, max_new_tokens=8, max_worker_restarts=0)\n"
+                      "opd.train(cfg, 'run', progress=False)\n")
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "if __name__ == \"__main__\":" in result.stderr.splitlines()[-1], result.stderr[-2000:]
