@@ -85,6 +85,7 @@ def generate(model: str | Path, prompts: list, max_new_tokens: int = 64, plan: s
     _not_in_a_starting_worker("opd.generate")
     from opd import devices
     from opd.checkpoint import load_checkpoint
+    from opd.config import generation_defaults
     from opd.errors import require
     from opd.rollouts import make_engine
     from opd.sampling import SamplingParams
@@ -102,10 +103,8 @@ def generate(model: str | Path, prompts: list, max_new_tokens: int = 64, plan: s
         require(value is None or _number(value), f"{name} must be a number or None, got {value!r}")
     net, tok = load_checkpoint(Path(model), device=devices.resolve(device) if engine == "builtin" else "cpu")
     texts = [[{"role": "user", "content": p}] if chat and isinstance(p, str) else p for p in prompts]
-    defaults = tok.generation
-    params = SamplingParams(max_new_tokens, defaults.get("temperature", 1.0) if temperature is None else temperature,
-                            defaults.get("top_k", 0) if top_k is None else top_k,
-                            defaults.get("top_p", 1.0) if top_p is None else top_p)
+    params = SamplingParams(max_new_tokens, **generation_defaults(tok.generation, temperature=temperature,
+                                                                  top_k=top_k, top_p=top_p))
     if engine == "vllm":
         from opd.vllm_engine import import_vllm
         import_vllm()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from opd import devices
 from opd.checkpoint import load_checkpoint
+from opd.config import generation_defaults
 from opd.prompts import PromptFormat, read_prompts
 from opd.scoring import SCORERS
 from opd.scoring import check_name as check_scoring
@@ -192,13 +193,10 @@ def cmd_generate(model: Path, prompt: list[str] | None, prompts: Path | None, pr
     fmt = PromptFormat(prompt_key, chat=chat)
     texts = [[{"role": "user", "content": p}] if chat else p for p in prompt] if prompt else \
         [ex.prompt for ex in (read_prompts(prompts, fmt, tok)[:n] if prompts else held_out_examples(get_task(task), n))]
-    defaults = tok.generation
-    temperature = temperature if temperature is not None else defaults.get("temperature", 1.0)
-    top_k = top_k if top_k is not None else defaults.get("top_k", 0)
-    top_p = top_p if top_p is not None else defaults.get("top_p", 1.0)
+    sampling = generation_defaults(tok.generation, temperature=temperature, top_k=top_k, top_p=top_p)
     engine = make_engine(engine_name, net, tok.stop_ids, tok.pad_id, plan, model_dir=model, seed=seed)
     kv_bytes = engine.new_cache(1, 1).bytes_per_token() if engine.hidden_states else None  # vLLM's: not read here
-    params = SamplingParams(default_new_tokens(max_new_tokens, tok, prompts, task), temperature, top_k, top_p)
+    params = SamplingParams(default_new_tokens(max_new_tokens, tok, prompts, task), **sampling)
     try:
         rollouts = engine.generate([tok.encode_prompt(t) for t in texts], params, seed)
     finally:
@@ -372,17 +370,11 @@ def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit:
               as_json: bool, propose: bool) -> int:
     """Before training: is this rollout configuration safe for OPD? ADMIT (exit 0), REJECT (exit 1) or UNCERTAIN (exit
     3: run it only under the runtime guard), with reasons."""
-    from opd.admission import load_thresholds
-    from opd.probe import admit
+    from opd import admit
     from opd.config import load_config
-    from opd.setup import probe_setup
     cfg = load_config(config, overrides or [])
     require(limit >= 0, f"--limit must be >= 0, got {limit}", "0 uses the calibrated limit")
-    limits = load_thresholds(thresholds)
-    if cfg.engine == "vllm":
-        import_vllm()
-    setup, plan = probe_setup(cfg, rollouts)
-    result = admit(setup, plan, limits, limit, propose)
+    result = admit(cfg, rollouts, thresholds, limit, propose)
     if as_json:
         print(json.dumps(result, indent=2))
     else:

@@ -357,16 +357,20 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> TrainConfig:
     return build_config(merge(values, parse_overrides(list(overrides))))
 
 
+def generation_defaults(generation: dict, **given) -> dict:
+    """The sampling settings `given` (temperature, top_k, top_p), each left unset (None) taken from a checkpoint's
+    generation_config.json (`generation`), else its OPTIONAL default (temperature 1, top-k and top-p off)."""
+    return {name: value if value is not None else generation.get(name, OPTIONAL[name]) for name, value in given.items()}
+
+
 def resolve_generation(cfg: TrainConfig, generation: dict) -> TrainConfig:
     """The config with the sampling settings the user left unset taken from the student's generation_config.json
     (`generation`: its temperature, top_k, top_p, max_new_tokens), else the defaults (1.0, off, off, the task's or
     FILE_PROMPT_TOKENS): what a run actually uses, and what it saves and compares on resume."""
-    def pick(name, fallback):
-        value = getattr(cfg, name)
-        return value if value is not None else generation.get(name, fallback)
+    chosen = generation_defaults(generation, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
     new_tokens = cfg.max_new_tokens or generation.get("max_new_tokens") or cfg.new_tokens
-    out = replace(cfg, temperature=float(pick("temperature", 1.0)), top_k=int(pick("top_k", 0)),
-                  top_p=float(pick("top_p", 1.0)), max_new_tokens=int(new_tokens))
+    out = replace(cfg, temperature=float(chosen["temperature"]), top_k=int(chosen["top_k"]),
+                  top_p=float(chosen["top_p"]), max_new_tokens=int(new_tokens))
     require(out.temperature > 0 and out.top_k >= 0 and 0 < out.top_p <= 1,
             f"generation_config.json's sampling settings are out of range (temperature {out.temperature}, top_k "
             f"{out.top_k}, top_p {out.top_p})", "set temperature, top_k and top_p in the config")
