@@ -101,7 +101,7 @@ def pivot(rows: list[dict]) -> str:
     labelled = groups(label(rows))
     columns = sorted(labelled)
     points = sorted({(r["source"], str(r["level"])) for g in labelled.values() for r in g},
-                    key=lambda p: (p[0] != "bf16", p[0], _number(p[1])))
+                    key=lambda p: (p[0] != "bf16", p[0], _number(p[1]), p[1]))  # total: not the set's order
     lines = ["| source = level | " + " | ".join(f"{f} / {e}" for f, e in columns) + " |",
              "|---|" + "---|" * len(columns)]
     for source, level in points:
@@ -165,7 +165,7 @@ def out_of_sample(rows: list[dict], thresholds: dict, sources: tuple[str, ...]) 
         for row in group:
             if row["source"] in sources and b is not None:
                 admitted = decide(row["probe"], thresholds, row["class"], row["staleness"],
-                                  lr=row["config"]["lr"]).admit
+                                  lr=row["config"]["optim"]["lr"]).admit
                 decided.append(row | {"admitted": admitted, "limit": b["limit"]})
     return decided, confusion([(row, row["admitted"]) for row in decided])
 
