@@ -24,7 +24,7 @@ install: $(STAMP)
 # The tour, on the shipped pairs (opd/pairs, no pretraining), 3-3.5 minutes on 2 cores after the install: admit the
 # FP8-KV async set-up of configs/demo.yaml, distill with it, write the report. admit exits 1 on REJECT (the demo
 # stops: a rejected set-up is not trained) and 3 on UNCERTAIN, which goes on: the config trains under the runtime
-# guard with guard_action=fallback, which is what UNCERTAIN asks for. tests/test_demo.py runs these lines.
+# guard with guard.action=fallback, which is what UNCERTAIN asks for. tests/test_demo.py runs these lines.
 DEMO_CONFIG := configs/demo.yaml
 demo: $(STAMP)
 	@echo "== 1/3 opd admit: is the FP8-KV async set-up of $(DEMO_CONFIG) safe for OPD? (a probe, under a minute)"

@@ -87,7 +87,7 @@ def scored(rows: list[dict]) -> list[dict]:
 
 
 def decision(row: dict, thresholds: dict) -> str:
-    return decide(row["probe"], thresholds, row["class"], row["staleness"], lr=row["config"]["lr"]).verdict
+    return decide(row["probe"], thresholds, row["class"], row["staleness"], lr=row["config"]["optim"]["lr"]).verdict
 
 
 def config_of(row) -> tuple:
@@ -179,7 +179,8 @@ def remeasure(rows: list[dict]) -> list[float]:
     seconds, done = [], {}
     for i, row in enumerate(rows, 1):
         cfg = stored_config(row)
-        key = (row["family"], cfg.seed, str(cfg.plan), json.dumps(cfg.sampling, sort_keys=True), cfg.temperature,
+        key = (row["family"], cfg.seed, str(cfg.plan), json.dumps(cfg.sampling.params(), sort_keys=True),
+               cfg.sampling.temperature,
                cfg.loss.cap, cfg.noise_seed)
         if key not in done:
             start = time.perf_counter()  # the decision itself (decide) is microseconds: the probe is the cost

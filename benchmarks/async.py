@@ -44,10 +44,10 @@ def main() -> None:
     args = parser.parse_args()
     steps = args.steps or (12 if args.quick else 30)
     batch = args.batch_size or (32 if args.quick else 64)
-    base = {"family": args.family, "steps": steps, "batch_size": batch, "eval_every": 0, "eval_examples": 16,
+    base = {"family": args.family, "steps": steps, "batch_size": batch, "eval": {"every": 0, "examples": 16},
             "save_every": 0, "threads": 2}
-    runs = [("sync", {}), ("async_k1", {"schedule": "async", "max_staleness": 1}),
-            ("async_k2", {"schedule": "async", "max_staleness": 2}), ("sync_again", {})]
+    runs = [("sync", {}), ("async_k1", {"schedule": "async", "async": {"max_staleness": 1}}),
+            ("async_k2", {"schedule": "async", "async": {"max_staleness": 2}}), ("sync_again", {})]
     results = {}
     with tempfile.TemporaryDirectory() as root:
         for name, overrides in runs:

@@ -18,9 +18,9 @@ export PYTHONPATH
 OUT=${OUT:-$PWD/.gpu-out}
 mkdir -p "$OUT"
 if [ -n "${OPD_GPU_SMALL:-}" ]; then  # sizes for a dry run of the script
-  RUN=(--set steps=3 --set batch_size=2 --set max_new_tokens=16 --set eval_examples=4); QUICK=--quick
+  RUN=(--set steps=3 --set batch_size=2 --set sampling.max_new_tokens=16 --set eval.examples=4); QUICK=--quick
 else
-  RUN=(--set steps=20 --set batch_size=32 --set max_new_tokens=256 --set eval_examples=64); QUICK=
+  RUN=(--set steps=20 --set batch_size=32 --set sampling.max_new_tokens=256 --set eval.examples=64); QUICK=
 fi
 
 $PY - "$DEVICE" <<'EOF'
@@ -43,10 +43,10 @@ STUDENT=${PAIR[0]} TEACHER=${PAIR[1]}
 for schedule in sync async; do
   start=$SECONDS
   $PY -m opd.cli train --quiet --overwrite --run-dir "$OUT/realvocab-$schedule" \
-    --set student="$STUDENT" --set teacher="$TEACHER" --set device="$DEVICE" --set schedule="$schedule" \
-    "${RUN[@]}" --set lr=1e-4 --set warmup_steps=2 \
-    --set eval_every=0 --set save_every=0 --set threads=4 --set worker_threads=2 \
-    --set max_staleness=1 --set dtype=bf16 --set teacher_dtype=bf16 | tail -4
+    --set student="$STUDENT" --set teacher="$TEACHER" --set compute.device="$DEVICE" --set schedule="$schedule" \
+    "${RUN[@]}" --set optim.lr=1e-4 --set optim.warmup_steps=2 \
+    --set eval.every=0 --set save_every=0 --set threads=4 --set async.worker_threads=2 \
+    --set async.max_staleness=1 --set compute.dtype=bf16 --set compute.teacher_dtype=bf16 | tail -4
   $PY - "$OUT/realvocab-$schedule" "$schedule" "$((SECONDS - start))" <<'EOF'
 import json, sys
 from pathlib import Path

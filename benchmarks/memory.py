@@ -63,11 +63,12 @@ def worker(job: dict) -> dict:
         model, _ = load_checkpoint(job["teacher"], torch.float32, device)
         size = sum(p.numel() * p.element_size() for p in model.parameters())
         return {"peak": devices.peak_memory(device) - base, "model": size}
-    from opd.config import build_config
+    from opd.config import build_config, merge
     device = devices.resolve(job["device"])
-    cfg = build_config({"student": job["student"], "teacher": job["teacher"], "batch_size": job["batch"],
-                        "max_new_tokens": job["tokens"], "threads": job["threads"], "device": job["device"],
-                        "eval_examples": job.get("examples", 8), **job.get("set", {})})
+    cfg = build_config(merge({"student": job["student"], "teacher": job["teacher"], "batch_size": job["batch"],
+                              "sampling": {"max_new_tokens": job["tokens"]}, "threads": job["threads"],
+                              "compute": {"device": job["device"]}, "eval": {"examples": job.get("examples", 8)}},
+                             job.get("set", {})))
     if job["kind"] == "admit":
         from opd.admission import load_thresholds
         from opd.probe import admit
@@ -207,7 +208,7 @@ def main():
     chunks = {}
     if args.quick:  # small sizes, with chunks and evaluation batches smaller than both (memory in its steady state)
         args.batch, args.tokens, args.examples, args.eval_tokens = 2, [16, 80], [2, 10], 16
-        chunks = {"chunk_tokens": 16, "eval_batch_size": 2}
+        chunks = {"compute": {"chunk_tokens": 16}, "eval": {"batch_size": 2}}
     sys.path.insert(0, str(HERE))
     from realvocab import build
     student, teacher = map(str, build())

@@ -109,7 +109,7 @@ def main():
     student_dir, _ = pretrain(PretrainConfig(family=args.family, role="student"))
     teacher_dir, _ = pretrain(PretrainConfig(family=args.family, role="teacher"))
     cfg = build_config({"student": str(student_dir), "teacher": str(teacher_dir), "batch_size": args.batch,
-                        "threads": args.threads, "loss": {"name": "full_rkl"}, "lr": 3e-4, "plan": ""})
+                        "threads": args.threads, "loss": {"name": "full_rkl"}, "optim": {"lr": 3e-4}, "plan": ""})
     run = setup(cfg)
     n_prompts = (args.warmup + args.steps) * args.batch
     stream = train_examples(get_task("chain"), seed=12345)
@@ -140,7 +140,7 @@ def vllm_block(cfg, steps: int, warmup: int):
     except ImportError:
         print("vllm not installed: no vLLM row (pip install -e '.[vllm]')")
         return None
-    run = setup(build_config(cfg.to_dict() | {"engine": "vllm"}))
+    run = setup(build_config(cfg.to_dict() | {"engine": {"name": "vllm"}}))
     try:
         return opd_block(run, steps, warmup)
     finally:

@@ -25,16 +25,16 @@ from pathlib import Path
 
 from opd.admission import load_thresholds
 from opd.probe import admit
-from opd.config import build_config
+from opd.config import build_config, merge
 from opd.engine import Engine
 from opd.runlog import read_metrics
 from opd.setup import load_pair, parse_plan, probe_setup
 from opd.trainer import train
 
 RUNS = [("sync_bf16", {"plan": "kv=bf16 w=bf16"}),
-        ("async_bf16", {"plan": "kv=bf16 w=bf16", "schedule": "async", "max_staleness": 1}),
+        ("async_bf16", {"plan": "kv=bf16 w=bf16", "schedule": "async", "async": {"max_staleness": 1}}),
         ("sync_fp8kv", {"plan": "kv=fp8_e4m3 w=bf16"}),
-        ("async_fp8kv", {"plan": "kv=fp8_e4m3 w=bf16", "schedule": "async", "max_staleness": 1})]
+        ("async_fp8kv", {"plan": "kv=fp8_e4m3 w=bf16", "schedule": "async", "async": {"max_staleness": 1}})]
 
 
 def time_to(rows: list[dict], reached) -> float:
@@ -69,11 +69,11 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0, help="the runs' seed (sampling, prompt order)")
     args = parser.parse_args()
-    base = {"family": args.family, "eval_examples": 200, "save_every": 0, "threads": 2, "seed": args.seed,
-            "eval_every": args.eval_every or (10 if args.quick else 15)}
+    base = {"family": args.family, "save_every": 0, "threads": 2, "seed": args.seed,
+            "eval": {"examples": 200, "every": args.eval_every or (10 if args.quick else 15)}}
     if args.quick:  # the sweep's short-run recipe: the demo's lr 1e-3 dips first and would not recover in 30 steps
-        base |= {"steps": 30, "batch_size": 16, "warmup_steps": 5, "lr": 3e-4, "lr_schedule": "constant",
-                 "eval_examples": 50}
+        base = merge(base, {"steps": 30, "batch_size": 16, "optim": {"warmup_steps": 5, "lr": 3e-4,
+                                                                     "schedule": "constant"}, "eval": {"examples": 50}})
     thresholds, results = load_thresholds(), {}
     with tempfile.TemporaryDirectory() as root:
         for name, overrides in RUNS:

@@ -28,13 +28,13 @@ from opd.tolerance import QUALITY, out_of_sample, pivot
 from studies import grid_rows, parse_args, print_counts
 
 STORED = Path(__file__).parent / "data" / "staleness_results.jsonl"
-DEMO = {"batch_size": 64, "warmup_steps": 10, "lr_schedule": "cosine"}  # the demo's recipe, the study's 60 steps
+DEMO = {"batch_size": 64, "optim": {"warmup_steps": 10, "schedule": "cosine"}}  # the demo's recipe, the study's 60 steps
 POINTS = """
 - {source: bf16, level: 0, set: {}, seeds: [0, 1, 2, 3, 4]}
-- {source: staleness, level: 1, set: {schedule: async, max_staleness: 1, threads: 2}, seeds: [0, 1, 2]}
-- {source: staleness, level: 2, set: {schedule: async, max_staleness: 2, threads: 2}, seeds: [0, 1, 2]}
-- {source: staleness, level: 4, set: {schedule: async, max_staleness: 4, threads: 2}, seeds: [0, 1, 2]}
-- {source: staleness, level: 8, set: {schedule: async, max_staleness: 8, threads: 2}}
+- {source: staleness, level: 1, set: {schedule: async, async: {max_staleness: 1}, threads: 2}, seeds: [0, 1, 2]}
+- {source: staleness, level: 2, set: {schedule: async, async: {max_staleness: 2}, threads: 2}, seeds: [0, 1, 2]}
+- {source: staleness, level: 4, set: {schedule: async, async: {max_staleness: 4}, threads: 2}, seeds: [0, 1, 2]}
+- {source: staleness, level: 8, set: {schedule: async, async: {max_staleness: 8}, threads: 2}}
 """
 
 
@@ -42,7 +42,7 @@ def staleness_grid() -> dict:
     """The study's grid (families, base) with the demo's batch and schedule, full_rkl at lr 1e-3, staleness points."""
     grid = yaml.safe_load(DEFAULT_GRID)
     grid["base"] |= DEMO
-    grid["estimators"] = {"full_rkl_demo": {"loss": {"name": "full_rkl"}, "lr": 1.0e-3}}
+    grid["estimators"] = {"full_rkl_demo": {"loss": {"name": "full_rkl"}, "optim": {"lr": 1.0e-3}}}
     grid["points"] = yaml.safe_load(POINTS)
     return grid
 

@@ -4,7 +4,8 @@ check that says when that mismatch is safe.
 The Python API is the CLI's commands as functions, for notebooks and scripts:
 
     import opd
-    cfg = opd.make_config(family="qwen3", plan="kv=fp8_e4m3", schedule="async", max_staleness=1, steps=40)
+    cfg = opd.make_config(family="qwen3", plan="kv=fp8_e4m3", schedule="async", async_={"max_staleness": 1},
+                          steps=40)
     verdict = opd.admit(cfg)               # as `opd admit --json`: decision, reasons, proposal
     summary = opd.train(cfg, "runs/api")   # as `opd train`: the run's summary.json
     opd.generate("runs/api/checkpoint", ["Continue the chain: 3 1 4"])
@@ -27,13 +28,15 @@ __all__ = ["OpdError", "admit", "generate", "make_config", "train"]
 
 def make_config(path: str | Path | None = None, /, **values):
     """A checked training config (opd.config.TrainConfig): the YAML file at `path` (optional) with `values` on top,
-    given as the file's keys (`loss={"name": "full_rkl"}` for a section). Unknown keys, wrong types and values out of
-    range raise OpdError naming the key, as in a config file. (Not `opd.config`: that name is the module
-    opd/config.py.)"""
+    given as the file's keys, a section as a dict (`loss={"name": "full_rkl"}`; the async section as `async_=`, since
+    `async` is a Python keyword). Unknown keys, wrong types and values out of range raise OpdError naming the key, as
+    in a config file. (Not `opd.config`: that name is the module opd/config.py.)"""
     from opd.config import build_config, load_config, merge
     if path is not None and not isinstance(path, (str, Path)):
         raise OpdError(f"the config path must be a str or Path, got {type(path).__name__}", "e.g. \"configs/demo.yaml\"")
     base = load_config(Path(path)).to_dict() if path is not None else {}
+    if "async_" in values:
+        values = {("async" if key == "async_" else key): value for key, value in values.items()}
     return build_config(merge(base, values))
 
 
@@ -68,7 +71,7 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
             "\"\" uses the shipped thresholds")
     cfg = _checked(cfg)
     limits = load_thresholds(thresholds)
-    if cfg.engine == "vllm":
+    if cfg.engine.name == "vllm":
         from opd.vllm_engine import import_vllm
         import_vllm()
     setup, plan = probe_setup(cfg, rollouts)

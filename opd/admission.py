@@ -49,7 +49,7 @@ limit.
 (they keep all of the memory saving). Otherwise it measures the candidate setting on one layer at a time (the
 sensitivity map) and keeps the most sensitive layers in BF16, one more at a time, until the probe is admitted: the
 cheapest per-layer plan that passes, in layers kept at BF16. `decide` is a pure predicate; the runtime guard
-(guard.py) applies it to the live training metrics every `guard_every` steps. The probe itself, which runs the
+(guard.py) applies it to the live training metrics every `guard.every` steps. The probe itself, which runs the
 models, is probe.py; this module only decides and calibrates.
 """
 import math
@@ -205,7 +205,7 @@ def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0,
                        "reference, not a risk")
     elif verdicts[0] == "UNCERTAIN":
         reasons.append(f"uncertain: {METRIC} <= {reject_at:.3g}, where runs of these estimators both trained fine and "
-                       "degraded; run it only under the runtime guard (guard_every > 0, guard_action=fallback)")
+                       "degraded; run it only under the runtime guard (guard.every > 0, guard.action=fallback)")
     elif verdicts[0] == "REJECT" and reject_at > limit:
         reasons.append(f"{METRIC} > {reject_at:.3g}, above every run of these estimators that trained fine")
     if staleness:
@@ -268,7 +268,8 @@ def calibrate(rows: list[dict]) -> dict:
                         if not r["staleness"] and r["probe"].get("ess_frac", 1.0) >= MIN_ESS_FRAC)
         if not points:
             continue
-        stale = sorted((r["staleness"] * r["config"]["lr"], r["degraded"], r["staleness"]) for r in mine  # at the floor
+        stale = sorted((r["staleness"] * r["config"]["optim"]["lr"], r["degraded"], r["staleness"])
+                       for r in mine  # at the floor
                        if r["staleness"] and r["probe"][METRIC] <= FLOOR_FACTOR * r["probe"].get("floor_nsr", 0))
         entry = best_cut(points)
         fine_max = max((v for v, bad in points if not bad), default=0.0)
@@ -306,7 +307,7 @@ def best_cut(points: list[tuple[float, bool]], cost: float = ADMITTED_DEGRADED_C
 # ---- staleness and the guard's fallback -----------------------------------------------------------------------
 
 def staleness(cfg) -> int:
-    return cfg.max_staleness if cfg.schedule == "async" else 0
+    return cfg.async_.max_staleness if cfg.schedule == "async" else 0
 
 
 def calibrated(plan: Plan) -> Plan | None:

@@ -9,10 +9,10 @@ reproducible, and with `max_staleness` 0 the schedule is the synchronous one, co
 The window is also the back-pressure: the inbox never holds more than `lookahead + 1` requests (and one weights
 message per step trained meanwhile), the outbox never more finished batches than that.
 A batch that `rollouts.too_stale` refuses (`prefetch` set above `max_staleness`) is re-sampled with the same prompts
-and the newest weights (`stale_policy: requeue`) or discarded (`drop`); both are counted.
+and the newest weights (`async.stale_policy: requeue`) or discarded (`drop`); both are counted.
 
 **Faults.** A worker that exits or hangs (worker.py notices both) is restarted with the newest weights and every
-outstanding request, up to `max_worker_restarts` times; then the run stops with a clear error. An exception inside
+outstanding request, up to `async.max_worker_restarts` times; then the run stops with a clear error. An exception inside
 the worker stops the run (it would recur), as does a message from it that is not a wire tree of a known kind.
 """
 import time
@@ -212,7 +212,7 @@ class AsyncRollouts:
         if self.counts["worker_restarts"] >= self.max_worker_restarts:
             raise OpdError(f"rollout worker {self.worker.address} {reason}; it was restarted "
                            f"{self.counts['worker_restarts']} times already",
-                           "check memory and the worker's threads; raise max_worker_restarts or worker_timeout; "
+                           "check memory and the worker's threads; raise async.max_worker_restarts or async.worker_timeout; "
                            "the run can be resumed with --resume")
         self.counts["worker_restarts"] += 1
         try:

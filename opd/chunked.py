@@ -21,7 +21,7 @@ to the logits is losses.logit_gradient's closed form for full_rkl, fkl and sampl
 small graph for the others. (Liger-Kernel's fused linear cross-entropy also computes gradients in forward, for
 supervised training; TRL's chunked divergence recomputes its tiles in backward instead.)
 
-The default chunk (`chunk_tokens` 0) is as many tokens as make one [chunk, V] float32 tensor CHUNK_FLOATS floats:
+The default chunk (`compute.chunk_tokens` 0) is as many tokens as make one [chunk, V] float32 tensor CHUNK_FLOATS floats:
 110 tokens at V = 151,936; at the built-in vocabulary of 100, a whole batch is one chunk.
 """
 import time

@@ -218,7 +218,7 @@ def cmd_generate(model: Path, prompt: list[str] | None, prompts: Path | None, pr
 def train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="YAML config file (default: built-in defaults, see opd/config.py)")
     p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
-                   help="override a config key (repeatable), e.g. --set lr=3e-4 --set loss.name=fkl")
+                   help="override a config key (repeatable), e.g. --set optim.lr=3e-4 --set async.max_staleness=2")
     p.add_argument("--run-dir", type=Path, help="where logs and checkpoints go (default: runs/<family>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its checkpoint")
     p.add_argument("--overwrite", action="store_true", help="delete the run in --run-dir and start over")
@@ -232,7 +232,7 @@ def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, r
     from opd.config import load_config
     from opd.trainer import train
     cfg = load_config(config, overrides or [])
-    if cfg.engine == "vllm":
+    if cfg.engine.name == "vllm":
         import_vllm()  # before anything else: an uninstalled engine is a one-line error, not a late one
     if run_dir is None:
         require(not resume, "--resume needs --run-dir", "name the run directory to continue")

@@ -1,17 +1,25 @@
-"""The training config: one typed dataclass, read from YAML, overridden with `--set key=value`, saved resolved.
+"""The training config: typed sections, read from YAML, overridden with `--set key=value`, saved resolved.
 
-A YAML file holds any subset of the fields below (the rest keep their defaults); the loss is a nested mapping:
+A YAML file holds any subset of the settings below (the rest keep their defaults). The run-wide ones are top-level
+keys; the others live in sections (SECTIONS: data, sampling, loss, optim, eval, engine, async, guard, compute), each a
+frozen dataclass that checks its own values in __post_init__:
 
     family: qwen3            # the built-in pair to distill (ignored when student and teacher are given)
     steps: 300
     plan: "kv=fp8_e4m3"      # rollout precision plan (plan.py); a mapping {"*": ..., "0,3": ...} also works
+    schedule: async
     loss: {name: sampled_rkl, student_term: learner, correction: tis, cap: 2.0}
+    optim: {lr: 3.0e-4}
+    async: {max_staleness: 2}
 
-`--set` takes dotted keys (`loss.name=fkl`) and YAML values (`lr=3e-4`, `exact_kl=false`). Unknown keys, wrong
-types and bad values are errors that name the key.
+`--set` takes dotted keys (`async.max_staleness=2`, `loss.name=fkl`) and YAML values (`optim.lr=3e-4`,
+`exact_kl=false`). Unknown keys, wrong types and bad values are errors that name the key; a key from before the
+sections (`max_staleness`) is refused with its new name. In Python the async section is `cfg.async_` (`async` is a
+keyword).
 """
 import difflib
 import json
+import keyword
 import math
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -54,6 +62,7 @@ class LossConfig:
     jsd_beta: float = 0.5
 
     def __post_init__(self):
+        check_numbers(self, "loss.")
         require(self.name in LOSSES, f"unknown loss {self.name!r}", f"use one of {', '.join(LOSSES)}")
         require(self.student_term in STUDENT_TERMS, f"unknown student_term {self.student_term!r}",
                 f"use one of {', '.join(STUDENT_TERMS)}")
@@ -77,149 +86,253 @@ def check_dtype_name(name: str, what: str = "dtype") -> None:
     require(name in DTYPE_NAMES, f"config: unknown {what} {name!r}", f"use one of {', '.join(DTYPE_NAMES)}")
 
 
-@dataclass
-class TrainConfig:
-    family: str = "llama"  # built-in pair (pretrained on first use) when student/teacher are empty
-    student: str = ""  # HF checkpoint folder of the student
-    teacher: str = ""  # HF checkpoint folder of the teacher
-    task: str = "chain"  # the built-in task: training prompts and held-out evaluation unless `prompts` is given
+def _at_least(section, key: str, names, low: int, fix: str = "") -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value < low:
+            word = "positive" if low == 1 else f">= {low}"
+            raise OpdError(f"config: {key}.{name} must be {word}, got {value}", fix)
+
+
+def _one_of(section, key: str, name: str, choices) -> None:
+    value = getattr(section, name)
+    require(value in choices, f"unknown {key}.{name} {value!r}", f"use one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The training prompts and how answers are scored."""
     prompts: str = ""  # JSONL prompt file (prompts.py); default: the task's training stream
     prompt_key: str = "prompt"  # the prompt's field in each line (text, or chat messages); "messages" also works
     answer_key: str = "answer"  # the reference answer's field (optional per line)
     chat: bool = False  # send text prompts through the student's chat template as one user message
-    eval_prompts: str = ""  # JSONL held-out prompts for evaluation; "": eval_fraction of `prompts`
-    eval_fraction: float = 0.1  # share of `prompts` held out for evaluation (by a hash of the prompt)
     max_prompt_tokens: int = 0  # 0: what the context leaves after max_new_tokens
     long_prompts: str = "refuse"  # a prompt over max_prompt_tokens: "refuse" (an error) or "drop" (counted)
     scoring: str = "last_hash"  # answer extraction (scoring.py): last_hash, gsm8k, boxed, exact, none, module:fn
-    steps: int = 150
-    batch_size: int = 64  # prompts (= rollouts) per optimizer step
-    max_new_tokens: int = 0  # 0: generation_config.json's, else the task's default (512 with a prompt file)
-    temperature: float | None = None  # sampling temperature; None: generation_config.json's, else 1.0
-    top_k: int | None = None  # None: generation_config.json's, else 0 (off)
-    top_p: float | None = None  # None: generation_config.json's, else 1.0 (off)
-    plan: str | dict = "forward=bf16 kv=bf16"  # rollout precision plan (plan.py): BF16 rollouts; "" = float32
-    noise_seed: int = 0
-    loss: LossConfig = field(default_factory=LossConfig)
-    lr: float = 1e-3
-    warmup_steps: int = 20
-    lr_schedule: str = "cosine"  # after warm-up: "cosine" (to lr/10 at `steps`) or "constant"
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    eval_every: int = 75  # 0: only before and after training
-    eval_examples: int = 500
-    save_every: int = 50  # 0: only at the end (and on Ctrl-C)
-    exact_kl: bool = True  # also log the exact per-position KL(p_rollout || p_train) (needs the engine's distributions)
-    max_bad_steps: int = 5  # stop after this many non-finite losses/gradients in a row
-    engine: str = "builtin"  # the rollout engine: "builtin" (emulated precisions) or "vllm" (vllm_engine.py)
-    engine_compile: bool = False  # builtin engine: torch.compile its forward (faster decoding, ~1 min to compile)
-    schedule: str = "sync"  # "async": a rollout worker process samples while the trainer trains (async_rollouts.py)
-    max_staleness: int = 1  # async: most optimizer steps a rollout's weights may lag the learner's
-    prefetch: int = -1  # async: batches the worker may sample ahead of the one being trained; -1: max_staleness
-    stale_policy: str = "requeue"  # async: a rollout older than max_staleness is re-sampled ("requeue") or "drop"ped
-    recompute_fraction: float = 1.0  # async: share of each batch (its first rollouts) whose q the worker recomputes
-    worker_threads: int = 1  # async: the rollout worker's threads (the trainer gets threads - worker_threads)
-    worker_timeout: float = 120.0  # async: seconds without a message from a busy worker before it counts as hung
-    max_worker_restarts: int = 2  # async: a dead or hung worker is restarted this many times, then the run stops
-    guard_every: int = 0  # the runtime admission check on the live rollouts every this many steps; 0: off
-    guard_action: str = "warn"  # on REJECT: "warn", "fallback" (a safer plan from then on, guard.safer_plan), "stop"
-    guard_thresholds: str = ""  # a thresholds file from `opd calibrate`; "": the shipped opd/thresholds.json
-    guard_limit: float = 0.0  # > 0: this limit on the rollout-vs-learner nsr (admission.py), not the calibrated one
-    seed: int = 0
-    threads: int = 2  # CPU threads for the whole run (async: split between the worker and the trainer)
-    device: str = "auto"  # learner and rollout engine: auto (CUDA when present, else CPU), cpu, cuda, cuda:N
-    teacher_device: str = ""  # the teacher's device; "": the same as `device`
-    dtype: str = "float32"  # learner compute: float32, or bf16 (autocast; float32 master weights and optimizer)
-    teacher_dtype: str = "float32"  # the teacher's weights and compute: float32 or bf16
-    micro_batch_size: int = 0  # rollouts per learner/teacher forward (gradients accumulated); 0: the whole batch
-    chunk_tokens: int = 0  # tokens per chunk of full-vocabulary work (chunked.py); 0: 2**24 floats / vocab
-    eval_batch_size: int = 0  # held-out prompts per generation batch; 0: 2**24 floats / vocab (all, at vocab 100)
 
     def __post_init__(self):
-        check_numbers(self, "")
-        require(isinstance(self.loss, LossConfig), f"config: loss must be a mapping, got {self.loss!r}")
-        check_numbers(self.loss, "loss.")
-        require(self.family in FAMILIES, f"unknown family {self.family!r}", f"use one of {', '.join(FAMILIES)}")
-        require(bool(self.student) == bool(self.teacher), "give both student and teacher, or neither",
-                "neither: the built-in pair of `family`")
-        get_task(self.task)
-        for name in ("steps", "batch_size", "eval_examples", "threads", "max_bad_steps"):
-            require(getattr(self, name) > 0, f"config: {name} must be positive, got {getattr(self, name)}")
-        for name in ("max_new_tokens", "warmup_steps", "eval_every", "save_every"):
-            require(getattr(self, name) >= 0, f"config: {name} must be >= 0, got {getattr(self, name)}")
-        require(self.temperature is None or self.temperature > 0,
-                f"config: temperature must be > 0, got {self.temperature}",
-                "on-policy training samples; greedy rollouts are not on-policy")
-        require(self.top_k is None or self.top_k >= 0, f"config: top_k must be >= 0, got {self.top_k}", "0 is off")
-        require(self.top_p is None or 0 < self.top_p <= 1, f"config: top_p must be in (0, 1], got {self.top_p}")
-        require(0 <= self.eval_fraction < 1, f"config: eval_fraction must be in [0, 1), got {self.eval_fraction}")
-        require(not self.prompts or self.eval_prompts or self.eval_fraction > 0,
-                "config: a prompt file needs held-out prompts for evaluation", "set eval_fraction > 0 or eval_prompts")
-        require(self.max_prompt_tokens >= 0, f"config: max_prompt_tokens must be >= 0, got {self.max_prompt_tokens}")
-        require(self.long_prompts in LONG_PROMPTS, f"unknown long_prompts {self.long_prompts!r}",
-                f"use one of {', '.join(LONG_PROMPTS)}")
+        check_numbers(self, "data.")
+        _at_least(self, "data", ["max_prompt_tokens"], 0, "0: what the context leaves")
+        _one_of(self, "data", "long_prompts", LONG_PROMPTS)
         for name in ("prompt_key", "answer_key"):
-            require(getattr(self, name) != "", f"config: {name} must not be empty")
+            require(getattr(self, name) != "", f"config: data.{name} must not be empty")
         check_scoring(self.scoring)
-        require(self.lr > 0, f"config: lr must be positive, got {self.lr}")
-        require(self.grad_clip > 0, f"config: grad_clip must be positive, got {self.grad_clip}")
-        require(self.weight_decay >= 0, f"config: weight_decay must be >= 0, got {self.weight_decay}")
-        require(isinstance(self.plan, (str, dict)), f"config: plan must be a string or a mapping, got {self.plan!r}")
-        require(self.lr_schedule in LR_SCHEDULES, f"unknown lr_schedule {self.lr_schedule!r}",
-                f"use one of {', '.join(LR_SCHEDULES)}")
-        require(self.schedule in SCHEDULES, f"unknown schedule {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
-        require(self.engine in ENGINES, f"unknown engine {self.engine!r}", f"use one of {', '.join(ENGINES)}")
-        require(not (self.engine_compile and self.engine == "vllm"), "engine_compile applies to the builtin engine",
-                "vLLM compiles its own model; drop engine_compile")
-        require(self.stale_policy in STALE_POLICIES, f"unknown stale_policy {self.stale_policy!r}",
-                f"use one of {', '.join(STALE_POLICIES)}")
-        for name in ("max_staleness", "max_worker_restarts"):
-            require(getattr(self, name) >= 0, f"config: {name} must be >= 0, got {getattr(self, name)}")
-        require(self.prefetch >= -1, f"config: prefetch must be >= 0 (or -1: max_staleness), got {self.prefetch}")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How rollouts (and evaluation) sample; a setting left None is taken from the student's generation_config.json
+    (resolve_generation)."""
+    max_new_tokens: int = 0  # 0: generation_config.json's, else the task's default (512 with a prompt file)
+    temperature: float | None = None  # None: generation_config.json's, else 1.0
+    top_k: int | None = None  # None: generation_config.json's, else 0 (off)
+    top_p: float | None = None  # None: generation_config.json's, else 1.0 (off)
+
+    def __post_init__(self):
+        check_numbers(self, "sampling.")
+        _at_least(self, "sampling", ["max_new_tokens"], 0, "0: the checkpoint's or the task's default")
+        require(self.temperature is None or self.temperature > 0,
+                f"config: sampling.temperature must be > 0, got {self.temperature}",
+                "on-policy training samples; greedy rollouts are not on-policy")
+        require(self.top_k is None or self.top_k >= 0, f"config: sampling.top_k must be >= 0, got {self.top_k}",
+                "0 is off")
+        require(self.top_p is None or 0 < self.top_p <= 1, f"config: sampling.top_p must be in (0, 1], got {self.top_p}")
+
+    def params(self) -> dict:
+        """temperature, top_k, top_p as the rollouts use them (call on a resolved config: resolve_generation)."""
+        return {"temperature": self.temperature or 1.0, "top_k": self.top_k or 0,
+                "top_p": 1.0 if self.top_p is None else self.top_p}
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The learner's optimizer (AdamW) and learning-rate schedule."""
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # after warm-up: "cosine" (to lr/10 at `steps`) or "constant"
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        check_numbers(self, "optim.")
+        require(self.lr > 0, f"config: optim.lr must be positive, got {self.lr}")
+        require(self.grad_clip > 0, f"config: optim.grad_clip must be positive, got {self.grad_clip}")
+        require(self.weight_decay >= 0, f"config: optim.weight_decay must be >= 0, got {self.weight_decay}")
+        _at_least(self, "optim", ["warmup_steps"], 0)
+        _one_of(self, "optim", "schedule", LR_SCHEDULES)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation: before training, every `every` steps, and after."""
+    every: int = 75  # 0: only before and after training
+    examples: int = 500
+    prompts: str = ""  # JSONL held-out prompts; "": `fraction` of data.prompts (or the task's held-out set)
+    fraction: float = 0.1  # share of data.prompts held out for evaluation (by a hash of the prompt)
+    batch_size: int = 0  # held-out prompts per generation batch; 0: 2**24 floats / vocab (all, at vocab 100)
+
+    def __post_init__(self):
+        check_numbers(self, "eval.")
+        _at_least(self, "eval", ["examples"], 1)
+        _at_least(self, "eval", ["every"], 0, "0: only before and after training")
+        _at_least(self, "eval", ["batch_size"], 0, "0 chooses it automatically")
+        require(0 <= self.fraction < 1, f"config: eval.fraction must be in [0, 1), got {self.fraction}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The rollout engine (the precision it runs at is the top-level `plan`)."""
+    name: str = "builtin"  # "builtin" (emulated precisions) or "vllm" (vllm_engine.py)
+    compile: bool = False  # builtin engine: torch.compile its forward (faster decoding, ~1 min to compile)
+
+    def __post_init__(self):
+        _one_of(self, "engine", "name", ENGINES)
+        require(not (self.compile and self.name == "vllm"), "engine.compile applies to the builtin engine",
+                "vLLM compiles its own model; drop engine.compile")
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    """The async schedule (schedule: async): a rollout worker process samples while the trainer trains."""
+    max_staleness: int = 1  # most optimizer steps a rollout's weights may lag the learner's
+    prefetch: int = -1  # batches the worker may sample ahead of the one being trained; -1: max_staleness
+    stale_policy: str = "requeue"  # a rollout older than max_staleness is re-sampled ("requeue") or "drop"ped
+    recompute_fraction: float = 1.0  # share of each batch (its first rollouts) whose q the worker recomputes
+    worker_threads: int = 1  # the rollout worker's threads (the trainer gets threads - worker_threads)
+    worker_timeout: float = 120.0  # seconds without a message from a busy worker before it counts as hung
+    max_worker_restarts: int = 2  # a dead or hung worker is restarted this many times, then the run stops
+
+    def __post_init__(self):
+        check_numbers(self, "async.")
+        _one_of(self, "async", "stale_policy", STALE_POLICIES)
+        _at_least(self, "async", ["max_staleness", "max_worker_restarts"], 0)
+        _at_least(self, "async", ["prefetch"], -1, "-1: max_staleness")
         require(0 <= self.recompute_fraction <= 1,
-                f"config: recompute_fraction must be in [0, 1], got {self.recompute_fraction}")
-        require(self.guard_action in GUARD_ACTIONS, f"unknown guard_action {self.guard_action!r}",
-                f"use one of {', '.join(GUARD_ACTIONS)}")
-        require(self.guard_every >= 0, f"config: guard_every must be >= 0, got {self.guard_every}", "0 turns it off")
-        require(self.guard_limit >= 0, f"config: guard_limit must be >= 0, got {self.guard_limit}",
-                "0 uses the calibrated limit")
-        require(not (self.guard_every and self.schedule == "async" and self.recompute_fraction == 0),
-                "config: the runtime guard reads the rollouts' numerics mismatch (q vs mu), which an async run "
-                "only has with recompute_fraction > 0", "set recompute_fraction (e.g. 0.25) or guard_every=0")
-        require(self.worker_threads > 0, f"config: worker_threads must be positive, got {self.worker_threads}")
-        require(self.worker_timeout > 0, f"config: worker_timeout must be positive, got {self.worker_timeout}")
-        check_name(self.device)
-        if self.teacher_device:
-            check_name(self.teacher_device, "teacher_device")
-        check_dtype_name(self.dtype)
-        check_dtype_name(self.teacher_dtype, "teacher_dtype")
-        for name in ("micro_batch_size", "chunk_tokens", "eval_batch_size"):
-            require(getattr(self, name) >= 0, f"config: {name} must be >= 0, got {getattr(self, name)}",
-                    "0 chooses it automatically")
-        require(self.batch_size % max(self.micro_batch_size, 1) == 0,
-                f"config: micro_batch_size {self.micro_batch_size} does not divide batch_size {self.batch_size}",
-                "use a divisor of batch_size (gradients are accumulated over equal micro-batches), or 0")
-        require(self.schedule != "async" or self.threads > self.worker_threads,
-                f"config: async needs more threads ({self.threads}) than the rollout worker's ({self.worker_threads})",
-                "the trainer gets threads - worker_threads; on 2 cores use threads=2 worker_threads=1")
+                f"config: async.recompute_fraction must be in [0, 1], got {self.recompute_fraction}")
+        _at_least(self, "async", ["worker_threads"], 1)
+        require(self.worker_timeout > 0, f"config: async.worker_timeout must be positive, got {self.worker_timeout}")
 
     @property
     def lookahead(self) -> int:
         """Batches the async worker may sample beyond the one being trained."""
         return self.max_staleness if self.prefetch < 0 else self.prefetch
 
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """The runtime admission check on the live rollouts (guard.py)."""
+    every: int = 0  # every this many steps; 0: off
+    action: str = "warn"  # on REJECT: "warn", "fallback" (a safer plan from then on, guard.safer_plan), "stop"
+    thresholds: str = ""  # a thresholds file from `opd calibrate`; "": the shipped opd/thresholds.json
+    limit: float = 0.0  # > 0: this limit on the rollout-vs-learner nsr (admission.py), not the calibrated one
+
+    def __post_init__(self):
+        check_numbers(self, "guard.")
+        _one_of(self, "guard", "action", GUARD_ACTIONS)
+        _at_least(self, "guard", ["every"], 0, "0 turns it off")
+        require(self.limit >= 0, f"config: guard.limit must be >= 0, got {self.limit}", "0 uses the calibrated limit")
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    """Devices, dtypes and how full-vocabulary work is split (memory)."""
+    device: str = "auto"  # learner and rollout engine: auto (CUDA when present, else CPU), cpu, cuda, cuda:N
+    teacher_device: str = ""  # the teacher's device; "": the same as `device`
+    dtype: str = "float32"  # learner compute: float32, or bf16 (autocast; float32 master weights and optimizer)
+    teacher_dtype: str = "float32"  # the teacher's weights and compute: float32 or bf16
+    micro_batch_size: int = 0  # rollouts per learner/teacher forward (gradients accumulated); 0: the whole batch
+    chunk_tokens: int = 0  # tokens per chunk of full-vocabulary work (chunked.py); 0: 2**24 floats / vocab
+
+    def __post_init__(self):
+        check_numbers(self, "compute.")
+        check_name(self.device, "compute.device")
+        if self.teacher_device:
+            check_name(self.teacher_device, "compute.teacher_device")
+        check_dtype_name(self.dtype, "compute.dtype")
+        check_dtype_name(self.teacher_dtype, "compute.teacher_dtype")
+        _at_least(self, "compute", ["micro_batch_size", "chunk_tokens"], 0, "0 chooses it automatically")
+
+
+SECTIONS = {"data": DataConfig, "sampling": SamplingConfig, "loss": LossConfig, "optim": OptimConfig,
+            "eval": EvalConfig, "engine": EngineConfig, "async": AsyncConfig, "guard": GuardConfig,
+            "compute": ComputeConfig}  # a config file's sections (their YAML keys) and their types
+
+
+def attribute(key: str) -> str:
+    """A section's attribute name on TrainConfig: its key, or key_ where the key is a Python keyword (async)."""
+    return key + "_" if keyword.iskeyword(key) else key
+
+
+@dataclass
+class TrainConfig:
+    """One OPD run. Run-wide settings at the top; the rest in sections (SECTIONS), each checking its own values;
+    __post_init__ checks what spans sections."""
+    family: str = "llama"  # built-in pair (pretrained on first use) when student/teacher are empty
+    student: str = ""  # HF checkpoint folder of the student
+    teacher: str = ""  # HF checkpoint folder of the teacher
+    task: str = "chain"  # the built-in task: training prompts and held-out evaluation unless data.prompts is given
+    steps: int = 150
+    batch_size: int = 64  # prompts (= rollouts) per optimizer step
+    seed: int = 0
+    plan: str | dict = "forward=bf16 kv=bf16"  # rollout precision plan (plan.py): BF16 rollouts; "" = float32
+    noise_seed: int = 0  # the plan's weight-noise draws
+    schedule: str = "sync"  # "async": a rollout worker process samples while the trainer trains (section async)
+    threads: int = 2  # CPU threads for the whole run (async: split between the worker and the trainer)
+    exact_kl: bool = True  # also log the exact per-position KL(p_rollout || p_train) (needs the engine's distributions)
+    save_every: int = 50  # 0: only at the end (and on Ctrl-C)
+    max_bad_steps: int = 5  # stop after this many non-finite losses/gradients in a row
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+
+    def __post_init__(self):
+        check_numbers(self, "")
+        for key, cls in SECTIONS.items():
+            require(isinstance(getattr(self, attribute(key)), cls), f"config: {key} must be a mapping, "
+                    f"got {getattr(self, attribute(key))!r:.60}", f"e.g. {key}: {{...}}")
+        require(self.family in FAMILIES, f"unknown family {self.family!r}", f"use one of {', '.join(FAMILIES)}")
+        require(bool(self.student) == bool(self.teacher), "give both student and teacher, or neither",
+                "neither: the built-in pair of `family`")
+        get_task(self.task)
+        for name in ("steps", "batch_size", "threads", "max_bad_steps"):
+            require(getattr(self, name) > 0, f"config: {name} must be positive, got {getattr(self, name)}")
+        require(self.save_every >= 0, f"config: save_every must be >= 0, got {self.save_every}")
+        require(isinstance(self.plan, (str, dict)), f"config: plan must be a string or a mapping, got {self.plan!r}")
+        require(self.schedule in SCHEDULES, f"unknown schedule {self.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+        # what spans sections
+        require(not self.data.prompts or self.eval.prompts or self.eval.fraction > 0,
+                "config: a prompt file needs held-out prompts for evaluation", "set eval.fraction > 0 or eval.prompts")
+        require(not (self.guard.every and self.schedule == "async" and self.async_.recompute_fraction == 0),
+                "config: the runtime guard reads the rollouts' numerics mismatch (q vs mu), which an async run "
+                "only has with async.recompute_fraction > 0", "set async.recompute_fraction (e.g. 0.25) or guard.every=0")
+        require(self.batch_size % max(self.compute.micro_batch_size, 1) == 0,
+                f"config: compute.micro_batch_size {self.compute.micro_batch_size} does not divide batch_size "
+                f"{self.batch_size}", "use a divisor of batch_size (gradients are accumulated over equal "
+                "micro-batches), or 0")
+        require(self.schedule != "async" or self.threads > self.async_.worker_threads,
+                f"config: async needs more threads ({self.threads}) than the rollout worker's "
+                f"({self.async_.worker_threads})", "the trainer gets threads - async.worker_threads; on 2 cores use "
+                "threads=2 async.worker_threads=1")
+
     @property
     def new_tokens(self) -> int:
-        return self.max_new_tokens or (FILE_PROMPT_TOKENS if self.prompts else get_task(self.task).max_new_tokens)
-
-    @property
-    def sampling(self) -> dict:
-        """temperature, top_k, top_p as the rollouts use them (call on a resolved config: resolve_generation)."""
-        return {"temperature": self.temperature or 1.0, "top_k": self.top_k or 0,
-                "top_p": 1.0 if self.top_p is None else self.top_p}
+        return self.sampling.max_new_tokens or (FILE_PROMPT_TOKENS if self.data.prompts
+                                                else get_task(self.task).max_new_tokens)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The config as its YAML file would hold it (sections under their keys)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name.removesuffix("_") if f.name.endswith("_") else f.name] = \
+                asdict(value) if f.name.rstrip("_") in SECTIONS else value
+        return out
 
 
 def check_numbers(section, prefix: str) -> None:
@@ -238,23 +351,50 @@ def check_numbers(section, prefix: str) -> None:
             require(abs(value) < INT_LIMIT, f"config: {name} is out of range, got {value}", "use a value below 2**31")
 
 
+# Each setting that was a top-level key before the config had sections -> its name now.
+MOVED = {old: f"{section}.{new}" for section, names in {
+    "data": "prompts prompt_key answer_key chat max_prompt_tokens long_prompts scoring",
+    "sampling": "max_new_tokens temperature top_k top_p",
+    "optim": "lr warmup_steps lr_schedule:schedule weight_decay grad_clip",
+    "eval": "eval_every:every eval_examples:examples eval_prompts:prompts eval_fraction:fraction "
+            "eval_batch_size:batch_size",
+    "engine": "engine:name engine_compile:compile",
+    "async": "max_staleness prefetch stale_policy recompute_fraction worker_threads worker_timeout max_worker_restarts",
+    "guard": "guard_every:every guard_action:action guard_thresholds:thresholds guard_limit:limit",
+    "compute": "device teacher_device dtype teacher_dtype micro_batch_size chunk_tokens",
+}.items() for old, _, new in (name.partition(":") for name in names.split()) for new in [new or old]}
+
+
+def moved(key: str, value) -> OpdError:
+    """The error for a key from before the sections, naming its new place."""
+    section, name = MOVED[key].split(".")
+    text = f"{json.dumps(value)!s:.40}" if isinstance(value, (str, int, float, bool)) else "..."
+    return OpdError(f"config key {key!r} is now {MOVED[key]!r}",
+                    f"write {section}: {{{name}: {text}}}, or --set {MOVED[key]}={text}")
+
+
 def _checked_keys(values: dict, cls, prefix: str = "") -> dict:
-    names = [f.name for f in fields(cls)]
-    for key in values:
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            raise OpdError(f"unknown config key {prefix + str(key)!r}",
-                           f"did you mean {prefix}{close[0]}?" if close else f"valid keys: {', '.join(names)}")
+    names = [f.name.removesuffix("_") for f in fields(cls)]
+    for key, value in values.items():
+        if key in names:
+            continue
+        if not prefix and key in MOVED:
+            raise moved(key, value)
+        known = {name: prefix + name for name in names} | ({} if prefix else MOVED)  # a typo of a moved key too
+        close = difflib.get_close_matches(str(key), list(known), n=1)
+        raise OpdError(f"unknown config key {prefix + str(key)!r}",
+                       f"did you mean {known[close[0]]}?" if close else f"valid keys: {', '.join(names)}")
     return values
 
 
-OPTIONAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # fields whose default is None: a value of this type
+OPTIONAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # settings whose default is None: a value of this type
 
 
 def _typed(key: str, value, default):
     """Check a YAML value against the type of the field's default (ints are accepted for floats)."""
-    if default is None and key in OPTIONAL:
-        return None if value is None else _typed(key, value, OPTIONAL[key])
+    leaf = key.rpartition(".")[2]
+    if default is None and leaf in OPTIONAL:
+        return None if value is None else _typed(key, value, OPTIONAL[leaf])
     if isinstance(default, bool):
         ok = isinstance(value, bool)
     elif isinstance(default, float):
@@ -273,23 +413,28 @@ def _typed(key: str, value, default):
     names = {bool: "true or false", float: "a number", int: "an integer", str: "a string"}
     expected = "a string or a mapping of layers to settings strings" if key == "plan" else names[type(default)]
     require(ok, f"config: {key} must be {expected}, got {value!r:.60}",
-            "e.g. plan: \"kv=fp8_e4m3\"" if key == "plan" else f"e.g. {key}: {json.dumps(default)}")
+            "e.g. plan: \"kv=fp8_e4m3\"" if key == "plan" else f"e.g. --set {key}={json.dumps(default)}")
     return value
 
 
 def _checked_values(values, where: str = "config") -> dict:
-    """values with their keys and types checked (no range checks yet: TrainConfig's own); errors name `where`."""
+    """values with their keys and types checked (no range checks yet: each section's own); errors name `where`."""
     try:
         require(isinstance(values, dict), f"config: expected a mapping of keys to values, got {type(values).__name__}",
                 "write key: value lines")
         _checked_keys(values, TrainConfig)
-        defaults, loss_defaults = TrainConfig(), asdict(LossConfig())
+        defaults = TrainConfig()
         out = {}
         for key, value in values.items():
-            if key == "loss":
-                require(isinstance(value, dict), "config: loss must be a mapping", "e.g. loss: {name: full_rkl}")
-                _checked_keys(value, LossConfig, "loss.")
-                out["loss"] = {k: _typed(f"loss.{k}", v, loss_defaults[k]) for k, v in value.items()}
+            if key in SECTIONS:
+                if key in MOVED and not isinstance(value, dict):  # engine: vllm, from before the sections
+                    raise moved(key, value)
+                require(isinstance(value, dict), f"config: {key} must be a mapping (a section)",
+                        f"e.g. {key}: {{{fields(SECTIONS[key])[0].name}: ...}}, or --set {key}."
+                        f"{fields(SECTIONS[key])[0].name}=...")
+                _checked_keys(value, SECTIONS[key], f"{key}.")
+                section = asdict(getattr(defaults, attribute(key)))
+                out[key] = {k: _typed(f"{key}.{k}", v, section[k]) for k, v in value.items()}
             else:
                 out[key] = _typed(key, value, getattr(defaults, key))
         return out
@@ -300,15 +445,49 @@ def _checked_values(values, where: str = "config") -> dict:
 
 
 def build_config(values: dict, where: str = "config") -> TrainConfig:
-    """A TrainConfig from a (possibly nested) mapping, with key, type and range checks."""
+    """A TrainConfig from a mapping as a config file holds it (sections as nested mappings), with key, type and
+    range checks."""
     out = _checked_values(values, where)
     try:
-        if "loss" in out:
-            out["loss"] = LossConfig(**out["loss"])
+        for key, cls in SECTIONS.items():
+            if key in out:
+                out[attribute(key)] = cls(**out.pop(key))
         return TrainConfig(**out)
     except OpdError as e:
         problem = e.problem if where == "config" else f"{where}: {e.problem.removeprefix('config: ')}"
         raise OpdError(problem, e.fix or "each key's meaning and range: opd/config.py") from None
+
+
+def migrate(values: dict) -> dict:
+    """A config that opd itself saved before the config had sections (a run's config.yaml, a results line) in today's
+    layout; a config a user writes with an old key is refused instead (_checked_keys names the new key)."""
+    out = {}
+    for key, value in values.items():
+        if key in MOVED and not (key in SECTIONS and isinstance(value, dict)):
+            section, name = MOVED[key].split(".")
+            out.setdefault(section, {})[name] = value
+        else:
+            out[key] = merge(out[key], value) if isinstance(out.get(key), dict) and isinstance(value, dict) else value
+    return out
+
+
+def known_settings(values: dict) -> dict:
+    """values without the keys this release does not have (top-level and in sections): a stored config from a
+    release with more settings."""
+    defaults = TrainConfig().to_dict()
+    return {key: ({k: v for k, v in value.items() if k in defaults[key]} if key in SECTIONS and
+                  isinstance(value, dict) else value) for key, value in values.items() if key in defaults}
+
+
+def flatten(values: dict, prefix: str = "") -> dict:
+    """{"async": {"max_staleness": 2}} -> {"async.max_staleness": 2}."""
+    out = {}
+    for key, value in values.items():
+        if key in SECTIONS and not prefix and isinstance(value, dict):
+            out.update(flatten(value, f"{key}."))
+        else:
+            out[prefix + key] = value
+    return out
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -367,14 +546,17 @@ def resolve_generation(cfg: TrainConfig, generation: dict) -> TrainConfig:
     """The config with the sampling settings the user left unset taken from the student's generation_config.json
     (`generation`: its temperature, top_k, top_p, max_new_tokens), else the defaults (1.0, off, off, the task's or
     FILE_PROMPT_TOKENS): what a run actually uses, and what it saves and compares on resume."""
-    chosen = generation_defaults(generation, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-    new_tokens = cfg.max_new_tokens or generation.get("max_new_tokens") or cfg.new_tokens
-    out = replace(cfg, temperature=float(chosen["temperature"]), top_k=int(chosen["top_k"]),
-                  top_p=float(chosen["top_p"]), max_new_tokens=int(new_tokens))
-    require(out.temperature > 0 and out.top_k >= 0 and 0 < out.top_p <= 1,
-            f"generation_config.json's sampling settings are out of range (temperature {out.temperature}, top_k "
-            f"{out.top_k}, top_p {out.top_p})", "set temperature, top_k and top_p in the config")
-    return out
+    given = cfg.sampling
+    chosen = generation_defaults(generation, temperature=given.temperature, top_k=given.top_k, top_p=given.top_p)
+    new_tokens = given.max_new_tokens or generation.get("max_new_tokens") or cfg.new_tokens
+    try:
+        sampling = SamplingConfig(max_new_tokens=int(new_tokens), temperature=float(chosen["temperature"]),
+                                  top_k=int(chosen["top_k"]), top_p=float(chosen["top_p"]))
+    except OpdError:
+        raise OpdError(f"generation_config.json's sampling settings are out of range (temperature "
+                       f"{chosen['temperature']}, top_k {chosen['top_k']}, top_p {chosen['top_p']})",
+                       "set sampling.temperature, sampling.top_k and sampling.top_p in the config") from None
+    return replace(cfg, sampling=sampling)
 
 
 def dump_config(cfg: TrainConfig) -> str:

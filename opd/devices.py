@@ -4,7 +4,7 @@
 checked for names when it is read (config.py) and against the machine when a run is set up (`resolve`), before
 anything is written: a run directory is never left behind by a device that is not there.
 
-Dtypes (`dtype`, `teacher_dtype`): `float32`, or `bf16`. For the learner, bf16 means bf16 compute under
+Dtypes (`compute.dtype`, `compute.teacher_dtype`): `float32`, or `bf16`. For the learner, bf16 means bf16 compute under
 `torch.autocast` with float32 master weights, gradients and optimizer state (mixed precision as PyTorch defines
 it); for the frozen teacher it means weights stored in bf16, half the memory of float32. CPUs run bf16 in any
 PyTorch (slowly without native support); a GPU needs to support it (`torch.cuda.is_bf16_supported`).

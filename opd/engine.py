@@ -248,7 +248,7 @@ def compiled_forward(model: Transformer):
 
 def _compile_failed(e: Exception):
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise OpdError(f"torch.compile of the rollout engine failed: {reason}", "set engine_compile=false, or install a "
+    raise OpdError(f"torch.compile of the rollout engine failed: {reason}", "set engine.compile=false, or install a "
                    "working C++ compiler (inductor builds its CPU kernels with it)") from None
 
 

@@ -24,7 +24,7 @@ def greedy_accuracy(model: Transformer, tok: TextTokenizer, examples: list[Examp
     """{"eval/accuracy" and "eval/scored" (over the examples with an answer; absent under scoring "none"), "eval/n",
     "eval/completion_tokens", "eval/truncated"}, with the completions decoded greedily under a precision plan
     (plan.py; "" is full precision); batch_size 0: chunked.chunk_size."""
-    require(bool(examples), "no held-out examples to evaluate on", "give eval_prompts or raise eval_fraction")
+    require(bool(examples), "no held-out examples to evaluate on", "give eval.prompts or raise eval.fraction")
     scorer = get_scorer(scoring)
     batch_size = batch_size or chunk_size(model.cfg.vocab_size)
     engine, params = Engine(model, tok.stop_ids, tok.pad_id, plan), SamplingParams(max_new_tokens, temperature=0.0)

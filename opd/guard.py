@@ -1,4 +1,4 @@
-"""The runtime guard: the admission check's decision (admission.decide) on the live rollouts, every `guard_every`
+"""The runtime guard: the admission check's decision (admission.decide) on the live rollouts, every `guard.every`
 steps, and the fallback ladder it climbs down when the rollouts' mismatch is too large.
 
 It judges the numerics' noise-to-signal ratio `opd/nsr` (mean |q - mu| / mean |T - q|: the rollout engine vs the
@@ -9,10 +9,10 @@ max_staleness does that, and no plan fallback can fix it. `stale/total_nsr` (pi 
 staleness together) is reported beside it (`guard/total_nsr`) but decides nothing: healthy async runs at lr 1e-3
 reach high values over short windows (dev/LOG.md). Not the ESS of pi/mu either: one token whose probability an
 update moved a lot collapses it. A non-finite nsr (broken rollouts) is a REJECT; so is a window without any (async
-with recompute_fraction 0 has no q, which is why the config refuses the guard there).
+with async.recompute_fraction 0 has no q, which is why the config refuses the guard there).
 
 On REJECT (nsr above the calibration band's upper edge, or the ESS under its floor) the event goes to guard.jsonl
-and stderr, and `guard_action` is taken: warn, stop, or fall back. The ladder (`safer_plan`): a plan with
+and stderr, and `guard.action` is taken: warn, stop, or fall back. The ladder (`safer_plan`): a plan with
 fixed-scale FP8 KV layers first gets calibrated scales (which keep the memory saving and fix saturated outlier
 keys), anything else BF16 rollouts; a plan already at BF16 only warns. Inside the band (UNCERTAIN, the runs the
 admission check sends to the guard) the window is logged as `guard/uncertain` and training goes on.
@@ -47,12 +47,12 @@ def window_mean(window: list[dict], key: str, finite_only: bool) -> float | None
 
 
 class Guard:
-    """The guard of one run (cfg.guard_every > 0; with 0, `observe` is never due)."""
+    """The guard of one run (cfg.guard.every > 0; with 0, `observe` is never due)."""
 
     def __init__(self, cfg):
-        self.every, self.action, self.limit = cfg.guard_every, cfg.guard_action, cfg.guard_limit
-        self.engine, self.asynchronous, self.cls = cfg.engine, cfg.schedule == "async", estimator_class(cfg.loss)
-        self.thresholds = load_thresholds(cfg.guard_thresholds) if cfg.guard_every and not cfg.guard_limit else None
+        self.every, self.action, self.limit = cfg.guard.every, cfg.guard.action, cfg.guard.limit
+        self.engine, self.asynchronous, self.cls = cfg.engine.name, cfg.schedule == "async", estimator_class(cfg.loss)
+        self.thresholds = load_thresholds(cfg.guard.thresholds) if cfg.guard.every and not cfg.guard.limit else None
         self.window: list[dict] = []
 
     def observe(self, step: int, metrics: dict) -> bool:
@@ -92,8 +92,8 @@ class Guard:
               + (f" to {event['to']}" if "to" in event else ""), file=sys.stderr)
         if action == "stop":
             raise OpdError(f"guard: the rollouts' mismatch exceeded what the admission check allows at step {step} "
-                           f"({what})", "use a safer plan (`opd admit` proposes one), guard_action=fallback, or a "
-                           "higher guard_limit")
+                           f"({what})", "use a safer plan (`opd admit` proposes one), guard.action=fallback, or a "
+                           "higher guard.limit")
         return out, safer if action == "fallback" else None
 
     def resume(self, run_dir: Path, step: int) -> None:

@@ -8,7 +8,7 @@ distribution that predicts completion token t of row b sits at position `P_b - 1
 those M = mask.sum() positions go on, packed as [M, d], to the output layers (chunked.py); per-token results come
 back as [B, N] (zero off the mask).
 
-Micro-batches (`micro_batch_size` rows) run the teacher's and the student's forward and the student's backward on a
+Micro-batches (`compute.micro_batch_size` rows) run the teacher's and the student's forward and the student's backward on a
 slice of the rows at a time, with every token weighted by 1 / (tokens in the whole batch): the accumulated gradient
 is the whole batch's. `completion_logprobs` is the unchunked oracle ([B, N, V]); tests and nothing else use it.
 """

@@ -55,15 +55,15 @@ def measure(setup: ProbeSetup, plan: Plan) -> dict:
     cfg = setup.cfg
     engine = setup.make_engine(plan)
     full = engine.hidden_states  # the built-in engine: hidden states (exact KL) and KV saturation counts
-    params = SamplingParams(cfg.new_tokens, **cfg.sampling)
+    params = SamplingParams(cfg.new_tokens, **cfg.sampling.params())
     clipped = {}
     try:
         rollouts = engine.generate(setup.prompts, params, sampler_seed(cfg.seed, 0), return_hidden=full,
                                    stats=clipped)
         batch = collate(rollouts, setup.tok.pad_id)
-        scores = score_batch(setup.student, batch, setup.teacher, temperature=cfg.temperature,
-                             micro_batch_size=cfg.micro_batch_size, chunk_tokens=cfg.chunk_tokens,
-                             autocast=autocast_dtype(cfg.dtype),
+        scores = score_batch(setup.student, batch, setup.teacher, temperature=cfg.sampling.temperature,
+                             micro_batch_size=cfg.compute.micro_batch_size, chunk_tokens=cfg.compute.chunk_tokens,
+                             autocast=autocast_dtype(cfg.compute.dtype),
                              rollout=functools.partial(engine.logprobs, params=params) if full else None)
     finally:
         engine.close()
@@ -85,7 +85,7 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, p
     start = time.perf_counter()
     cls = estimator_class(setup.cfg.loss)
     numbers = probe(setup, plan)
-    decision = decide(numbers, thresholds, cls, staleness(setup.cfg), limit, setup.cfg.lr)
+    decision = decide(numbers, thresholds, cls, staleness(setup.cfg), limit, setup.cfg.optim.lr)
     out = {**decision.to_dict(), "plan": str(plan), "estimator_class": cls, "staleness": staleness(setup.cfg),
            "probe": numbers, "probe_rollouts": len(setup.prompts)}
     if not decision.admit and propose and math.isfinite(decision.value):
@@ -94,9 +94,9 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, p
             out["proposal"] = propose_plan(setup, plan, thresholds, cls, limit, floor)
         else:  # the plan passes; the staleness does not
             budget = class_limits(thresholds, cls)[0].get("max_drift") if thresholds else None
-            lr = setup.cfg.lr
+            lr = setup.cfg.optim.lr
             safe = f" to {safe_staleness(budget, lr)} at lr {lr:g}" if budget and lr else ""
-            out["proposal"] = {"plan": None, "layer_kl": [], "note": f"the plan passes: lower max_staleness{safe}, "
+            out["proposal"] = {"plan": None, "layer_kl": [], "note": f"the plan passes: lower async.max_staleness{safe}, "
                                "lower the lr, or use another estimator"}
     out["seconds"] = time.perf_counter() - start
     return out

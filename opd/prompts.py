@@ -10,15 +10,15 @@
   (0.1 + 0.2 is not 0.3 as text), a boolean, a list, an object or null is refused with one line (file:line and the
   key): no silent conversion. A line without the field is trained on but not scored. GSM8K's lines are
   `{"question", "answer"}`: `prompt_key: question` and `scoring: gsm8k` (scoring.py) read them.
-- **Held out**: `eval_prompts` (a second file, read the same way), or else the `eval_fraction` of the file whose
+- **Held out**: `eval.prompts` (a second file, read the same way), or else the `eval.fraction` of the file whose
   prompts hash below it (SHA-256 of the prompt's text): the same split on every machine, disjoint from the training
   prompts by construction, and stable when lines are added or reordered.
 - **Characters**: a prompt with a character the tokenizer cannot encode (it would become the unknown token) is
   refused with its file:line when read with the tokenizer (`read_prompts(..., tok)`, as PromptSet does), or by
   `TextTokenizer.encode_prompt` itself otherwise; text that is not Unicode (a lone surrogate escaped in JSON) too.
-- **Length**: a prompt longer than `max_prompt_tokens` (0, and at most: what the model's context leaves after
-  max_new_tokens) is refused with one line naming it (`long_prompts: refuse`), or dropped and counted
-  (`long_prompts: drop`: the count goes to stderr and to summary.json).
+- **Length**: a prompt longer than `data.max_prompt_tokens` (0, and at most: what the model's context leaves after
+  max_new_tokens) is refused with one line naming it (`data.long_prompts: refuse`), or dropped and counted
+  (`drop`: the count goes to stderr and to summary.json).
 Training prompts are drawn by step, in epochs of seeded permutations of the training lines: a pure function of
 (seed, step), so a resumed run draws what it would have drawn.
 """
@@ -115,7 +115,7 @@ def prompt_text(prompt: str | list[dict]) -> str:
 
 
 def held_out_share(prompt: str | list[dict]) -> float:
-    """A number in [0, 1) fixed by the prompt's text: below eval_fraction means held out."""
+    """A number in [0, 1) fixed by the prompt's text: below eval.fraction means held out."""
     return int.from_bytes(hashlib.sha256(prompt_text(prompt).encode()).digest()[:8], "big") / 2 ** 64
 
 
@@ -125,26 +125,26 @@ class PromptSet:
 
     def __init__(self, cfg, tok: TextTokenizer, context: int, new_tokens: int):
         self.cfg, self.tok, self.dropped = cfg, tok, 0
-        fmt = PromptFormat(cfg.prompt_key, cfg.answer_key, cfg.chat)
-        lines = read_prompts(cfg.prompts, fmt, tok) if cfg.prompts else None
-        held = read_prompts(cfg.eval_prompts, fmt, tok) if cfg.prompts and cfg.eval_prompts else None
-        self.limit = min(cfg.max_prompt_tokens or context, context - new_tokens)
+        fmt = PromptFormat(cfg.data.prompt_key, cfg.data.answer_key, cfg.data.chat)
+        lines = read_prompts(cfg.data.prompts, fmt, tok) if cfg.data.prompts else None
+        held = read_prompts(cfg.eval.prompts, fmt, tok) if cfg.data.prompts and cfg.eval.prompts else None
+        self.limit = min(cfg.data.max_prompt_tokens or context, context - new_tokens)
         require(self.limit > 0, f"max_new_tokens ({new_tokens}) leaves no room for a prompt in the model's context "
-                f"({context})", "lower max_new_tokens")
-        if not cfg.prompts:
-            self.train, self.held_out = None, held_out_examples(get_task(cfg.task), cfg.eval_examples)
+                f"({context})", "lower sampling.max_new_tokens")
+        if not cfg.data.prompts:
+            self.train, self.held_out = None, held_out_examples(get_task(cfg.task), cfg.eval.examples)
             return
         if held is not None:
             train = lines
         else:
-            train = [ex for ex in lines if held_out_share(ex.prompt) >= cfg.eval_fraction]
-            held = [ex for ex in lines if held_out_share(ex.prompt) < cfg.eval_fraction]
-        require(bool(train), f"no training prompts left in {cfg.prompts} after the held-out split",
-                "lower eval_fraction or give eval_prompts")
-        self.train = self._fitting(train, cfg.prompts)
-        self.held_out = [ex for ex in held if len(tok.encode_prompt(ex.prompt)) <= self.limit][:cfg.eval_examples]
+            train = [ex for ex in lines if held_out_share(ex.prompt) >= cfg.eval.fraction]
+            held = [ex for ex in lines if held_out_share(ex.prompt) < cfg.eval.fraction]
+        require(bool(train), f"no training prompts left in {cfg.data.prompts} after the held-out split",
+                "lower eval.fraction or give eval.prompts")
+        self.train = self._fitting(train, cfg.data.prompts)
+        self.held_out = [ex for ex in held if len(tok.encode_prompt(ex.prompt)) <= self.limit][:cfg.eval.examples]
         if self.dropped:
-            print(f"opd: dropped {self.dropped} training prompts longer than {self.limit} tokens (long_prompts=drop)",
+            print(f"opd: dropped {self.dropped} training prompts longer than {self.limit} tokens (data.long_prompts=drop)",
                   file=sys.stderr)
 
     def _fitting(self, examples: list[Example], path) -> list[list[int]]:
@@ -152,13 +152,15 @@ class PromptSet:
         for i, ex in enumerate(examples):
             ids = self.tok.encode_prompt(ex.prompt)
             if len(ids) > self.limit:
-                require(self.cfg.long_prompts == "drop", f"a prompt of {path} ({prompt_text(ex.prompt)[:40]!r}...) has "
-                        f"{len(ids)} tokens, over the limit of {self.limit}", "raise max_prompt_tokens (up to the "
-                        "context minus max_new_tokens), lower max_new_tokens, shorten it, or set long_prompts=drop")
+                require(self.cfg.data.long_prompts == "drop",
+                        f"a prompt of {path} ({prompt_text(ex.prompt)[:40]!r}...) has "
+                        f"{len(ids)} tokens, over the limit of {self.limit}", "raise data.max_prompt_tokens (up to "
+                        "the context minus sampling.max_new_tokens), lower sampling.max_new_tokens, shorten it, or set "
+                        "data.long_prompts=drop")
                 self.dropped += 1
                 continue
             out.append(ids)
-        require(bool(out), f"every prompt of {path} is longer than {self.limit} tokens", "raise max_prompt_tokens")
+        require(bool(out), f"every prompt of {path} is longer than {self.limit} tokens", "raise data.max_prompt_tokens")
         return out
 
     def batch(self, step: int) -> list[list[int]]:

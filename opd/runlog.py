@@ -24,11 +24,11 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.summary import scalar
 
-from opd.config import TrainConfig, build_config, dump_config
+from opd.config import TrainConfig, build_config, dump_config, flatten, migrate
 from opd.errors import OpdError, require
 from opd.schema import Schema, read_jsonl as read_checked_jsonl, read_yaml
 
-RESUMABLE_CHANGES = ("steps", "worker_timeout", "max_worker_restarts")  # change no result
+RESUMABLE_CHANGES = ("steps", "async.worker_timeout", "async.max_worker_restarts")  # change no result
 
 
 class RunDirLocked(OpdError):
@@ -140,12 +140,13 @@ def save_config(run_dir: Path, cfg: TrainConfig) -> None:
 def read_run_config(run_dir: Path) -> TrainConfig:
     """The run's saved config.yaml, checked as any config is (one line naming the file and key)."""
     path = run_dir / "config.yaml"
-    return build_config(read_yaml(path, "run config"), str(path))
+    values = read_yaml(path, "run config")
+    return build_config(migrate(values) if isinstance(values, dict) else values, str(path))
 
 
 def check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
-    old = read_run_config(run_dir).to_dict()
-    new = cfg.to_dict()
+    old = flatten(read_run_config(run_dir).to_dict())
+    new = flatten(cfg.to_dict())
     changed = [k for k in new if new[k] != old.get(k) and k not in RESUMABLE_CHANGES]
     require(not changed, f"{run_dir} holds a run with a different config ({', '.join(changed)})",
             "resume with the same config (only steps and the worker's fault limits may change), or use --overwrite "

@@ -32,12 +32,13 @@ from opd.worker import WorkerSpec
 def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer, Path]:
     """(student, teacher, tokenizer, the student's folder): the given checkpoints, or the built-in pair of
     cfg.family (shipped, or pretrained on first use and cached). The student is float32 (the master weights) on
-    `device`, the teacher in `teacher_dtype` on `teacher_device`; both devices are checked before anything is
+    `compute.device`, the teacher in `compute.teacher_dtype` on `compute.teacher_device`; both devices are checked before anything is
     loaded."""
-    device = devices.resolve(cfg.device)
-    teacher_device = devices.resolve(cfg.teacher_device, "teacher_device") if cfg.teacher_device else device
-    devices.resolve_dtype(cfg.dtype, device)
-    teacher_dtype = devices.resolve_dtype(cfg.teacher_dtype, teacher_device, "teacher_dtype")
+    compute = cfg.compute
+    device = devices.resolve(compute.device)
+    teacher_device = devices.resolve(compute.teacher_device, "teacher_device") if compute.teacher_device else device
+    devices.resolve_dtype(compute.dtype, device)
+    teacher_dtype = devices.resolve_dtype(compute.teacher_dtype, teacher_device, "teacher_dtype")
     if cfg.student:
         student_dir, teacher_dir = Path(cfg.student), Path(cfg.teacher)
     else:
@@ -70,8 +71,8 @@ def parse_plan(cfg: TrainConfig, num_layers: int) -> Plan:
 
 def engine_builder(cfg: TrainConfig, student: Transformer, tok: TextTokenizer, student_dir: Path):
     """plan -> the config's rollout engine for the student (rollouts.make_engine)."""
-    return lambda plan: make_engine(cfg.engine, student, tok.stop_ids, tok.pad_id, plan, model_dir=student_dir,
-                                    seed=cfg.seed, noise_seed=cfg.noise_seed, compile=cfg.engine_compile)
+    return lambda plan: make_engine(cfg.engine.name, student, tok.stop_ids, tok.pad_id, plan, model_dir=student_dir,
+                                    seed=cfg.seed, noise_seed=cfg.noise_seed, compile=cfg.engine.compile)
 
 
 @dataclass
@@ -98,33 +99,35 @@ class Run:
     params: SamplingParams
     state: State
     student_dir: Path
-    guard: Guard  # the runtime admission check (cfg.guard_every > 0)
+    guard: Guard  # the runtime admission check (cfg.guard.every > 0)
 
 
 def setup(cfg: TrainConfig) -> Run:
     """Load the pair and build the optimizer and the rollouts (an async worker starts in `Rollouts.start`, once the
     weights to start from are known)."""
     asynchronous = cfg.schedule == "async"
-    torch.set_num_threads(cfg.threads - cfg.worker_threads if asynchronous else cfg.threads)
+    torch.set_num_threads(cfg.threads - cfg.async_.worker_threads if asynchronous else cfg.threads)
     student, teacher, tok, student_dir = load_pair(cfg)
     cfg = resolve_generation(cfg, tok.generation)
     context = min(student.cfg.context, teacher.cfg.context)
     plan = parse_plan(cfg, student.cfg.num_layers)
-    if cfg.engine_compile:
-        print("opd: engine_compile: the rollout engine compiles before step 0 (about a minute on a cold cache)",
+    if cfg.engine.compile:
+        print("opd: engine.compile: the rollout engine compiles before step 0 (about a minute on a cold cache)",
               file=sys.stderr)
-    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    exact_kl = cfg.exact_kl and cfg.engine == "builtin"  # needs the engine's distributions
-    if cfg.exact_kl and cfg.engine == "vllm":
+    opt = torch.optim.AdamW(student.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.95),
+                            weight_decay=cfg.optim.weight_decay)
+    exact_kl = cfg.exact_kl and cfg.engine.name == "builtin"  # needs the engine's distributions
+    if cfg.exact_kl and cfg.engine.name == "vllm":
         print("opd: exact_kl off: vllm returns the sampled tokens' log-probs only; mismatch/kl_k3 estimates the "
               "same KL", file=sys.stderr)
     prompts = PromptSet(cfg, tok, context, cfg.new_tokens)
-    check_scorer(cfg.scoring, prompts.held_out)
-    params = SamplingParams(cfg.new_tokens, **cfg.sampling)
+    check_scorer(cfg.data.scoring, prompts.held_out)
+    params = SamplingParams(cfg.new_tokens, **cfg.sampling.params())
     if asynchronous:
+        settings = cfg.async_
         rollouts = AsyncRollouts(worker_spec(cfg, student, tok, plan, params, exact_kl, student_dir), prompts,
-                                 cfg.seed, cfg.max_staleness, cfg.lookahead, cfg.stale_policy, cfg.worker_timeout,
-                                 cfg.max_worker_restarts, student.lm_head)
+                                 cfg.seed, settings.max_staleness, settings.lookahead, settings.stale_policy,
+                                 settings.worker_timeout, settings.max_worker_restarts, student.lm_head)
     else:
         rollouts = SyncRollouts(engine_builder(cfg, student, tok, student_dir), plan, prompts, params, cfg.seed,
                                 exact_kl)
@@ -134,10 +137,12 @@ def setup(cfg: TrainConfig) -> Run:
 def worker_spec(cfg: TrainConfig, model: Transformer, tok, plan: Plan, params: SamplingParams, return_hidden: bool,
                 model_dir: str | Path = "") -> WorkerSpec:
     """The async rollout worker's settings, from the config (worker.py)."""
-    return WorkerSpec(asdict(model.cfg), tok.stop_ids, tok.pad_id, plan, cfg.noise_seed, params, cfg.worker_threads,
-                      return_hidden, recompute=cfg.lookahead > 0, recompute_fraction=cfg.recompute_fraction,
-                      vllm_model_dir=str(model_dir) if cfg.engine == "vllm" else "", compile=cfg.engine_compile,
-                      device=str(model.embed_tokens.weight.device), chunk_tokens=cfg.chunk_tokens, dtype=cfg.dtype)
+    settings = cfg.async_
+    return WorkerSpec(asdict(model.cfg), tok.stop_ids, tok.pad_id, plan, cfg.noise_seed, params, settings.worker_threads,
+                      return_hidden, recompute=settings.lookahead > 0, recompute_fraction=settings.recompute_fraction,
+                      vllm_model_dir=str(model_dir) if cfg.engine.name == "vllm" else "", compile=cfg.engine.compile,
+                      device=str(model.embed_tokens.weight.device), chunk_tokens=cfg.compute.chunk_tokens,
+                      dtype=cfg.compute.dtype)
 
 
 def probe_setup(cfg: TrainConfig, n: int) -> tuple[ProbeSetup, Plan]:
@@ -147,6 +152,6 @@ def probe_setup(cfg: TrainConfig, n: int) -> tuple[ProbeSetup, Plan]:
     cfg = resolve_generation(cfg, tok.generation)
     context = min(student.cfg.context, teacher.cfg.context)
     prompts = PromptSet(replace(cfg, batch_size=n), tok, context, cfg.new_tokens).batch(0)
-    probe_cfg = replace(cfg, engine_compile=False)  # 16 rollouts per engine: compiling would cost more than it saves
+    probe_cfg = replace(cfg, engine=replace(cfg.engine, compile=False))  # 16 rollouts: compiling costs more than it saves
     return ProbeSetup(cfg, student, teacher, tok, engine_builder(probe_cfg, student, tok, student_dir), prompts), \
         parse_plan(cfg, student.cfg.num_layers)

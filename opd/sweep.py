@@ -5,7 +5,7 @@ A grid is YAML (`DEFAULT_GRID` below is the one the tolerance study (docs/tolera
     families: [llama, qwen3]
     base: {steps: 60, batch_size: 32}                   # TrainConfig keys shared by every run
     estimators:                                         # name -> TrainConfig keys: the loss and its lr
-      full_rkl: {loss: {name: full_rkl}, lr: 3.0e-4}
+      full_rkl: {loss: {name: full_rkl}, optim: {lr: 3.0e-4}}
     seeds: [0]                                          # a point's seeds unless it names its own
     points:                                             # mismatch source, level, TrainConfig keys
       - {source: bf16, level: 0, set: {}, seeds: [0, 1, 2, 3, 4]}
@@ -42,7 +42,7 @@ from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_v
 
 from opd.admission import CLASSES, estimator_class, staleness
 from opd.probe import probe
-from opd.config import TrainConfig, build_config, merge, resolve_generation
+from opd.config import TrainConfig, build_config, known_settings, merge, migrate, resolve_generation
 from opd.errors import OpdError, require
 from opd.plan import Plan
 from opd.pretrain import FAMILIES
@@ -51,13 +51,13 @@ from opd.schema import Schema, check, parse_json, parse_yaml, problem, read_text
 
 DEFAULT_GRID = """
 families: [llama, qwen3]
-base: {steps: 60, batch_size: 32, warmup_steps: 5, lr_schedule: constant, eval_every: 0, eval_examples: 100,
-       save_every: 0, threads: 1}
+base: {steps: 60, batch_size: 32, save_every: 0, threads: 1, optim: {warmup_steps: 5, schedule: constant},
+       eval: {every: 0, examples: 100}}
 estimators:
-  full_rkl: {loss: {name: full_rkl}, lr: 3.0e-4}
-  sampled_mu: {loss: {name: sampled_rkl, student_term: sampler}, lr: 1.0e-4}
-  sampled_pi: {loss: {name: sampled_rkl, student_term: learner}, lr: 1.0e-4}
-  sampled_tis: {loss: {name: sampled_rkl, student_term: learner, correction: tis, cap: 2.0}, lr: 1.0e-4}
+  full_rkl: {loss: {name: full_rkl}, optim: {lr: 3.0e-4}}
+  sampled_mu: {loss: {name: sampled_rkl, student_term: sampler}, optim: {lr: 1.0e-4}}
+  sampled_pi: {loss: {name: sampled_rkl, student_term: learner}, optim: {lr: 1.0e-4}}
+  sampled_tis: {loss: {name: sampled_rkl, student_term: learner, correction: tis, cap: 2.0}, optim: {lr: 1.0e-4}}
 seeds: [0]
 points:
   - {source: bf16, level: 0, set: {}, seeds: [0, 1, 2, 3, 4]}
@@ -68,8 +68,8 @@ points:
   - {source: noise, level: 0.1, set: {plan: "forward=bf16 kv=bf16 noise=0.1"}}
   - {source: noise, level: 0.3, set: {plan: "forward=bf16 kv=bf16 noise=0.3"}}
   - {source: noise, level: 1.0, set: {plan: "forward=bf16 kv=bf16 noise=1.0"}}
-  - {source: staleness, level: 1, set: {schedule: async, max_staleness: 1, threads: 2}}
-  - {source: staleness, level: 4, set: {schedule: async, max_staleness: 4, threads: 2}}
+  - {source: staleness, level: 1, set: {schedule: async, async: {max_staleness: 1}, threads: 2}}
+  - {source: staleness, level: 4, set: {schedule: async, async: {max_staleness: 4}, threads: 2}}
 """
 PROBE_ROLLOUTS = 16
 PLAN_CHECK_LAYERS = 1024
@@ -186,9 +186,8 @@ def finished_keys(rows: list[dict]) -> set[str]:
 
 
 def stored_config(row: dict) -> TrainConfig:
-    """A results line's config, read by this release (fields it no longer has are dropped)."""
-    known = set(TrainConfig().to_dict())
-    return build_config({k: v for k, v in row["config"].items() if k in known})
+    """A results line's config, read by this release (settings it no longer has are dropped)."""
+    return build_config(known_settings(migrate(row["config"])))
 
 
 def _not_negative(value: float) -> float:
@@ -237,8 +236,12 @@ class Curve(Schema):
         return self
 
 
-class StoredConfig(Schema):
+class StoredOptim(Schema):
     lr: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class StoredConfig(Schema):
+    optim: StoredOptim
 
 
 class Result(Schema):
@@ -288,6 +291,8 @@ def _result(raw: bytes, where: str) -> dict:
         raise OpdError(f"{where} is not a complete JSON line") from None
     if not isinstance(row, dict):
         raise OpdError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if isinstance(row.get("config"), dict):  # a line written before the config had sections: today's layout
+        row["config"] = migrate(row["config"])
     check(Result, row, where)
     return row
 

@@ -8,12 +8,12 @@ that sampled) and `pi` (the current weights): in the synchronous schedule one fo
 construction); the async worker sends `q` with each batch, so numerics mismatch and staleness are measured apart.
 
 Every step logs the mismatch between the rollout engine and the trainer (`mu` vs `q`, metrics.py), the distortion of
-the OPD signal, the loss, gradient norm, lengths and the time split; every `eval_every` steps, held-out accuracy
+the OPD signal, the loss, gradient norm, lengths and the time split; every `eval.every` steps, held-out accuracy
 (greedy and sampled) and reverse KL to the teacher. A step whose loss or gradient is not finite is skipped and
 counted; `max_bad_steps` in a row stop the run. A checkpoint (HF folder + optimizer, engine scales, async batches and
 the counters) is written every `save_every` steps, at the end, on SIGINT/SIGTERM (at the next step boundary) and when
 the run stops with an error; `resume` continues from it exactly. The runtime guard (guard.py) checks the live
-mismatch every `guard_every` steps and may switch the rollouts to a safer plan (`Rollouts.set_plan`). Loading the
+mismatch every `guard.every` steps and may switch the rollouts to a safer plan (`Rollouts.set_plan`). Loading the
 pair and building the run's parts is setup.py.
 """
 import json
@@ -49,12 +49,12 @@ from opd.setup import Run, State, setup
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up, then constant or cosine decay to a tenth of the peak at `steps`."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+    if step < cfg.optim.warmup_steps:
+        return cfg.optim.lr * (step + 1) / cfg.optim.warmup_steps
+    if cfg.optim.schedule == "constant":
+        return cfg.optim.lr
+    frac = min(1.0, (step - cfg.optim.warmup_steps) / max(1, cfg.steps - cfg.optim.warmup_steps))
+    return cfg.optim.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
 
 
 def evaluate(run: Run, cfg: TrainConfig) -> dict:
@@ -63,10 +63,10 @@ def evaluate(run: Run, cfg: TrainConfig) -> dict:
     teacher on the student's own samples."""
     student, teacher, tok, start = run.student, run.teacher, run.tok, time.perf_counter()
     examples = run.prompts.held_out
-    batch_size = cfg.eval_batch_size  # 0: chunked.chunk_size (all 500 prompts at once at the built-in vocabulary)
-    greedy = greedy_accuracy(student, tok, examples, cfg.new_tokens, batch_size, scoring=cfg.scoring)
+    batch_size = cfg.eval.batch_size  # 0: chunked.chunk_size (all 500 prompts at once at the built-in vocabulary)
+    greedy = greedy_accuracy(student, tok, examples, cfg.new_tokens, batch_size, scoring=cfg.data.scoring)
     sampled = sampled_quality(student, teacher, tok, examples, cfg.new_tokens, cfg.seed + 1, run.params,
-                              batch_size, cfg.micro_batch_size, cfg.chunk_tokens, cfg.scoring)
+                              batch_size, cfg.compute.micro_batch_size, cfg.compute.chunk_tokens, cfg.data.scoring)
     return {**{k: v for k, v in greedy.items() if k in ("eval/accuracy", "eval/truncated", "eval/n", "eval/scored")}, **sampled,
             "time/eval": time.perf_counter() - start}
 
@@ -219,12 +219,12 @@ def train_step(student: Transformer, teacher: Transformer, opt: torch.optim.Opti
     the engine's log-probs, for the exact KL (sync, builtin engine)."""
     start = time.perf_counter()
     opt.zero_grad(set_to_none=True)
-    scores = score_batch(student, batch, teacher, cfg.loss, cfg.temperature, cfg.micro_batch_size, cfg.chunk_tokens,
-                         rollout, devices.autocast_dtype(cfg.dtype), backward=True)
+    scores = score_batch(student, batch, teacher, cfg.loss, cfg.sampling.temperature, cfg.compute.micro_batch_size,
+                         cfg.compute.chunk_tokens, rollout, devices.autocast_dtype(cfg.compute.dtype), backward=True)
     metrics = dict(scores.metrics)
     ok = math.isfinite(scores.loss)
     if ok:
-        grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.grad_clip).item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.optim.grad_clip).item()
         ok = math.isfinite(grad_norm)
         metrics["train/grad_norm"] = grad_norm
     if ok:
@@ -354,7 +354,7 @@ def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, befor
     try:
         for step in bar:
             metrics = dict(before) if step == 0 else {}
-            if step > 0 and cfg.eval_every and step % cfg.eval_every == 0:
+            if step > 0 and cfg.eval.every and step % cfg.eval.every == 0:
                 metrics |= (last_eval := evaluate(run, cfg))
             metrics |= run_step(run)
             if run.guard.observe(step, metrics):
@@ -363,7 +363,7 @@ def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, befor
                     metrics |= out
                     if safer is not None:
                         fall_back(run, safer)
-                except OpdError:  # guard_action stop (or the fallback failed): the step was taken; log it, then stop
+                except OpdError:  # guard.action stop (or the fallback failed): the step was taken; log it, then stop
                     log.write(step, metrics)
                     logged = step + 1
                     raise

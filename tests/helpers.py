@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from opd.checkpoint import save_checkpoint
-from opd.config import TrainConfig, build_config
+from opd import make_config
+from opd.config import TrainConfig, merge
 from opd.engine import Engine
 from opd.learner import collate
 from opd.model import ModelConfig, Transformer
@@ -46,10 +47,11 @@ def make_checkpoint(folder: Path, seed: int, vocab_size: int = 100, **overrides)
 
 
 def config(pair, **overrides) -> TrainConfig:
+    """A small run of the pair; overrides as opd.make_config takes them (sections as dicts, `async_` for async)."""
     student, teacher = pair
-    values = dict(student=str(student), teacher=str(teacher), task="add", steps=6, batch_size=4, eval_every=0,
-                  eval_examples=8, save_every=3, threads=1, plan="")
-    return build_config(values | overrides)
+    values = dict(student=str(student), teacher=str(teacher), task="add", steps=6, batch_size=4,
+                  eval=dict(every=0, examples=8), save_every=3, threads=1, plan="")
+    return make_config(**merge(values, overrides))
 
 
 def crash_at(at_step: int):

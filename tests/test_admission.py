@@ -92,7 +92,7 @@ def test_estimator_classes():
 
 def _row(cls, kl, degraded, staleness=0, floor=1e-5, lr=1e-3, ess=1.0, rkl=0.1):
     return {"class": cls, "probe": {"nsr": kl, "floor_nsr": floor, "ess_frac": ess, "rkl": rkl},
-            "degraded": degraded, "staleness": staleness, "config": {"lr": lr}}
+            "degraded": degraded, "staleness": staleness, "config": {"optim": {"lr": lr}}}
 
 
 def test_calibration_separates_fine_from_degraded():
@@ -140,16 +140,16 @@ def test_thresholds_file_errors(tmp_path):
 
 
 def test_probe_measures_mismatch_above_the_floor(pair):
-    setup, plan = probe_setup(config(pair, plan="kv=fp8_e5m2", max_new_tokens=12), 8)
+    setup, plan = probe_setup(config(pair, plan="kv=fp8_e5m2", sampling=dict(max_new_tokens=12)), 8)
     numbers = probe(setup, plan)
     assert numbers["kl_k3"] > 3 * numbers["floor_kl_k3"] > 0
     assert numbers["kl_exact"] > 0 and 0 < numbers["ess_frac"] <= 1
-    exact, _ = probe_setup(config(pair, plan="", max_new_tokens=12), 8)  # float32 engine == trainer
+    exact, _ = probe_setup(config(pair, plan="", sampling=dict(max_new_tokens=12)), 8)  # float32 engine == trainer
     assert measure(exact, Plan.parse("", 2))["kl_k3"] < 1e-9
 
 
 def test_rejection_proposes_a_plan_that_passes(pair):
-    setup, plan = probe_setup(config(pair, plan="kv=fp8_e5m2 w=int4", max_new_tokens=12), 8)
+    setup, plan = probe_setup(config(pair, plan="kv=fp8_e5m2 w=int4", sampling=dict(max_new_tokens=12)), 8)
     numbers = probe(setup, plan)
     limit = numbers["nsr"] / 3  # rejects the candidate; all-BF16 (the floor) is far below it
     floor = {"kl_k3": numbers["floor_kl_k3"], "nsr": numbers["floor_nsr"]}
@@ -180,8 +180,8 @@ def test_admit_cli(pair, tmp_path):
 def test_guard_falls_back_to_bf16_on_an_injected_mismatch(pair, tmp_path):
     from opd.runlog import read_metrics
     from opd.trainer import train
-    cfg = config(pair, plan="noise=0.5", steps=6, guard_every=2, guard_action="fallback", guard_limit=GUARD_LIMIT,
-                 max_new_tokens=12)
+    cfg = config(pair, plan="noise=0.5", steps=6, guard=dict(every=2, action="fallback", limit=GUARD_LIMIT),
+                 sampling=dict(max_new_tokens=12))
     summary = train(cfg, tmp_path / "run", progress=False)
     events = [json.loads(line) for line in (tmp_path / "run" / "guard.jsonl").read_text().splitlines()]
     assert len(events) == 1 and events[0]["step"] == 1 and events[0]["action"] == "fallback"
@@ -199,8 +199,8 @@ def test_guard_rejects_on_the_live_ess_even_when_nsr_is_under_its_limit(pair, tm
     from opd.admission import MIN_ESS_FRAC
     from opd.runlog import read_metrics
     from opd.trainer import train
-    cfg = config(pair, plan="noise=0.5", steps=4, guard_every=2, guard_action="fallback", guard_limit=100.0,
-                 max_new_tokens=12, save_every=0)
+    cfg = config(pair, plan="noise=0.5", steps=4, guard=dict(every=2, action="fallback", limit=100.0),
+                 sampling=dict(max_new_tokens=12), save_every=0)
     summary = train(cfg, tmp_path / "run", progress=False)
     events = [json.loads(line) for line in (tmp_path / "run" / "guard.jsonl").read_text().splitlines()]
     assert len(events) == 1 and events[0]["step"] == 1 and events[0]["action"] == "fallback"
@@ -213,13 +213,13 @@ def test_guard_rejects_on_the_live_ess_even_when_nsr_is_under_its_limit(pair, tm
 
 def test_guard_stop_and_warn(pair, tmp_path):
     from opd.trainer import train
-    cfg = config(pair, plan="noise=0.5", steps=4, guard_every=1, guard_action="stop", guard_limit=GUARD_LIMIT,
-                 max_new_tokens=12)
+    cfg = config(pair, plan="noise=0.5", steps=4, guard=dict(every=1, action="stop", limit=GUARD_LIMIT),
+                 sampling=dict(max_new_tokens=12))
     with pytest.raises(OpdError, match="guard: the rollouts' mismatch"):
         train(cfg, tmp_path / "stop", progress=False)
     assert (tmp_path / "stop" / "checkpoint" / "trainer_state.safetensors").is_file()  # saved for --resume
-    warn = config(pair, plan="noise=0.5", steps=3, guard_every=1, guard_action="warn", guard_limit=GUARD_LIMIT,
-                  max_new_tokens=12)
+    warn = config(pair, plan="noise=0.5", steps=3, guard=dict(every=1, action="warn", limit=GUARD_LIMIT),
+                  sampling=dict(max_new_tokens=12))
     summary = train(warn, tmp_path / "warn", progress=False)
     assert len((tmp_path / "warn" / "guard.jsonl").read_text().splitlines()) == 3 and not summary["guard_fallback"]
 
@@ -227,8 +227,8 @@ def test_guard_stop_and_warn(pair, tmp_path):
 def test_guard_fallback_survives_resume(pair, tmp_path):
     from opd.runlog import read_metrics
     from opd.trainer import train
-    cfg = config(pair, plan="noise=0.5", steps=6, save_every=3, guard_every=2, guard_action="fallback",
-                 guard_limit=GUARD_LIMIT, max_new_tokens=12)
+    cfg = config(pair, plan="noise=0.5", steps=6, save_every=3, guard=dict(every=2, action="fallback",
+                                                                           limit=GUARD_LIMIT), sampling=dict(max_new_tokens=12))
     train(cfg, tmp_path / "full", progress=False)
     with pytest.raises(RuntimeError):
         train(cfg, tmp_path / "resumed", progress=False, on_step=crash_at(4))
@@ -265,8 +265,8 @@ def test_guard_falls_back_to_calibrated_fp8_scales_first_and_keeps_them_on_resum
     fix it (0.03-0.04), so the run keeps its FP8 cache instead of dropping to BF16. A resumed run does the same."""
     from opd.runlog import read_metrics
     from opd.trainer import train
-    cfg = config(pair, plan="kv=fp8_e4m3 key_outlier=1000", steps=6, save_every=3, guard_every=2,
-                 guard_action="fallback", guard_limit=0.08, max_new_tokens=12)
+    cfg = config(pair, plan="kv=fp8_e4m3 key_outlier=1000", steps=6, save_every=3, guard=dict(every=2,
+                                                                                              action="fallback", limit=0.08), sampling=dict(max_new_tokens=12))
     summary = train(cfg, tmp_path / "full", progress=False)
     events = [json.loads(line) for line in (tmp_path / "full" / "guard.jsonl").read_text().splitlines()]
     assert [(e["step"], e["action"]) for e in events] == [(1, "fallback")]
@@ -284,8 +284,8 @@ def test_guard_falls_back_to_calibrated_fp8_scales_first_and_keeps_them_on_resum
 def test_guard_fallback_in_the_async_schedule(pair, tmp_path):
     from opd.runlog import read_metrics
     from opd.trainer import train
-    cfg = config(pair, plan="noise=0.5", steps=6, guard_every=2, guard_action="fallback", guard_limit=GUARD_LIMIT,
-                 max_new_tokens=12, schedule="async", max_staleness=1, threads=2, save_every=0)
+    cfg = config(pair, plan="noise=0.5", steps=6, guard=dict(every=2, action="fallback", limit=GUARD_LIMIT),
+                 sampling=dict(max_new_tokens=12), async_=dict(max_staleness=1), schedule="async", threads=2, save_every=0)
     summary = train(cfg, tmp_path / "run", progress=False)
     rows = read_metrics(tmp_path / "run")
     assert rows[1]["guard/triggered"] == 1.0 and summary["guard_fallback"]
@@ -299,8 +299,9 @@ def test_the_guard_judges_the_numerics_not_the_staleness(pair, tmp_path):
     and stops nothing, although it is over the limit. Staleness is max_staleness's call, and no plan can fix it."""
     from opd.runlog import read_metrics
     from opd.trainer import train
-    cfg = config(pair, plan="", steps=8, guard_every=2, guard_action="stop", guard_limit=1e-3, max_new_tokens=12,
-                 schedule="async", max_staleness=2, threads=2, save_every=0)
+    cfg = config(pair, plan="", steps=8, guard=dict(every=2, action="stop", limit=1e-3),
+                 sampling=dict(max_new_tokens=12), async_=dict(max_staleness=2),
+                 schedule="async", threads=2, save_every=0)
     summary = train(cfg, tmp_path / "run", progress=False)
     checks = [r for r in read_metrics(tmp_path / "run") if "guard/nsr" in r]
     assert summary["steps"] == 8 and len(checks) == 4 and not (tmp_path / "run" / "guard.jsonl").exists()
@@ -451,7 +452,8 @@ def test_training_under_a_key_outlier_plan_trains_the_original_parametrization(p
     runs = {}
     for name, models, plan in (("plain", pair, ""), ("outlier", pair, "key_outlier=300"),
                                ("checkpoint", (tmp_path / "stressed", pair[1]), "")):
-        train(config(models, plan=plan, steps=4, max_new_tokens=12, save_every=0), tmp_path / name, progress=False)
+        train(config(models, plan=plan, steps=4, sampling=dict(max_new_tokens=12), save_every=0), tmp_path / name,
+              progress=False)
         runs[name] = [r for r in read_metrics(tmp_path / name) if "loss/value" in r]
     assert len(runs["plain"]) == 4
     for plain, outlier in zip(runs["plain"], runs["outlier"]):

@@ -10,7 +10,7 @@ import opd
 from opd.cli import main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-SMALL = dict(steps=2, batch_size=4, eval_examples=8, eval_every=0, save_every=0, max_new_tokens=16)
+SMALL = dict(steps=2, batch_size=4, eval=dict(examples=8, every=0), save_every=0, sampling=dict(max_new_tokens=16))
 
 
 def readme_example() -> str:
@@ -40,12 +40,12 @@ def test_the_readme_python_example_runs_as_written(tmp_path, monkeypatch, capsys
 def test_config_is_the_cli_config_and_errors_are_opd_errors(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("family: qwen3\nloss: {name: sampled_rkl}\n")
-    cfg = opd.make_config(path, lr=3e-4, loss={"correction": "tis"})
-    assert (cfg.family, cfg.lr, cfg.loss.name, cfg.loss.correction) == ("qwen3", 3e-4, "sampled_rkl", "tis")
+    cfg = opd.make_config(path, optim=dict(lr=3e-4), loss={"correction": "tis"})
+    assert (cfg.family, cfg.optim.lr, cfg.loss.name, cfg.loss.correction) == ("qwen3", 3e-4, "sampled_rkl", "tis")
     with pytest.raises(opd.OpdError, match="unknown config key 'max_stalenes'.*max_staleness"):
         opd.make_config(max_stalenes=2)
     with pytest.raises(opd.OpdError, match="lr must be positive"):
-        opd.make_config(lr=-1.0)
+        opd.make_config(optim=dict(lr=-1.0))
     with pytest.raises(opd.OpdError, match="expected a config"):
         opd.train("not a config", tmp_path / "run")
 
@@ -73,7 +73,7 @@ def test_reading_a_config_imports_nothing_heavy(tmp_path):
     import sys
     path = tmp_path / "c.yaml"
     path.write_text("family: qwen3\nplan: kv=fp8_e4m3\nloss: {name: sampled_rkl, correction: tis}\n")
-    code = ("import sys; from opd.config import load_config; load_config(sys.argv[1], ['max_staleness=2']); "
+    code = ("import sys; from opd.config import load_config; load_config(sys.argv[1], ['async.max_staleness=2']); "
             "heavy = sorted(m for m in ('torch', 'opd.model', 'opd.engine', 'opd.pretrain') if m in sys.modules); "
             "print(heavy)")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
@@ -89,7 +89,8 @@ def test_a_script_without_the_main_guard_gets_an_error_not_a_hang(tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text("import opd\n"
                       "cfg = opd.make_config(family='llama', schedule='async', threads=2, steps=1, batch_size=2,\n"
-                      "                      eval_examples=2, eval_every=0, max_new_tokens=8, max_worker_restarts=0)\n"
+                      "                      eval={'examples': 2, 'every': 0}, sampling={'max_new_tokens': 8},\n"
+                      "                      async_={'max_worker_restarts': 0})\n"
                       "opd.train(cfg, 'run', progress=False)\n")
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0

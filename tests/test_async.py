@@ -8,7 +8,7 @@ import os
 import pickle
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from functools import partial
 
 import pytest
@@ -19,6 +19,7 @@ from opd.async_rollouts import AsyncRollouts, Result
 from opd.worker import (Channel, RolloutWorker, WorkerSpec, plan_from_tree, plan_tree, recompute, rollout_from_tree,
                         rollout_tree, spec_from_tree, spec_tree)
 from opd.checkpoint import load_checkpoint
+from opd.config import AsyncConfig
 from opd.engine import Engine, Rollout
 from opd.errors import OpdError
 from opd.learner import collate, completion_logprobs
@@ -35,8 +36,10 @@ from helpers import assert_one_line_error, comparable, config, crash_at, opd, re
 pytestmark = pytest.mark.slow
 
 def async_config(pair, **overrides):
+    """An async run of the pair; the async section's settings (max_staleness=1, ...) may be given as keywords."""
+    settings = {key: overrides.pop(key) for key in [f.name for f in fields(AsyncConfig)] if key in overrides}
     # threads=2: one for the worker, one for the trainer, so the trainer's arithmetic matches a threads=1 sync run
-    return config(pair, **({"schedule": "async", "threads": 2, "plan": "kv=fp8_e4m3"} | overrides))
+    return config(pair, **({"schedule": "async", "threads": 2, "plan": "kv=fp8_e4m3", "async_": settings} | overrides))
 
 
 def no_worker_left():
@@ -59,7 +62,7 @@ def test_staleness_zero_reproduces_the_sync_run(pair, tmp_path, plan):
 def test_staleness_one_is_exact_and_measured_apart_from_numerics(pair, tmp_path):
     """k=1: batch s is sampled by version s-1 (0 while the pipeline fills). With a float32 engine the numerics
     mismatch (mu vs q) stays zero although the policy moved (pi vs q): the two are measured apart."""
-    train(async_config(pair, max_staleness=1, plan="", lr=1e-2), tmp_path / "run", progress=False)
+    train(async_config(pair, max_staleness=1, plan="", optim=dict(lr=1e-2)), tmp_path / "run", progress=False)
     rows = read_metrics(tmp_path / "run")[:-1]
     assert [r["stale/version_gap_max"] for r in rows] == [0, 1, 1, 1, 1, 1]
     assert [r["train/version"] for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -192,8 +195,8 @@ def test_a_worker_that_keeps_dying_stops_the_run_with_a_clear_error(pair, tmp_pa
 
 def test_async_through_the_cli(pair, tmp_path):
     student, teacher = pair
-    settings = [f"student={student}", f"teacher={teacher}", "task=add", "steps=3", "batch_size=4", "eval_examples=8",
-                "schedule=async", "max_staleness=1"]
+    settings = [f"student={student}", f"teacher={teacher}", "task=add", "steps=3", "batch_size=4", "eval.examples=8",
+                "schedule=async", "async.max_staleness=1"]
     result = opd("train", *[a for s in settings for a in ("--set", s)], "--run-dir", str(tmp_path / "run"), "--quiet")
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -201,8 +204,9 @@ def test_async_through_the_cli(pair, tmp_path):
 
 
 @pytest.mark.parametrize("setting,message", [
-    ("stale_policy=keep", "unknown stale_policy 'keep'"), ("max_staleness=-1", "max_staleness must be >= 0"),
-    ("prefetch=-2", "prefetch must be >= 0"), ("worker_timeout=0", "worker_timeout must be positive"),
+    ("async.stale_policy=keep", "unknown async.stale_policy 'keep'"),
+    ("async.max_staleness=-1", "async.max_staleness must be >= 0"), ("async.prefetch=-2", "async.prefetch must be >= -1"),
+    ("async.worker_timeout=0", "async.worker_timeout must be positive"), ("max_staleness=1", "'async.max_staleness'"),
     ("threads=1", "async needs more threads (1) than the rollout worker's (1)")])
 def test_bad_async_settings(pair, tmp_path, setting, message):
     student, teacher = pair

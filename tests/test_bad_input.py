@@ -39,7 +39,7 @@ class Ctx:
     def train(self, *sets: str, run: str = "run") -> list:
         """`opd train` on the tiny pair, a 4-step run, plus the case's --set overrides."""
         base = {"student": self.student, "teacher": self.teacher, "task": "add", "steps": 4, "batch_size": 4,
-                "eval_every": 0, "eval_examples": 8, "save_every": 2, "threads": 1}
+                "eval.every": 0, "eval.examples": 8, "save_every": 2, "threads": 1}
         args = [a for k, v in base.items() for a in ("--set", f"{k}={v}")]
         return ["train", *args, *[a for s in sets for a in ("--set", s)], "--run-dir", self.dir / run, "--quiet"]
 
@@ -103,12 +103,32 @@ def zero_batch_size(ctx):
     return ctx.train("batch_size=0")
 
 
-@case("unknown config key 'lrr'", "did you mean lr")
+@case("unknown config key 'lrr'", "did you mean optim.lr")
 def unknown_config_key(ctx):
     return ctx.train("lrr=0.1")
 
 
-@case("steps must be an integer, got 'ten'", "e.g. steps: 150")
+@case("config key 'max_staleness' is now 'async.max_staleness'", "--set async.max_staleness=2")
+def flat_key_from_before_the_sections(ctx):
+    return ctx.train("schedule=async", "threads=2", "max_staleness=2")
+
+
+@case("bad.yaml: config key 'guard_every' is now 'guard.every'", "write guard: {every: 5}")
+def flat_key_in_a_config_file(ctx):
+    return ["train", "--config", ctx.write("bad.yaml", "steps: 4\nguard_every: 5\n"), "--run-dir", ctx.dir / "run"]
+
+
+@case("config: eval must be a mapping (a section)", "--set eval.every=...")
+def section_given_a_value(ctx):
+    return ctx.train("eval=5")
+
+
+@case("unknown config key 'guard.evry'", "did you mean guard.every")
+def unknown_key_in_a_section(ctx):
+    return ctx.train("guard.evry=5")
+
+
+@case("steps must be an integer, got 'ten'", "e.g. --set steps=150")
 def wrong_value_type(ctx):
     return ctx.train("steps=ten")
 
@@ -123,9 +143,9 @@ def missing_config_file(ctx):
     return ["train", "--config", ctx.dir / "missing.yaml", "--run-dir", ctx.dir / "run"]
 
 
-@case("the runtime guard reads the rollouts' numerics mismatch", "set recompute_fraction")
+@case("the runtime guard reads the rollouts' numerics mismatch", "set async.recompute_fraction")
 def guard_without_numerics(ctx):
-    return ctx.train("schedule=async", "threads=2", "recompute_fraction=0", "guard_every=5")
+    return ctx.train("schedule=async", "threads=2", "async.recompute_fraction=0", "guard.every=5")
 
 
 @case("unknown loss 'rkl'")
@@ -147,7 +167,7 @@ def student_without_teacher(ctx):
 def run_dir_holds_a_run(ctx):
     (ctx.dir / "run").mkdir()
     ctx.write("run/config.yaml", dump_config(build_config({"student": str(ctx.student), "teacher": str(ctx.teacher),
-                                                             "task": "add", "lr": 0.5})))
+                                                             "task": "add", "optim": {"lr": 0.5}})))
     return ctx.train()
 
 
@@ -183,49 +203,49 @@ def full_disk_while_saving_a_checkpoint(ctx):
 
 # --- devices, dtypes and batch splitting ----------------------------------------------------------------------------
 
-@case("unknown device 'tpu'", "use auto, cpu, cuda or cuda:N")
+@case("unknown compute.device 'tpu'", "use auto, cpu, cuda or cuda:N")
 def unknown_device(ctx):
-    return ctx.train("device=tpu")
+    return ctx.train("compute.device=tpu")
 
 
 @case("device cuda:99")  # no GPU here: PyTorch sees none; with GPUs: there is no 100th
 def missing_cuda_device(ctx):
-    return ctx.train("device=cuda:99")
+    return ctx.train("compute.device=cuda:99")
 
 
 @case("teacher_device cuda:99")
 def missing_teacher_device(ctx):
-    return ctx.train("teacher_device=cuda:99")
+    return ctx.train("compute.teacher_device=cuda:99")
 
 
 if not torch.cuda.is_available():
     @case("device cuda was asked for, but PyTorch sees no CUDA GPU here", "set device to cpu or auto")
     def cuda_without_a_gpu(ctx):
-        return ctx.train("device=cuda")
+        return ctx.train("compute.device=cuda")
 
     @case("device cuda was asked for, but PyTorch sees no CUDA GPU here")
     def admit_cuda_without_a_gpu(ctx):
-        return ["admit", *ctx.train("device=cuda")[1:-3]]
+        return ["admit", *ctx.train("compute.device=cuda")[1:-3]]
 
 
-@case("unknown dtype 'float16'", "use one of float32, bf16")
+@case("unknown compute.dtype 'float16'", "use one of float32, bf16")
 def unknown_dtype(ctx):
-    return ctx.train("dtype=float16")
+    return ctx.train("compute.dtype=float16")
 
 
-@case("unknown teacher_dtype 'fp8'")
+@case("unknown compute.teacher_dtype 'fp8'")
 def unknown_teacher_dtype(ctx):
-    return ctx.train("teacher_dtype=fp8")
+    return ctx.train("compute.teacher_dtype=fp8")
 
 
 @case("micro_batch_size 3 does not divide batch_size 4", "use a divisor of batch_size")
 def micro_batch_not_a_divisor(ctx):
-    return ctx.train("micro_batch_size=3")
+    return ctx.train("compute.micro_batch_size=3")
 
 
 @case("chunk_tokens must be >= 0, got -1")
 def negative_chunk(ctx):
-    return ctx.train("chunk_tokens=-1")
+    return ctx.train("compute.chunk_tokens=-1")
 
 
 # --- checkpoints ---------------------------------------------------------------------------------------------------
@@ -351,12 +371,12 @@ def malformed_jsonl(ctx):
 
 @case("prompts.jsonl", "no prompts")
 def empty_jsonl(ctx):
-    return ctx.train(f"prompts={ctx.write('prompts.jsonl', '')}")
+    return ctx.train(f"data.prompts={ctx.write('prompts.jsonl', '')}")
 
 
 @case("prompt file not found")
 def missing_prompt_file(ctx):
-    return ctx.train(f"prompts={ctx.dir / 'missing.jsonl'}")
+    return ctx.train(f"data.prompts={ctx.dir / 'missing.jsonl'}")
 
 
 @case("prompts.jsonl:1:", "prompt")
@@ -367,7 +387,7 @@ def jsonl_line_without_a_prompt(ctx):
 @case("gsm8k.jsonl:2: no field 'question' (prompt_key)")
 def line_without_the_mapped_key(ctx):
     lines = json.dumps({"question": "1+2=", "answer": "#### 3"}) + "\n" + json.dumps({"prompt": "2+2="}) + "\n"
-    return ctx.train(f"prompts={ctx.write('gsm8k.jsonl', lines)}", "prompt_key=question", "scoring=gsm8k")
+    return ctx.train(f"data.prompts={ctx.write('gsm8k.jsonl', lines)}", "data.prompt_key=question", "data.scoring=gsm8k")
 
 
 @case("scoring 'no_such_module:score' cannot be imported", "ModuleNotFoundError")
@@ -382,13 +402,13 @@ def scoring_function_that_raises(ctx):
 
 @case("scoring function operator:add returned", "a number in [0, 1]")
 def scoring_function_that_returns_a_string(ctx):
-    return ctx.train("scoring=operator:add")
+    return ctx.train("data.scoring=operator:add")
 
 
-@case("a prompt of", "p.jsonl", "has 61 tokens, over the limit of 56", "long_prompts=drop")
+@case("a prompt of", "p.jsonl", "has 61 tokens, over the limit of 56", "data.long_prompts=drop")
 def prompt_longer_than_the_context(ctx):
     prompts = ctx.write("p.jsonl", json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "9" * 60}) + "\n")
-    return ctx.train(f"prompts={prompts}", "max_new_tokens=8", "eval_fraction=0.5")
+    return ctx.train(f"data.prompts={prompts}", "sampling.max_new_tokens=8", "eval.fraction=0.5")
 
 
 # --- the engine and precision plans --------------------------------------------------------------------------------
@@ -445,18 +465,18 @@ def nan_teacher_scores(ctx):
     return ctx.train(f"teacher={save_checkpoint(ctx.dir / 'overflow', model, tok)}", "max_bad_steps=2")
 
 
-@case("torch.compile of the rollout engine failed", "No working C++ compiler", "engine_compile=false",
+@case("torch.compile of the rollout engine failed", "No working C++ compiler", "engine.compile=false",
       leaves=("run", "run/*", "run/*/*", "inductor", "inductor/**"),
       env={"CXX": "/nonexistent/g++", "TORCHINDUCTOR_CACHE_DIR": "inductor"})
 def engine_compile_without_a_compiler(ctx):
-    return ctx.train("engine_compile=true")
+    return ctx.train("engine.compile=true")
 
 
 @case("engine vllm was requested but vllm is not installed", "pip install -e '.[vllm]'", env={"PYTHONPATH": "shadow"})
 def vllm_requested_but_not_installed(ctx):
     (ctx.dir / "shadow" / "vllm").mkdir(parents=True)  # a stand-in `vllm` that fails to import, first on the path
     ctx.write("shadow/vllm/__init__.py", "raise ImportError('No module named vllm')\n")
-    return ctx.train("engine=vllm")
+    return ctx.train("engine.name=vllm")
 
 
 @case("engine vllm was requested but vllm is not installed", env={"PYTHONPATH": "shadow"})
@@ -496,12 +516,12 @@ def seed_beyond_64_bits(ctx):
 
 @case("lr must be a finite number, got nan")
 def non_finite_learning_rate(ctx):
-    return ctx.train("lr=.nan")
+    return ctx.train("optim.lr=.nan")
 
 
 @case("weight_decay must be >= 0, got -0.1")
 def negative_weight_decay(ctx):
-    return ctx.train("weight_decay=-0.1")
+    return ctx.train("optim.weight_decay=-0.1")
 
 
 @case("loss.cap must be a finite number, got inf")
@@ -509,9 +529,9 @@ def infinite_correction_cap(ctx):
     return ctx.train("loss.correction=tis", "loss.cap=.inf")
 
 
-@case("bad.yaml", "the key 'lr' is given twice at line 2")
+@case("bad.yaml", "the key 'lr' is given twice at line 3")
 def duplicate_key_in_a_config(ctx):
-    return ["train", "--config", ctx.write("bad.yaml", "lr: 0.1\nlr: 0.2\n"), "--run-dir", ctx.dir / "run"]
+    return ["train", "--config", ctx.write("bad.yaml", "optim:\n  lr: 0.1\n  lr: 0.2\n"), "--run-dir", ctx.dir / "run"]
 
 
 @case("bad.yaml is not UTF-8 text (byte 6)", "save it as UTF-8")
@@ -520,9 +540,9 @@ def config_that_is_not_utf8(ctx):
     return ["train", "--config", ctx.dir / "bad.yaml", "--run-dir", ctx.dir / "run"]
 
 
-@case("bad.yaml: lr must be a number, got [0.1]")
+@case("bad.yaml: optim.lr must be a number, got [0.1]")
 def config_value_of_the_wrong_shape(ctx):
-    return ["train", "--config", ctx.write("bad.yaml", "lr: [0.1]\n"), "--run-dir", ctx.dir / "run"]
+    return ["train", "--config", ctx.write("bad.yaml", "optim: {lr: [0.1]}\n"), "--run-dir", ctx.dir / "run"]
 
 
 @case("run/config.yaml: expected a mapping of keys to values, got list")

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TEST_SIZE = {"admit": "--rollouts 2 --set max_new_tokens=16",
-             "train": "--set steps=2 --set batch_size=4 --set max_new_tokens=16 --set eval_examples=4 "
-                      "--set guard_every=1 --quiet"}
+TEST_SIZE = {"admit": "--rollouts 2 --set sampling.max_new_tokens=16",
+             "train": "--set steps=2 --set batch_size=4 --set sampling.max_new_tokens=16 --set eval.examples=4 "
+                      "--set guard.every=1 --quiet"}
 
 
 def demo_recipe(makefile: Path) -> list[str]:

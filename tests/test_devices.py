@@ -140,9 +140,9 @@ def test_a_run_on_the_device_with_bf16_learner_and_teacher(pair, tmp_path, devic
     """A short run with dtype bf16 and teacher_dtype bf16: master weights and optimizer state stay float32, the teacher
     is stored in bf16, and the loss comes down as in float32."""
     from opd.setup import setup
-    cfg = config(pair, steps=8, batch_size=8, lr=1e-2, warmup_steps=0, loss={"name": "full_rkl"}, device=device,
-                 dtype="bf16", teacher_dtype="bf16", micro_batch_size=4, schedule=schedule,
-                 **({"threads": 2, "max_staleness": 1} if schedule == "async" else {}))
+    cfg = config(pair, steps=8, batch_size=8, optim=dict(lr=1e-2, warmup_steps=0), loss={"name": "full_rkl"},
+                 compute=dict(device=device, dtype="bf16", teacher_dtype="bf16", micro_batch_size=4), schedule=schedule,
+                 **({"threads": 2, "async_": {"max_staleness": 1}} if schedule == "async" else {}))
     summary = train(cfg, tmp_path / "run", progress=False)
     rows = read_metrics(tmp_path / "run")
     assert rows[-2]["loss/value"] < rows[0]["loss/value"]

@@ -215,7 +215,7 @@ def test_characters_the_tokenizer_cannot_encode_are_refused_with_file_and_line(b
     with pytest.raises(OpdError, match=r"the prompt 'tab\\there': the tokenizer cannot encode the character '\\t'"):
         tok.encode_prompt("tab\there")
     assert tok.encode_prompt("a<unk>b") == [1, 70, 3, 71]  # the unknown token written literally is not refused
-    cfg = build_config({"prompts": str(path), "eval_fraction": 0.5})
+    cfg = build_config({"data": {"prompts": str(path)}, "eval": {"fraction": 0.5}})
     with pytest.raises(OpdError, match="p.jsonl:3: the tokenizer cannot encode"):
         PromptSet(cfg, tok, 128, 8)
 

@@ -20,11 +20,12 @@ from opd.setup import parse_plan
 pytestmark = [pytest.mark.fuzz, pytest.mark.reliability]
 
 CONFIG = {
-    "family": "qwen3", "task": "add", "steps": 40, "batch_size": 8, "lr": 3.0e-4, "warmup_steps": 2,
-    "plan": {"*": "forward=bf16 kv=fp8_e4m3", "0,3": "kv=bf16"}, "seed": 7, "temperature": 0.9,
+    "family": "qwen3", "task": "add", "steps": 40, "batch_size": 8, "optim": {"lr": 3.0e-4, "warmup_steps": 2},
+    "plan": {"*": "forward=bf16 kv=fp8_e4m3", "0,3": "kv=bf16"}, "seed": 7, "sampling": {"temperature": 0.9},
     "loss": {"name": "sampled_rkl", "correction": "tis", "cap": 2.0},
-    "schedule": "async", "max_staleness": 2, "recompute_fraction": 0.5, "threads": 2, "guard_every": 5,
-    "guard_action": "fallback", "eval_every": 10, "save_every": 10, "micro_batch_size": 4,
+    "schedule": "async", "async": {"max_staleness": 2, "recompute_fraction": 0.5}, "threads": 2,
+    "guard": {"every": 5, "action": "fallback"}, "eval": {"every": 10}, "save_every": 10,
+    "compute": {"micro_batch_size": 4},
 }
 
 
@@ -47,7 +48,7 @@ def finished_run(pair, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("finished") / "run"
     args = ["train", "--run-dir", str(run_dir), "--quiet", "--set", f"student={student}", "--set",
             f"teacher={teacher}", "--set", "task=add", "--set", "steps=4", "--set", "batch_size=4", "--set",
-            "eval_every=0", "--set", "eval_examples=4", "--set", "save_every=2", "--set", "threads=1"]
+            "eval.every=0", "--set", "eval.examples=4", "--set", "save_every=2", "--set", "threads=1"]
     assert cli.main(args) == 0
     (run_dir / "guard.jsonl").write_text(json.dumps({"step": 1, "action": "warn", "nsr": 0.3, "ess_frac": 0.9,
                                                      "limit": 0.1, "reject_at": 0.2, "plan": "", "reasons": []}) + "\n")

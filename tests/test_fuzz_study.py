@@ -28,17 +28,17 @@ ROOT = Path(__file__).parents[1]
 PLOTTED = settings(FUZZ, max_examples=max(3, EXAMPLES // 10))  # the examples that also draw the PNGs (~1 s each)
 
 GRID = b"""families: [llama, qwen3]
-base: {steps: 60, batch_size: 32, warmup_steps: 5, lr_schedule: constant, eval_every: 0, eval_examples: 100,
-       save_every: 0, threads: 1}
+base: {steps: 60, batch_size: 32, save_every: 0, threads: 1, optim: {warmup_steps: 5, schedule: constant},
+       eval: {every: 0, examples: 100}}
 estimators:
-  full_rkl: {loss: {name: full_rkl}, lr: 3.0e-4}
-  sampled_tis: {loss: {name: sampled_rkl, student_term: learner, correction: tis, cap: 2.0}, lr: 1.0e-4}
+  full_rkl: {loss: {name: full_rkl}, optim: {lr: 3.0e-4}}
+  sampled_tis: {loss: {name: sampled_rkl, student_term: learner, correction: tis, cap: 2.0}, optim: {lr: 1.0e-4}}
 seeds: [0]
 points:
   - {source: bf16, level: 0, set: {plan: "forward=bf16 kv=bf16"}, seeds: [0, 1, 2]}
   - {source: kv, level: fp8_e4m3, set: {plan: "forward=bf16 kv=fp8_e4m3"}}
   - {source: noise, level: 0.3, set: {plan: {"*": "forward=bf16 kv=bf16 noise=0.3"}}}
-  - {source: staleness, level: 2, set: {schedule: async, max_staleness: 2, threads: 2}}
+  - {source: staleness, level: 2, set: {schedule: async, async: {max_staleness: 2}, threads: 2}}
 """
 
 
@@ -121,7 +121,7 @@ def run_files(tmp_path_factory) -> dict[str, bytes]:
         model = Transformer(tiny).init_weights(torch.Generator().manual_seed(seed), std=0.2)
         save_checkpoint(root / role, model, TextTokenizer.builtin())
     cfg = build_config(dict(student=str(root / "student"), teacher=str(root / "teacher"), task="add", steps=3,
-                            batch_size=4, eval_every=2, eval_examples=4, save_every=0, threads=1, plan="kv=fp8_e5m2"))
+                            batch_size=4, eval=dict(every=2, examples=4), save_every=0, threads=1, plan="kv=fp8_e5m2"))
     train(cfg, root / "run", progress=False)
     files = {name: (root / "run" / name).read_bytes() for name in RUN_FILES if name != "guard.jsonl"}
     return files | {"guard.jsonl": (json.dumps(GUARD) + "\n" + json.dumps(GUARD | {"step": 3}) + "\n").encode()}

@@ -152,9 +152,9 @@ def readme_commands(family: str, paths: dict[str, Path]) -> list[str]:
 SIZES = {  # the README's commands at test size: appended flags win (argparse and --set both take the last)
     "generate": "--n 3 --max-new-tokens 12 --temperature 0 --json",
     "eval": "--n 6 --max-new-tokens 12",
-    "admit": "--set max_new_tokens=12 --rollouts 4 --json --no-propose",
-    "train": "--set steps=3 --set batch_size=4 --set max_new_tokens=12 --set eval_examples=6 --set eval_fraction=0.25 "
-             "--set lr=1e-4 --quiet",
+    "admit": "--set sampling.max_new_tokens=12 --rollouts 4 --json --no-propose",
+    "train": "--set steps=3 --set batch_size=4 --set sampling.max_new_tokens=12 --set eval.examples=6 "
+             "--set eval.fraction=0.25 --set optim.lr=1e-4 --quiet",
 }
 
 
@@ -214,9 +214,9 @@ def test_chat_file_with_held_out_file_trains(built, tmp_path, capsys):
     file, scoring none (no accuracy; the held-out reverse KL is reported)."""
     (student, teacher), _, chat = built[0]["qwen3"], built[1], built[2]
     held = write_jsonl(tmp_path / "held.jsonl", [{"messages": CHATS[0]}, {"messages": CHATS[2]}])
-    run_cli(["train", "--set", f"student={student}", "--set", f"teacher={teacher}", "--set", f"prompts={chat}",
-             "--set", f"eval_prompts={held}", "--set", "scoring=none", "--set", "steps=2", "--set", "batch_size=2",
-             "--set", "max_new_tokens=8", "--run-dir", str(tmp_path / "run"), "--quiet"], capsys)
+    run_cli(["train", "--set", f"student={student}", "--set", f"teacher={teacher}", "--set", f"data.prompts={chat}",
+             "--set", f"eval.prompts={held}", "--set", "data.scoring=none", "--set", "steps=2", "--set", "batch_size=2",
+             "--set", "sampling.max_new_tokens=8", "--run-dir", str(tmp_path / "run"), "--quiet"], capsys)
     after = json.loads((tmp_path / "run" / "summary.json").read_text())["after"]
     assert after["eval/n"] == 2 and "eval/accuracy" not in after and after["eval/rkl"] >= 0
 
@@ -224,7 +224,7 @@ def test_chat_file_with_held_out_file_trains(built, tmp_path, capsys):
 def test_student_with_another_tokenizer_is_one_line(built, capsys):
     (student, _), (_, other_teacher) = built[0]["qwen3"], built[0]["llama3"]
     status = main(["admit", "--set", f"student={student}", "--set", f"teacher={other_teacher}",
-                   "--set", f"prompts={built[1]}", "--set", "prompt_key=question"])
+                   "--set", f"data.prompts={built[1]}", "--set", "data.prompt_key=question"])
     err = capsys.readouterr().err
     assert status == 2 and len(err.strip().splitlines()) == 1
     assert re.match(r"opd: error: student and teacher tokenizers differ at id \d+: ", err)

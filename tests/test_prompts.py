@@ -60,30 +60,30 @@ def test_not_utf8_is_one_line(tmp_path):
 def test_held_out_split_is_by_hash_and_disjoint(tmp_path):
     rows = [{"prompt": f"question {i}", "answer": str(i)} for i in range(400)]
     path = write(tmp_path, rows)
-    cfg = build_config({"prompts": str(path), "eval_fraction": 0.25, "eval_examples": 1000, "batch_size": 8})
+    cfg = build_config({"data": {"prompts": str(path)}, "eval": {"fraction": 0.25, "examples": 1000}, "batch_size": 8})
     prompts = PromptSet(cfg, TextTokenizer.builtin(), 512, 32)
     held = {ex.prompt for ex in prompts.held_out}
     train = {TextTokenizer.builtin().decode(ids) for ids in prompts.train}
     assert 70 < len(held) < 130 and not held & train and len(held) + len(train) == 400
     assert held == {r["prompt"] for r in rows if held_out_share(r["prompt"]) < 0.25}  # the same split anywhere
     shuffled = write(tmp_path, rows[::-1], "shuffled.jsonl")
-    again = PromptSet(replace(cfg, prompts=str(shuffled)), TextTokenizer.builtin(), 512, 32)
+    again = PromptSet(replace(cfg, data=replace(cfg.data, prompts=str(shuffled))), TextTokenizer.builtin(), 512, 32)
     assert {ex.prompt for ex in again.held_out} == held
     other = write(tmp_path, [{"prompt": "x", "answer": "1"}], "eval.jsonl")
-    assert [ex.prompt for ex in PromptSet(replace(cfg, eval_prompts=str(other)), TextTokenizer.builtin(), 512,
+    assert [ex.prompt for ex in PromptSet(replace(cfg, eval=replace(cfg.eval, prompts=str(other))), TextTokenizer.builtin(), 512,
                                           32).held_out] == ["x"]
 
 
 def test_long_prompts_are_refused_or_dropped(tmp_path, capsys):
     path = write(tmp_path, [{"prompt": "short"}, {"prompt": "a much longer prompt than the limit"}, {"prompt": "ok"}])
-    cfg = build_config({"prompts": str(path), "max_prompt_tokens": 10, "eval_fraction": 0.01})
+    cfg = build_config({"data": {"prompts": str(path), "max_prompt_tokens": 10}, "eval": {"fraction": 0.01}})
     with pytest.raises(OpdError, match="has 36 tokens, over the limit of 10"):
         PromptSet(cfg, TextTokenizer.builtin(), 512, 32)
-    kept = PromptSet(replace(cfg, long_prompts="drop"), TextTokenizer.builtin(), 512, 32)
+    kept = PromptSet(replace(cfg, data=replace(cfg.data, long_prompts="drop")), TextTokenizer.builtin(), 512, 32)
     assert kept.dropped == 1 and len(kept.train) == 2
     assert "dropped 1 training prompts longer than 10 tokens" in capsys.readouterr().err
     with pytest.raises(OpdError, match="leaves no room for a prompt"):
-        PromptSet(replace(cfg, max_prompt_tokens=0), TextTokenizer.builtin(), 32, 32)
+        PromptSet(replace(cfg, data=replace(cfg.data, max_prompt_tokens=0)), TextTokenizer.builtin(), 32, 32)
 
 
 # ---- scoring -----------------------------------------------------------------------------------------------------
@@ -126,4 +126,4 @@ def test_user_scoring_function_and_its_failures(tmp_path, monkeypatch):
     with pytest.raises(OpdError, match="cannot be imported: AttributeError"):
         get_scorer("myscore:missing")
     with pytest.raises(OpdError, match="unknown scoring 'bogus'"):
-        build_config({"scoring": "bogus"})
+        build_config({"data": {"scoring": "bogus"}})

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.reliability
 
 def train_args(pair, run_dir, steps=8, **overrides):
     student, teacher = pair
-    sets = {"student": student, "teacher": teacher, "task": "add", "steps": steps, "batch_size": 4, "eval_every": 0,
-            "eval_examples": 8, "save_every": 2, "threads": 1, "plan": "kv=fp8_e4m3"} | overrides
+    sets = {"student": student, "teacher": teacher, "task": "add", "steps": steps, "batch_size": 4, "eval.every": 0,
+            "eval.examples": 8, "save_every": 2, "threads": 1, "plan": "kv=fp8_e4m3"} | overrides
     return [sys.executable, "-m", "opd.cli", "train", "--run-dir", str(run_dir), "--quiet",
             *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
 
@@ -80,9 +80,9 @@ def test_kill_9_at_a_random_step_then_resume_gives_the_uninterrupted_metrics(pai
 
 @pytest.mark.slow
 def test_kill_9_of_an_async_trainer_leaves_no_worker_and_a_resumable_run(pair, tmp_path):
-    args = train_args(pair, tmp_path / "whole", schedule="async", max_staleness=1, threads=2)
+    args = train_args(pair, tmp_path / "whole", schedule="async", threads=2, **{"async.max_staleness": 1})
     assert subprocess.run(args, capture_output=True, timeout=300).returncode == 0
-    args = train_args(pair, tmp_path / "killed", schedule="async", max_staleness=1, threads=2)
+    args = train_args(pair, tmp_path / "killed", schedule="async", threads=2, **{"async.max_staleness": 1})
     workers = kill_when_logged(args, tmp_path / "killed", 3)
     assert workers, "the async run has no rollout worker"
     deadline = time.time() + 10  # its watchdog notices within 0.2 s
@@ -225,7 +225,7 @@ def interrupt_until_done(args, run_dir, rng, cycles) -> list[str]:
 def test_sigint_and_sigterm_at_random_points_then_resume_give_the_uninterrupted_metrics(pair, tmp_path, schedule):
     """Ctrl-C or SIGTERM anywhere (set-up, mid-step, between steps), repeatedly, each followed by --resume: the run's
     per-step metrics are the uninterrupted run's, every step there exactly once."""
-    extra = {"schedule": "async", "max_staleness": 1, "threads": 2} if schedule == "async" else {}
+    extra = {"schedule": "async", "async.max_staleness": 1, "threads": 2} if schedule == "async" else {}
     whole = subprocess.run(train_args(pair, tmp_path / "whole", **extra), capture_output=True, text=True, timeout=300)
     assert whole.returncode == 0, whole.stderr
     seed = time.time_ns()

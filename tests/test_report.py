@@ -9,7 +9,7 @@ from helpers import config, opd
 
 
 def test_report_from_short_runs(pair, tmp_path):
-    train(config(pair, steps=4, eval_every=2), tmp_path / "fp32", progress=False)
+    train(config(pair, steps=4, eval=dict(every=2)), tmp_path / "fp32", progress=False)
     train(config(pair, steps=3, plan="kv=fp8_e5m2"), tmp_path / "fp8", progress=False)
     result = opd("report", tmp_path / "fp32", tmp_path / "fp8", "--out", tmp_path / "report")
     assert result.returncode == 0, result.stderr

@@ -19,8 +19,8 @@ from helpers import assert_one_line_error, config, opd
 def tiny_grid(pair, points):
     student, teacher = pair
     return {"base": {"student": str(student), "teacher": str(teacher), "task": "add", "steps": 2, "batch_size": 4,
-                     "eval_every": 0, "eval_examples": 4, "save_every": 0, "threads": 1, "plan": "",
-                     "warmup_steps": 1},
+                     "eval": {"every": 0, "examples": 4}, "save_every": 0, "threads": 1, "plan": "",
+                     "optim": {"warmup_steps": 1}},
             "estimators": {"full_rkl": {"loss": {"name": "full_rkl"}}}, "families": ["llama"], "points": points}
 
 
@@ -75,8 +75,8 @@ def test_a_torn_last_line_is_ignored(tmp_path, capsys):
 
 
 def test_bad_grids_fail_before_any_run(pair, tmp_path):
-    with pytest.raises(OpdError, match="grid run llama/full_rkl/kv=x/seed0: config: lr must be positive"):
-        expand(tiny_grid(pair, [{"source": "kv", "level": "x", "set": {"lr": -1}}]))
+    with pytest.raises(OpdError, match="grid run llama/full_rkl/kv=x/seed0: config: optim.lr must be positive"):
+        expand(tiny_grid(pair, [{"source": "kv", "level": "x", "set": {"optim": {"lr": -1}}}]))
     with pytest.raises(OpdError, match="grid run llama/full_rkl/kv=int3/seed0: .*int3"):
         expand(tiny_grid(pair, [{"source": "kv", "level": "int3", "set": {"plan": "kv=int3"}}]))
     with pytest.raises(OpdError, match="needs `source` and `level`"):
@@ -129,7 +129,7 @@ def test_report_writes_plots_from_the_results_alone(tmp_path):
 
 
 def test_sensitivity_puts_the_mismatch_on_one_layer_at_a_time(pair):
-    setup, _ = probe_setup(config(pair, max_new_tokens=12), 8)
+    setup, _ = probe_setup(config(pair, sampling=dict(max_new_tokens=12)), 8)
     maps = layer_map(setup, ("kv=fp32", "noise=0.3"))
     assert all(v < 1e-9 for v in maps["kv=fp32"])  # full precision on the "quantized" layer: no mismatch
     assert all(v > 1e-4 for v in maps["noise=0.3"]) and len(maps["noise=0.3"]) == 2

@@ -25,7 +25,7 @@ from helpers import comparable, config, opd
 
 
 def test_opd_lowers_the_reverse_kl_to_the_teacher(pair, tmp_path):
-    cfg = config(pair, steps=40, batch_size=8, lr=1e-2, warmup_steps=0, loss={"name": "full_rkl"})
+    cfg = config(pair, steps=40, batch_size=8, optim=dict(lr=1e-2, warmup_steps=0), loss={"name": "full_rkl"})
     summary = train(cfg, tmp_path / "run", progress=False)
     assert summary["after"]["eval/rkl"] < 0.5 * summary["before"]["eval/rkl"], summary
     rows = read_metrics(tmp_path / "run")
@@ -48,7 +48,7 @@ def test_engine_compile_reaches_the_rollout_engines_that_sample_for_training(pai
     compiled = []
     monkeypatch.setattr(opd.engine, "compiled_forward",
                         lambda model: compiled.append(model) or partial(opd.engine.next_token_logits, model))
-    cfg = config(pair, steps=2, engine_compile=True, guard_every=1, guard_action="fallback", guard_limit=1e-12,
+    cfg = config(pair, steps=2, engine=dict(compile=True), guard=dict(every=1, action="fallback", limit=1e-12),
                  plan="kv=int8 kv_scale=calibrate")
     train(cfg, tmp_path / "run", progress=False)
     assert [e["action"] for e in map(json.loads, (tmp_path / "run" / "guard.jsonl").open())][0] == "fallback"
@@ -58,7 +58,7 @@ def test_engine_compile_reaches_the_rollout_engines_that_sample_for_training(pai
     setup, plan = probe_setup(cfg, 4)
     setup.make_engine(plan)
     assert not compiled
-    assert make_run(config(pair, engine_compile=True, schedule="async", threads=2)).rollouts.spec.compile
+    assert make_run(config(pair, engine=dict(compile=True), schedule="async", threads=2)).rollouts.spec.compile
 
 
 def test_trainer_q_equals_engine_mu_at_full_precision(pair):
@@ -121,13 +121,13 @@ def test_cli_train_with_yaml_config_logs_and_tensorboard(pair, tmp_path):
     student, teacher = pair
     cfg_file = tmp_path / "opd.yaml"
     cfg_file.write_text(yaml.safe_dump({"student": str(student), "teacher": str(teacher), "task": "add", "steps": 4,
-                                        "batch_size": 4, "eval_examples": 8, "threads": 1,
+                                        "batch_size": 4, "eval": {"examples": 8}, "threads": 1,
                                         "loss": {"name": "fkl"}}))
-    result = opd("train", "--config", cfg_file, "--set", "lr=3e-3", "--run-dir", tmp_path / "run", "--quiet")
+    result = opd("train", "--config", cfg_file, "--set", "optim.lr=3e-3", "--run-dir", tmp_path / "run", "--quiet")
     assert result.returncode == 0, result.stderr
     assert "before" in result.stdout and "after" in result.stdout
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
-    assert saved["lr"] == 3e-3 and saved["loss"]["name"] == "fkl" and saved["steps"] == 4
+    assert saved["optim"]["lr"] == 3e-3 and saved["loss"]["name"] == "fkl" and saved["steps"] == 4
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 4 and 0 <= summary["after"]["eval/accuracy"] <= 1
     rows = read_metrics(tmp_path / "run")
@@ -156,9 +156,9 @@ def test_run_directory_guards(pair, tmp_path):
     train(config(pair, steps=2), run, progress=False)
     with pytest.raises(OpdError, match="already holds a run"):
         train(config(pair, steps=2), run, progress=False)
-    with pytest.raises(OpdError, match=r"different config \(lr\)"):
-        train(config(pair, steps=2, lr=0.5), run, resume=True, progress=False)
-    train(config(pair, steps=2, lr=0.5), run, overwrite=True, progress=False)
+    with pytest.raises(OpdError, match=r"different config \(optim.lr\)"):
+        train(config(pair, steps=2, optim=dict(lr=0.5)), run, resume=True, progress=False)
+    train(config(pair, steps=2, optim=dict(lr=0.5)), run, overwrite=True, progress=False)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(OpdError, match="holds no opd run"):
@@ -168,7 +168,10 @@ def test_run_directory_guards(pair, tmp_path):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("lrr: 0.1\n", "unknown config key 'lrr'.*did you mean lr"),
+    ("lrr: 0.1\n", "unknown config key 'lrr'.*did you mean optim.lr"),
+        ("lr: 0.1\n", "config key 'lr' is now 'optim.lr'.*--set optim.lr=0.1"),
+        ("optim: {lr: 0.1, warmup: 2}\n", "unknown config key 'optim.warmup'.*did you mean optim.warmup_steps"),
+        ("async: 2\n", "async must be a mapping"),
     ("loss: {nme: fkl}\n", "unknown config key 'loss.nme'"),
     ("steps: ten\n", "steps must be an integer"),
     ("loss: {name: rkl}\n", "unknown loss 'rkl'"),
@@ -183,8 +186,8 @@ def test_bad_config_files(tmp_path, text, message):
 
 
 def test_overrides_parse_as_yaml_values():
-    assert parse_overrides(["lr=0.0003", "loss.name=fkl", "exact_kl=false", "plan=kv=fp8_e4m3"]) == \
-        {"lr": 3e-4, "loss": {"name": "fkl"}, "exact_kl": False, "plan": "kv=fp8_e4m3"}
+    assert parse_overrides(["optim.lr=0.0003", "loss.name=fkl", "exact_kl=false", "plan=kv=fp8_e4m3"]) == \
+        {"optim": {"lr": 3e-4}, "loss": {"name": "fkl"}, "exact_kl": False, "plan": "kv=fp8_e4m3"}
     with pytest.raises(OpdError, match="expected key=value"):
         parse_overrides(["lr"])
 

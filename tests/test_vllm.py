@@ -85,7 +85,7 @@ def test_opd_train_with_bf16_vllm_rollouts(pair, tmp_path):
     """The default plan on vLLM is a bfloat16 engine: its mismatch to the float32 trainer is measurable and small
     (bound: mean |delta| < 0.05, kl_k3 < 5e-3; float32 vLLM is ~1e-6), and training runs and syncs every step."""
     student, teacher = pair
-    cfg = config((student, teacher), engine="vllm", plan="kv=bf16 w=bf16", steps=3, save_every=0)
+    cfg = config((student, teacher), engine=dict(name="vllm"), plan="kv=bf16 w=bf16", steps=3, save_every=0)
     summary = train(cfg, tmp_path / "run", progress=False)
     rows = read_metrics(tmp_path / "run")[:-1]
     assert summary["steps"] == 3 and [r["train/version"] for r in rows] == [1, 2, 3]
@@ -150,8 +150,8 @@ def test_opd_generate_on_vllm(pair):
 def test_async_schedule_on_vllm(pair, tmp_path):
     """The rollout worker runs vLLM in-process: staleness 1 exactly, and with float32 vLLM the numerics mismatch
     against q (recomputed by the worker at the sampling weights) stays ~0 while the policy moves (upd_kl_k3 > 0)."""
-    cfg = config(pair, engine="vllm", schedule="async", threads=2, max_staleness=1, plan="", steps=4, save_every=0,
-                 lr=1e-2)
+    cfg = config(pair, engine=dict(name="vllm"), async_=dict(max_staleness=1), optim=dict(lr=1e-2), schedule="async",
+                 threads=2, plan="", steps=4, save_every=0)
     summary = train(cfg, tmp_path / "run", progress=False)
     rows = read_metrics(tmp_path / "run")[:-1]
     assert summary["steps"] == 4 and [r["stale/version_gap_max"] for r in rows] == [0, 1, 1, 1]

@@ -1,0 +1,104 @@
+"""The config in typed sections: each section checks itself, dotted --set keys, keys from before the sections refused
+with their new name (a user's file) or moved (a file opd itself saved: a run's config.yaml, a results line)."""
+import json
+from dataclasses import fields
+
+import pytest
+import yaml
+
+from opd.config import (MOVED, SECTIONS, AsyncConfig, EvalConfig, GuardConfig, TrainConfig, attribute, build_config,
+                        dump_config, flatten, load_config, migrate)
+from opd.errors import OpdError
+
+from helpers import config
+
+
+def old_layout(cfg: TrainConfig) -> dict:
+    """cfg as a config.yaml written before the sections: every moved key at the top, under its old name."""
+    old_name = {new: old for old, new in MOVED.items()}
+    out = {}
+    for key, value in flatten(cfg.to_dict()).items():
+        if key in old_name:
+            out[old_name[key]] = value
+        elif key.startswith("loss."):
+            out.setdefault("loss", {})[key.removeprefix("loss.")] = value
+        else:
+            out[key] = value
+    return out
+
+
+def test_every_setting_has_one_place_and_every_old_key_a_new_one():
+    dotted = {f"{key}.{f.name}" for key, cls in SECTIONS.items() for f in fields(cls)}
+    assert set(MOVED.values()) == {name for name in dotted if not name.startswith("loss.")}
+    assert len(set(MOVED.values())) == len(MOVED)
+    top = {f.name for f in fields(TrainConfig)} - {attribute(key) for key in SECTIONS}
+    assert not top & set(MOVED), "a moved key is still a top-level setting"
+    assert set(flatten(TrainConfig().to_dict())) == dotted | top
+
+
+def test_sections_check_their_own_values():
+    with pytest.raises(OpdError, match="async.max_staleness must be >= 0"):
+        AsyncConfig(max_staleness=-1)
+    with pytest.raises(OpdError, match="unknown guard.action 'pause'"):
+        GuardConfig(action="pause")
+    with pytest.raises(OpdError, match=r"eval.fraction must be in \[0, 1\)"):
+        EvalConfig(fraction=1.0)
+    with pytest.raises(OpdError, match="async.worker_timeout must be a finite number"):
+        AsyncConfig(worker_timeout=float("inf"))
+    assert AsyncConfig(max_staleness=3).lookahead == 3 and AsyncConfig(max_staleness=3, prefetch=0).lookahead == 0
+
+
+def test_what_spans_sections_is_checked_by_the_whole_config():
+    with pytest.raises(OpdError, match="async needs more threads"):
+        build_config({"schedule": "async", "threads": 1})
+    with pytest.raises(OpdError, match="compute.micro_batch_size 3 does not divide batch_size 4"):
+        build_config({"batch_size": 4, "compute": {"micro_batch_size": 3}})
+    build_config({"threads": 1, "async": {"worker_threads": 1}})  # sync: the worker's threads are not used
+
+
+def test_dotted_set_reaches_its_section_and_the_file_round_trips(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("schedule: async\nasync: {max_staleness: 1, recompute_fraction: 0.5}\noptim: {lr: 1.0e-3}\n")
+    cfg = load_config(path, ["async.max_staleness=2", "optim.lr=3e-4", "guard.every=5"])
+    assert (cfg.async_.max_staleness, cfg.async_.recompute_fraction, cfg.optim.lr, cfg.guard.every) == (2, 0.5, 3e-4, 5)
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(dump_config(cfg))
+    assert yaml.safe_load(saved.read_text())["async"]["max_staleness"] == 2  # the YAML key, not the attribute's
+    assert load_config(saved) == cfg
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_key_is_refused_naming_its_new_one(old):
+    value = TrainConfig().to_dict()[MOVED[old].split(".")[0]][MOVED[old].split(".")[1]]
+    with pytest.raises(OpdError) as e:
+        load_config(None, [f"{old}={json.dumps(value)}"])
+    assert f"config key '{old}' is now '{MOVED[old]}'" in e.value.problem
+    assert f"--set {MOVED[old]}=" in e.value.fix
+
+
+def test_a_saved_config_from_before_the_sections_is_moved_not_refused(pair, tmp_path):
+    """A run directory written by the release before the sections still reads, and resumes."""
+    from opd.runlog import read_run_config
+    from opd.trainer import train
+    cfg = config(pair, steps=2, save_every=1, schedule="async", threads=2, async_=dict(max_staleness=1),
+                 optim=dict(lr=3e-3), guard=dict(every=1, limit=100.0), sampling=dict(max_new_tokens=8))
+    run = tmp_path / "run"
+    train(cfg, run, progress=False)
+    saved = read_run_config(run)  # resolved: the sampling settings the run took from the checkpoint
+    old = old_layout(saved)
+    assert "max_staleness" in old and "async" not in old and migrate(old) == saved.to_dict()
+    (run / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    assert read_run_config(run) == saved
+    summary = train(config(pair, steps=3, save_every=1, schedule="async", threads=2, async_=dict(max_staleness=1),
+                           optim=dict(lr=3e-3), guard=dict(every=1, limit=100.0), sampling=dict(max_new_tokens=8)),
+                    run, resume=True, progress=False)
+    assert summary["steps"] == 3
+
+
+def test_a_results_line_from_before_the_sections_reads_in_todays_layout(tmp_path):
+    from pathlib import Path
+    from opd.sweep import read_results
+    stored = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "numerics_results.jsonl"
+    row = json.loads(stored.read_text().splitlines()[0])
+    (tmp_path / "results.jsonl").write_text(json.dumps(row | {"config": old_layout(build_config(row["config"]))}))
+    assert read_results(tmp_path / "results.jsonl", warn=False)[0]["config"] == row["config"]
