@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from opd.engine import Rollout
 from opd.errors import OpdError, require
 from opd.plan import Plan
-from opd.rollouts import Batch, learner_logprobs, sampler_seed, too_stale
+from opd.rollouts import Batch, learner_logprobs, sampler_seed, shards, too_stale
 from opd.worker import RolloutWorker, WorkerLost, WorkerSpec, rollout_from_tree, rollout_tree, weights_message
 
 
@@ -37,16 +37,20 @@ class AsyncRollouts:
     """The trainer side of the async schedule: dispatch within the staleness window, collect, check, restart."""
 
     def __init__(self, spec: WorkerSpec, prompts, seed: int, max_staleness: int, lookahead: int, stale_policy: str,
-                 worker_timeout: float, max_worker_restarts: int, lm_head=None):
+                 worker_timeout: float, max_worker_restarts: int, lm_head=None, n_shards: int = 1,
+                 new_worker=RolloutWorker):
         """lookahead: batches sampled ahead of the one trained (`prefetch`, by default max_staleness); lm_head: the
         learner's output layer, for the exact KL of the rows the worker sends hidden states with (staleness 0, when
-        the spec asks for hidden states), or None."""
+        the spec asks for hidden states), or None; n_shards: sub-batches per batch (rollouts.shards); new_worker:
+        (address, spec, timeout) -> the worker handle (RolloutWorker: a process of our own; ray_backend.RayWorkers:
+        Ray actors)."""
+        self.new_worker, self.n_shards = new_worker, n_shards
         self.spec, self.prompts, self.seed = spec, prompts, seed
         self.max_staleness, self.lookahead, self.stale_policy = max_staleness, lookahead, stale_policy
         self.worker_timeout, self.max_worker_restarts = worker_timeout, max_worker_restarts
         self.lm_head = lm_head
         self.engine_logprobs = self._engine_logprobs()
-        self.worker = RolloutWorker("rollout-0", spec, worker_timeout)
+        self.worker = new_worker("rollout-0", spec, worker_timeout)
         self.order: deque[tuple[int, int]] = deque()  # outstanding keys in dispatch order
         self.ready: dict[tuple[int, int], Result] = {}
         self.next_index = 0
@@ -80,7 +84,7 @@ class AsyncRollouts:
         self.worker.stop(grace=0)
         self.spec = replace(self.spec, plan=plan)
         self.engine_logprobs = self._engine_logprobs()  # the new plan's forward precision
-        self.worker = RolloutWorker(self.worker.address, self.spec, self.worker_timeout)
+        self.worker = self.new_worker(self.worker.address, self.spec, self.worker_timeout)
         self.ready.clear()
         self.scales = {}
         if started:
@@ -166,8 +170,9 @@ class AsyncRollouts:
 
     def _send_generate(self, key: tuple[int, int]) -> None:
         index, attempt = key
-        self.worker.send({"kind": "generate", "key": key, "prompts": self.prompts.batch(index),
-                          "seed": sampler_seed(self.seed, index, attempt)})
+        parts = shards(self.prompts.batch(index), sampler_seed(self.seed, index, attempt), self.n_shards)
+        self.worker.send({"kind": "generate", "key": key, "prompts": [p for prompts, _ in parts for p in prompts],
+                          "shards": [[len(prompts), seed] for prompts, seed in parts]})
 
     def _drain(self) -> None:
         while self._collect(block=False):

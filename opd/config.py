@@ -36,6 +36,7 @@ DTYPE_NAMES = ("float32", "bf16")  # the learner's and teacher's dtypes (devices
 DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
 
 SCHEDULES = ("sync", "async")
+BACKENDS = ("process", "ray")
 ENGINES = ("builtin", "vllm")
 STALE_POLICIES = ("requeue", "drop")
 GUARD_ACTIONS = ("warn", "fallback", "stop")
@@ -127,10 +128,15 @@ class SamplingConfig:
     temperature: float | None = None  # None: generation_config.json's, else 1.0
     top_k: int | None = None  # None: generation_config.json's, else 0 (off)
     top_p: float | None = None  # None: generation_config.json's, else 1.0 (off)
+    # The batch is sampled as this many contiguous sub-batches, each from a seed of its own, so the rollouts are the
+    # same wherever the sub-batches run (one engine, a worker process, or ray.workers Ray actors). 0: one per rollout
+    # worker (1, or ray.workers on the Ray backend); 1 on Ray: whole batches go to the actors in turn.
+    shards: int = 0
 
     def __post_init__(self):
         check_numbers(self, "sampling.")
-        _at_least(self, "sampling", ["max_new_tokens"], 0, "0: the checkpoint's or the task's default")
+        _at_least(self, "sampling", ["max_new_tokens", "shards"], 0, "0: the checkpoint's or the task's default "
+                  "(max_new_tokens), one per rollout worker (shards)")
         require(self.temperature is None or self.temperature > 0,
                 f"config: sampling.temperature must be > 0, got {self.temperature}",
                 "on-policy training samples; greedy rollouts are not on-policy")
@@ -201,10 +207,12 @@ class AsyncConfig:
     worker_threads: int = 1  # the rollout worker's threads (the trainer gets threads - worker_threads)
     worker_timeout: float = 120.0  # seconds without a message from a busy worker before it counts as hung
     max_worker_restarts: int = 2  # a dead or hung worker is restarted this many times, then the run stops
+    backend: str = "process"  # the rollout workers: "process" (one of our own, this machine) or "ray" (section ray)
 
     def __post_init__(self):
         check_numbers(self, "async.")
         _one_of(self, "async", "stale_policy", STALE_POLICIES)
+        _one_of(self, "async", "backend", BACKENDS)
         _at_least(self, "async", ["max_staleness", "max_worker_restarts"], 0)
         _at_least(self, "async", ["prefetch"], -1, "-1: max_staleness")
         require(0 <= self.recompute_fraction <= 1,
@@ -216,6 +224,24 @@ class AsyncConfig:
     def lookahead(self) -> int:
         """Batches the async worker may sample beyond the one being trained."""
         return self.max_staleness if self.prefetch < 0 else self.prefetch
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """The Ray backend (async.backend: ray, ray_backend.py): rollout workers as Ray actors, the learner here."""
+    address: str = ""  # "": a local cluster started for the run; "auto": the `ray start` cluster here; or HOST:PORT
+    workers: int = 1  # rollout actors; each samples its shards of every batch (sampling.shards)
+    worker_cpus: float = 1.0  # Ray resources each rollout actor reserves
+    worker_gpus: float = 0.0
+    connect_timeout: float = 60.0  # seconds to wait for the cluster to answer, and for an actor to start
+
+    def __post_init__(self):
+        check_numbers(self, "ray.")
+        _at_least(self, "ray", ["workers"], 1)
+        require(self.worker_cpus >= 0 and self.worker_gpus >= 0 and self.worker_cpus + self.worker_gpus > 0,
+                f"config: ray.worker_cpus and ray.worker_gpus must be >= 0, not both 0 (got {self.worker_cpus}, "
+                f"{self.worker_gpus})", "e.g. ray.worker_cpus=1")
+        require(self.connect_timeout > 0, f"config: ray.connect_timeout must be positive, got {self.connect_timeout}")
 
 
 @dataclass(frozen=True)
@@ -254,7 +280,7 @@ class ComputeConfig:
 
 
 SECTIONS = {"data": DataConfig, "sampling": SamplingConfig, "loss": LossConfig, "optim": OptimConfig,
-            "eval": EvalConfig, "engine": EngineConfig, "async": AsyncConfig, "guard": GuardConfig,
+            "eval": EvalConfig, "engine": EngineConfig, "async": AsyncConfig, "ray": RayConfig, "guard": GuardConfig,
             "compute": ComputeConfig}  # a config file's sections (their YAML keys) and their types
 
 
@@ -288,6 +314,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
 
@@ -319,6 +346,20 @@ class TrainConfig:
                 f"config: async needs more threads ({self.threads}) than the rollout worker's "
                 f"({self.async_.worker_threads})", "the trainer gets threads - async.worker_threads; on 2 cores use "
                 "threads=2 async.worker_threads=1")
+        require(self.async_.backend != "ray" or self.schedule == "async",
+                "config: async.backend ray is the async schedule's", "set schedule=async")
+        require(self.shards <= self.batch_size, f"config: sampling.shards {self.shards} is more than batch_size "
+                f"{self.batch_size}", "each sub-batch needs a prompt; leave sampling.shards at 0 (one per worker)")
+
+    @property
+    def rollout_workers(self) -> int:
+        """The processes that sample: 1 (this one, or the async worker), or ray.workers Ray actors."""
+        return self.ray.workers if self.schedule == "async" and self.async_.backend == "ray" else 1
+
+    @property
+    def shards(self) -> int:
+        """Sub-batches per batch (sampling.shards; 0: one per rollout worker)."""
+        return self.sampling.shards or self.rollout_workers
 
     @property
     def new_tokens(self) -> int:
@@ -550,8 +591,8 @@ def resolve_generation(cfg: TrainConfig, generation: dict) -> TrainConfig:
     chosen = generation_defaults(generation, temperature=given.temperature, top_k=given.top_k, top_p=given.top_p)
     new_tokens = given.max_new_tokens or generation.get("max_new_tokens") or cfg.new_tokens
     try:
-        sampling = SamplingConfig(max_new_tokens=int(new_tokens), temperature=float(chosen["temperature"]),
-                                  top_k=int(chosen["top_k"]), top_p=float(chosen["top_p"]))
+        sampling = replace(given, max_new_tokens=int(new_tokens), temperature=float(chosen["temperature"]),
+                           top_k=int(chosen["top_k"]), top_p=float(chosen["top_p"]))
     except OpdError:
         raise OpdError(f"generation_config.json's sampling settings are out of range (temperature "
                        f"{chosen['temperature']}, top_k {chosen['top_k']}, top_p {chosen['top_p']})",

@@ -31,6 +31,22 @@ def sampler_seed(seed: int, index: int, attempt: int = 0) -> int:
     return (seed * 1_000_003 + index) * 64 + attempt
 
 
+def shards(prompts: list, seed: int, n: int) -> list[tuple[list, int]]:
+    """A batch's prompts and sampling seed -> its n sub-batches (contiguous, sizes differing by at most one) and their
+    seeds. Every schedule and backend samples a batch this way, so the rollouts do not depend on where each sub-batch
+    is sampled; one shard is the batch itself with its seed."""
+    if n == 1:
+        return [(list(prompts), seed)]
+    size, extra = divmod(len(prompts), n)
+    bounds = [j * size + min(j, extra) for j in range(n + 1)]
+    return [(list(prompts[bounds[j]:bounds[j + 1]]), (seed * 1_000_003 + j + 1) % 2 ** 63) for j in range(n)]
+
+
+def generate_shards(engine, parts: list[tuple[list, int]], params: SamplingParams, return_hidden: bool) -> list:
+    """The rollouts of sub-batches (shards()), sampled one after another by one engine, in order."""
+    return [r for prompts, seed in parts for r in engine.generate(prompts, params, seed, return_hidden=return_hidden)]
+
+
 def too_stale(sampled_version: int, learner_version: int, max_staleness: int) -> str | None:
     """Why a batch sampled by policy version `sampled_version` may not train the learner at `learner_version`, or None
     when it may: the learner is at most `max_staleness` optimizer steps ahead of the weights that sampled it."""
@@ -86,9 +102,11 @@ class SyncRollouts:
     counts: dict = {}
 
     def __init__(self, build: Callable[[Plan], object], plan: Plan, prompts, params: SamplingParams, seed: int,
-                 exact_kl: bool):
-        """build(plan) -> an engine (make_engine with the run's settings); exact_kl: keep the hidden states."""
+                 exact_kl: bool, n_shards: int = 1):
+        """build(plan) -> an engine (make_engine with the run's settings); exact_kl: keep the hidden states;
+        n_shards: sub-batches per batch (shards())."""
         self.build, self.prompts, self.params, self.seed, self.exact_kl = build, prompts, params, seed, exact_kl
+        self.n_shards = n_shards
         self.engine = build(plan)
         self.published: tuple[dict, int] | None = None
 
@@ -106,8 +124,8 @@ class SyncRollouts:
 
     def next_batch(self, step: int, version: int) -> Batch:
         start = time.perf_counter()
-        rollouts = self.engine.generate(self.prompts.batch(step), self.params, sampler_seed(self.seed, step),
-                                        return_hidden=self.exact_kl)
+        parts = shards(self.prompts.batch(step), sampler_seed(self.seed, step), self.n_shards)
+        rollouts = generate_shards(self.engine, parts, self.params, self.exact_kl)
         logprobs = functools.partial(self.engine.logprobs, params=self.params) if self.exact_kl else None
         return Batch(rollouts, {"time/generate": time.perf_counter() - start}, logprobs)
 

@@ -5,6 +5,7 @@ rollouts (one engine in this process, or the async worker), the guard's limits. 
 Nothing here trains: loading is checked (both devices before any weights load, the two tokenizers equal token for
 token, no NaN/Inf weights), so a bad pair fails before minutes of work.
 """
+import functools
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -26,7 +27,7 @@ from opd.rollouts import Rollouts, SyncRollouts, make_engine
 from opd.sampling import SamplingParams
 from opd.scoring import check_scorer
 from opd.tokenizer import TextTokenizer, first_difference
-from opd.worker import WorkerSpec
+from opd.worker import RolloutWorker, WorkerSpec
 
 
 def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer, Path]:
@@ -106,6 +107,11 @@ def setup(cfg: TrainConfig) -> Run:
     """Load the pair and build the optimizer and the rollouts (an async worker starts in `Rollouts.start`, once the
     weights to start from are known)."""
     asynchronous = cfg.schedule == "async"
+    new_worker = RolloutWorker
+    if asynchronous and cfg.async_.backend == "ray":  # the cluster first: its errors come before the models load
+        from opd.ray_backend import RayWorkers, connect
+        connect(cfg.ray, cfg.async_.worker_threads)
+        new_worker = functools.partial(RayWorkers, settings=cfg.ray)
     torch.set_num_threads(cfg.threads - cfg.async_.worker_threads if asynchronous else cfg.threads)
     student, teacher, tok, student_dir = load_pair(cfg)
     cfg = resolve_generation(cfg, tok.generation)
@@ -127,10 +133,11 @@ def setup(cfg: TrainConfig) -> Run:
         settings = cfg.async_
         rollouts = AsyncRollouts(worker_spec(cfg, student, tok, plan, params, exact_kl, student_dir), prompts,
                                  cfg.seed, settings.max_staleness, settings.lookahead, settings.stale_policy,
-                                 settings.worker_timeout, settings.max_worker_restarts, student.lm_head)
+                                 settings.worker_timeout, settings.max_worker_restarts, student.lm_head, cfg.shards,
+                                 new_worker)
     else:
         rollouts = SyncRollouts(engine_builder(cfg, student, tok, student_dir), plan, prompts, params, cfg.seed,
-                                exact_kl)
+                                exact_kl, cfg.shards)
     return Run(cfg, student, teacher, tok, rollouts, plan, opt, prompts, params, State(), student_dir, Guard(cfg))
 
 

@@ -13,7 +13,8 @@ argument is the pipe's handle; its settings and first weights are the first two 
 be hosted as an actor on a cluster engine by swapping the channel. Messages, each a dict with its `kind`:
 
     trainer -> worker   weights   version, state (state_dict)                     publish new weights
-                        generate  key = (index, attempt), prompts, seed           sample one batch
+                        generate  key = (index, attempt), prompts, shards         sample one batch (shards:
+                                  [size, seed] per sub-batch, rollouts.shards)
                         stop
     worker -> trainer   ready     address, pid
                         rollouts  key, rollouts (rollout_tree), scales, seconds = (generate_s, recompute_s), finished_at
@@ -58,7 +59,7 @@ from opd.kv_cache import KVSpec
 from opd.learner import collate, score_batch
 from opd.model import ModelConfig, Transformer, empty_model
 from opd.plan import LayerPrecision, Plan
-from opd.rollouts import make_engine
+from opd.rollouts import generate_shards, make_engine
 from opd.sampling import SamplingParams
 
 POLL = 0.2  # seconds between liveness checks while waiting
@@ -221,22 +222,11 @@ def _exit_with(parent: int) -> None:
     os._exit(0)
 
 
-def worker_main(address: str, conn) -> None:
-    """The rollout worker process: read its start-up data from the channel (the wire-encoded {"spec", "scales"},
-    then the latest "weights" message), build the engine, then serve the channel until "stop" or the trainer is
-    gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer owns Ctrl-C and stops us cleanly
-    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
-    # No named semaphores here: a worker may be killed (the guard's fallback, a hang), and a semaphore it registered
-    # would end the trainer with the resource tracker's "leaked semaphore" warning. torch.compile's FX interpreter
-    # opens a (disabled) tqdm bar, whose interprocess lock is one; the thread lock is enough in this process.
-    from tqdm.std import TqdmDefaultWriteLock
-    TqdmDefaultWriteLock.mp_lock = None
-    channel = Channel(conn)
-    try:
-        init, weights = channel.receive(), channel.receive()
-        if init is None or weights is None:
-            return  # the trainer is gone
+class WorkerCore:
+    """A rollout worker's model, engine and message handling, whatever hosts it: worker_main's process here, or a Ray
+    actor (ray_backend.py). Built from the wire-encoded {"spec", "scales"} and the latest "weights" message."""
+
+    def __init__(self, init: bytes, weights: bytes):
         spec = spec_from_tree(wire.decode(init, what="the rollout worker's settings")["spec"])
         scales = wire.decode(init, spec.device, "the rollout worker's settings")["scales"]  # again: onto spec.device
         first = read(weights, spec.device, "the rollout worker's weights", ("weights",))
@@ -254,29 +244,68 @@ def worker_main(address: str, conn) -> None:
         if spec.vllm_model_dir:
             engine.update_weights(model.state_dict(), first["version"])
         engine.scales.update(scales)
+        self.spec, self.model, self.engine = spec, model, engine
+
+    def read(self, data: bytes) -> dict:
+        return read(data, self.spec.device, "a message from the trainer", TO_WORKER)
+
+    def handle(self, message: dict) -> bytes | None:
+        """A "weights" or "generate" message -> None, or the "rollouts" message to send back."""
+        if message["kind"] == "weights":
+            self.engine.update_weights(message["state"], message["version"])
+            if self.spec.vllm_model_dir:  # the built-in engine's base *is* `model`; vLLM keeps its own copy
+                self.model.load_state_dict(message["state"])
+            return None
+        return rollouts_message(self.engine, self.model, self.spec, message)
+
+
+def error_message(address: str, e: Exception) -> bytes:
+    """An exception inside a worker -> one readable "error" message (the trainer decides what to do)."""
+    where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+    text = str(e) if isinstance(e, OpdError) else \
+        f"{type(e).__name__}: {e}" + (f" (at {os.path.basename(where.filename)}:{where.lineno})" if where else "")
+    return wire.encode({"kind": "error", "address": address, "message": text})
+
+
+def worker_main(address: str, conn) -> None:
+    """The rollout worker process: read its start-up data from the channel (the wire-encoded {"spec", "scales"},
+    then the latest "weights" message), build the engine, then serve the channel until "stop" or the trainer is
+    gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer owns Ctrl-C and stops us cleanly
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
+    # No named semaphores here: a worker may be killed (the guard's fallback, a hang), and a semaphore it registered
+    # would end the trainer with the resource tracker's "leaked semaphore" warning. torch.compile's FX interpreter
+    # opens a (disabled) tqdm bar, whose interprocess lock is one; the thread lock is enough in this process.
+    from tqdm.std import TqdmDefaultWriteLock
+    TqdmDefaultWriteLock.mp_lock = None
+    channel = Channel(conn)
+    try:
+        init, weights = channel.receive(), channel.receive()
+        if init is None or weights is None:
+            return  # the trainer is gone
+        core = WorkerCore(init, weights)
         channel.send(wire.encode({"kind": "ready", "address": address, "pid": os.getpid()}))
         while (data := channel.receive()) is not None:  # None: the trainer is gone
-            message = read(data, spec.device, "a message from the trainer", TO_WORKER)
+            message = core.read(data)
             if message["kind"] == "stop":
                 return
-            if message["kind"] == "weights":
-                engine.update_weights(message["state"], message["version"])
-                if spec.vllm_model_dir:  # the built-in engine's base *is* `model`; vLLM keeps its own copy
-                    model.load_state_dict(message["state"])
-            else:
-                channel.send(rollouts_message(engine, model, spec, message))
+            if (reply := core.handle(message)) is not None:
+                channel.send(reply)
     except Exception as e:  # report one readable line; the trainer decides what to do
-        where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
-        text = str(e) if isinstance(e, OpdError) else \
-            f"{type(e).__name__}: {e}" + (f" (at {os.path.basename(where.filename)}:{where.lineno})" if where else "")
-        channel.send(wire.encode({"kind": "error", "address": address, "message": text}))
+        channel.send(error_message(address, e))
         channel.close(flush=STOP_GRACE)
 
 
 def rollouts_message(engine, model: Transformer, spec: WorkerSpec, message: dict) -> bytes:
-    """One "generate" request -> its "rollouts" message."""
+    """One "generate" request (its prompts, sampled as the sub-batches `shards` lists: [size, seed] each) -> its
+    "rollouts" message."""
     start = time.perf_counter()
-    rollouts = engine.generate(message["prompts"], spec.params, message["seed"], return_hidden=spec.return_hidden)
+    prompts, parts = list(message["prompts"]), []
+    for size, seed in message["shards"]:
+        parts.append((prompts[:size], seed))
+        prompts = prompts[size:]
+    require(not prompts and all(p for p, _ in parts), "a generate message whose shards do not cover its prompts")
+    rollouts = generate_shards(engine, parts, spec.params, spec.return_hidden)
     generated = time.perf_counter()
     if spec.recompute:
         n = math.ceil(spec.recompute_fraction * len(rollouts))

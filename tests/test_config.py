@@ -13,11 +13,17 @@ from opd.errors import OpdError
 from helpers import config
 
 
+ADDED_SINCE = {"sampling.shards", "async.backend", "ray.address", "ray.workers", "ray.worker_cpus", "ray.worker_gpus",
+               "ray.connect_timeout"}  # settings that never were top-level keys
+
+
 def old_layout(cfg: TrainConfig) -> dict:
     """cfg as a config.yaml written before the sections: every moved key at the top, under its old name."""
     old_name = {new: old for old, new in MOVED.items()}
     out = {}
     for key, value in flatten(cfg.to_dict()).items():
+        if key in ADDED_SINCE:
+            continue
         if key in old_name:
             out[old_name[key]] = value
         elif key.startswith("loss."):
@@ -29,7 +35,7 @@ def old_layout(cfg: TrainConfig) -> dict:
 
 def test_every_setting_has_one_place_and_every_old_key_a_new_one():
     dotted = {f"{key}.{f.name}" for key, cls in SECTIONS.items() for f in fields(cls)}
-    assert set(MOVED.values()) == {name for name in dotted if not name.startswith("loss.")}
+    assert set(MOVED.values()) == {name for name in dotted if not name.startswith("loss.")} - ADDED_SINCE
     assert len(set(MOVED.values())) == len(MOVED)
     top = {f.name for f in fields(TrainConfig)} - {attribute(key) for key in SECTIONS}
     assert not top & set(MOVED), "a moved key is still a top-level setting"
@@ -86,7 +92,7 @@ def test_a_saved_config_from_before_the_sections_is_moved_not_refused(pair, tmp_
     train(cfg, run, progress=False)
     saved = read_run_config(run)  # resolved: the sampling settings the run took from the checkpoint
     old = old_layout(saved)
-    assert "max_staleness" in old and "async" not in old and migrate(old) == saved.to_dict()
+    assert "max_staleness" in old and "async" not in old and build_config(migrate(old)) == saved
     (run / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
     assert read_run_config(run) == saved
     summary = train(config(pair, steps=3, save_every=1, schedule="async", threads=2, async_=dict(max_staleness=1),
@@ -102,3 +108,17 @@ def test_a_results_line_from_before_the_sections_reads_in_todays_layout(tmp_path
     row = json.loads(stored.read_text().splitlines()[0])
     (tmp_path / "results.jsonl").write_text(json.dumps(row | {"config": old_layout(build_config(row["config"]))}))
     assert read_results(tmp_path / "results.jsonl", warn=False)[0]["config"] == row["config"]
+
+
+def test_the_ray_backend_settings_are_checked():
+    with pytest.raises(OpdError, match="async.backend ray is the async schedule's"):
+        build_config({"async": {"backend": "ray"}})
+    with pytest.raises(OpdError, match="unknown async.backend 'mpi'"):
+        build_config({"async": {"backend": "mpi"}})
+    with pytest.raises(OpdError, match="sampling.shards 9 is more than batch_size 8"):
+        build_config({"batch_size": 8, "sampling": {"shards": 9}})
+    with pytest.raises(OpdError, match="ray.workers must be positive"):
+        build_config({"ray": {"workers": 0}})
+    cfg = build_config({"schedule": "async", "async": {"backend": "ray"}, "ray": {"workers": 3}})
+    assert (cfg.rollout_workers, cfg.shards) == (3, 3)
+    assert build_config({"sampling": {"shards": 2}}).shards == 2 and TrainConfig().shards == 1

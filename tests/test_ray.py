@@ -1,0 +1,151 @@
+"""The Ray backend (ray_backend.py) on a local cluster the tests start (2 CPUs, no dashboard), inside a network
+namespace with only loopback (`make test` runs pytest under `unshare -n`): N rollout actors at staleness 0 are the
+synchronous run with the same shards, a killed actor is restarted, restarts run out into one line, and a crash then
+--resume is the whole run. Ray is the optional extra `.[ray]`, which `make test` installs."""
+import os
+import sys
+import time
+
+import pytest
+
+from opd.errors import OpdError
+from opd.trainer import train
+
+from helpers import assert_one_line_error, comparable, config, crash_at, opd
+
+pytestmark = pytest.mark.ray
+
+
+def loopback_only() -> bool:
+    """This process's network namespace has no interface but loopback (if_nameindex asks the kernel about this
+    namespace; /sys/class/net may still show the host's)."""
+    import socket
+    return [name for _, name in socket.if_nameindex()] == ["lo"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]'; make test installs it)")
+    if not loopback_only():
+        pytest.skip("a Ray cluster here would use the machine's network address: run pytest inside a network "
+                    "namespace with only loopback (make test does: unshare -n)")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+             logging_level="ERROR")
+    yield ray
+    ray.shutdown()
+
+
+def ray_config(pair, **overrides):
+    """An async run of the pair on the cluster's rollout actors (one thread each, the trainer one)."""
+    values = {"schedule": "async", "threads": 2, "plan": "kv=fp8_e4m3", "save_every": 0,
+              "async_": {"backend": "ray", "worker_timeout": 60.0}, "ray": {"workers": 2, "worker_cpus": 1.0}}
+    for key in ("async_", "ray"):
+        values[key] = values[key] | overrides.pop(key, {})
+    return config(pair, **(values | overrides))
+
+
+def same_metrics(rows, sync) -> bool:
+    """rows (an async run) equal the sync run's on every metric the sync run has (the async ones aside)."""
+    return len(rows) == len(sync) and \
+        comparable(sync) == [{k: v for k, v in row.items() if k in s} for row, s in zip(comparable(rows), sync)]
+
+
+def actors(run):
+    return run.rollouts.worker.actors
+
+
+def kill_actor_at(at_step: int, which: int = 0):
+    def kill(step, run):
+        if step == at_step:
+            import ray
+            ray.kill(actors(run)[which], no_restart=True)
+    return kill
+
+
+def test_n_actors_at_staleness_0_are_the_sync_run_with_the_same_shards(cluster, pair, tmp_path):
+    """Every step's metrics (mismatch, losses, the exact KL from the actors' hidden states) equal the synchronous
+    run that samples each batch as the same two sub-batches in this process."""
+    from opd.runlog import read_metrics
+    train(config(pair, plan="kv=fp8_e4m3", sampling={"shards": 2}, save_every=0), tmp_path / "sync", progress=False)
+    summary = train(ray_config(pair, async_={"max_staleness": 0}), tmp_path / "ray", progress=False)
+    assert summary["steps"] == 6 and summary["async/worker_restarts"] == 0
+    sync, ray_rows = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "ray")
+    assert same_metrics(ray_rows, sync) and "mismatch/kl_exact" in ray_rows[0]
+
+
+def test_the_shards_do_not_depend_on_the_number_of_actors(cluster, pair, tmp_path):
+    """Four shards on two actors (shards 0, 2 and 1, 3) equal four shards sampled in this process. (Two prompts a
+    shard: with one, an engine in another process, a Ray actor or the process backend's worker alike, gives log-probs
+    that differ from this process's in the last bits, tokens equal; dev/LOG.md.)"""
+    from opd.runlog import read_metrics
+    train(config(pair, plan="kv=fp8_e4m3", steps=3, batch_size=8, sampling={"shards": 4}, save_every=0),
+          tmp_path / "sync", progress=False)
+    train(ray_config(pair, steps=3, batch_size=8, sampling={"shards": 4}, async_={"max_staleness": 0}),
+          tmp_path / "ray", progress=False)
+    assert same_metrics(read_metrics(tmp_path / "ray"), read_metrics(tmp_path / "sync"))
+
+
+def test_a_killed_actor_is_restarted_with_the_newest_weights(cluster, pair, tmp_path):
+    start = time.monotonic()
+    summary = train(ray_config(pair, async_={"max_staleness": 1}), tmp_path / "run", progress=False,
+                    on_step=kill_actor_at(2, which=1))
+    assert summary["async/worker_restarts"] == 1 and summary["steps"] == 6
+    assert time.monotonic() - start < 120
+
+
+def test_restarts_used_up_stop_the_run_with_one_line_and_a_checkpoint(cluster, pair, tmp_path):
+    with pytest.raises(OpdError, match=r"rollout worker rollout-0 \(Ray actor 0\) died.*restarted 0 times"):
+        train(ray_config(pair, async_={"max_staleness": 1, "max_worker_restarts": 0}), tmp_path / "run",
+              progress=False, on_step=kill_actor_at(1))
+    assert (tmp_path / "run" / "checkpoint").is_dir()
+
+
+def test_crash_then_resume_is_the_whole_run(cluster, pair, tmp_path):
+    from opd.runlog import read_metrics
+    cfg = ray_config(pair, save_every=3, async_={"max_staleness": 1})
+    train(cfg, tmp_path / "whole", progress=False)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(cfg, tmp_path / "cut", progress=False, on_step=crash_at(4))
+    train(cfg, tmp_path / "cut", resume=True, progress=False)
+    assert comparable(read_metrics(tmp_path / "cut")) == comparable(read_metrics(tmp_path / "whole"))
+
+
+def test_only_loopback_sockets(cluster):
+    """The cluster listens on 127.0.0.1 only (and the namespace has no other interface to reach)."""
+    import subprocess
+    listening = subprocess.run(["ss", "-Htln"], capture_output=True, text=True).stdout.split("\n")
+    addresses = [line.split()[3] for line in listening if line.strip()]
+    assert addresses and all(a.rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:") in ("127.0.0.1", "::1")
+                             for a in addresses), addresses
+
+
+# -- bad input: one line, no hang -----------------------------------------------------------------------------------
+def cli_args(pair, tmp_path, *sets):
+    student, teacher = pair
+    base = [f"student={student}", f"teacher={teacher}", "task=add", "steps=2", "batch_size=4", "eval.examples=4",
+            "schedule=async", "async.backend=ray", *sets]
+    return ["train", *[a for s in base for a in ("--set", s)], "--run-dir", str(tmp_path / "run"), "--quiet"]
+
+
+def test_an_address_that_does_not_answer(pair, tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]'; make test installs it)")
+    start = time.monotonic()
+    result = opd(*cli_args(pair, tmp_path, "ray.address=127.0.0.1:9", "ray.connect_timeout=5"))
+    assert_one_line_error(result, "the Ray cluster at 127.0.0.1:9 does not answer", "ray start --head")
+    assert time.monotonic() - start < 60
+
+
+def test_resources_the_cluster_cannot_give(cluster, pair, tmp_path):
+    result = opd(*cli_args(pair, tmp_path, "ray.workers=2", "ray.worker_gpus=1"))
+    assert_one_line_error(result, "rollout workers need", "GPUs", "lower ray.workers")
+
+
+def test_ray_not_installed(pair, tmp_path):
+    shadow = tmp_path / "shadow" / "ray"
+    shadow.mkdir(parents=True)  # a stand-in `ray` that fails to import, first on the path
+    (shadow / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    import subprocess
+    result = subprocess.run([sys.executable, "-m", "opd.cli", *cli_args(pair, tmp_path)], capture_output=True,
+                            text=True, env=os.environ | {"PYTHONPATH": str(tmp_path / "shadow")}, timeout=300)
+    assert_one_line_error(result, "async.backend ray needs Ray, which is not installed", "pip install -e '.[ray]'")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
