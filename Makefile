@@ -44,7 +44,7 @@ demo: $(STAMP)
 # The Ray tests run in a network namespace with only loopback (unshare -n; CI runs as root): a local Ray cluster
 # here would otherwise listen on the machine's own address. Without the namespace they skip, saying so.
 test: $(VLLM_STAMP) $(RAY_STAMP)
-	$(PY) -m pytest -q -m "not ray"
+	$(PY) -m pytest -q -m "not ray" -n 2 --dist loadfile
 	@if unshare -n true 2>/dev/null; then \
 	  unshare -n sh -c 'ip link set lo up && exec $(PY) -m pytest -q -m ray'; \
 	else \

@@ -234,10 +234,16 @@ class RayConfig:
     worker_cpus: float = 1.0  # Ray resources each rollout actor reserves
     worker_gpus: float = 0.0
     connect_timeout: float = 60.0  # seconds to wait for the cluster to answer, and for an actor to start
+    teacher: bool = False  # the teacher's forward on a scoring actor of its own (its output layer stays here)
+    teacher_cpus: float = 1.0  # Ray resources the teacher actor reserves
+    teacher_gpus: float = 0.0
 
     def __post_init__(self):
         check_numbers(self, "ray.")
         _at_least(self, "ray", ["workers"], 1)
+        require(self.teacher_cpus >= 0 and self.teacher_gpus >= 0 and self.teacher_cpus + self.teacher_gpus > 0,
+                f"config: ray.teacher_cpus and ray.teacher_gpus must be >= 0, not both 0 (got {self.teacher_cpus}, "
+                f"{self.teacher_gpus})", "e.g. ray.teacher_cpus=1")
         require(self.worker_cpus >= 0 and self.worker_gpus >= 0 and self.worker_cpus + self.worker_gpus > 0,
                 f"config: ray.worker_cpus and ray.worker_gpus must be >= 0, not both 0 (got {self.worker_cpus}, "
                 f"{self.worker_gpus})", "e.g. ray.worker_cpus=1")
@@ -348,6 +354,8 @@ class TrainConfig:
                 "threads=2 async.worker_threads=1")
         require(self.async_.backend != "ray" or self.schedule == "async",
                 "config: async.backend ray is the async schedule's", "set schedule=async")
+        require(not self.ray.teacher or self.async_.backend == "ray",
+                "config: ray.teacher needs the Ray backend", "set schedule=async and async.backend=ray")
         require(self.shards <= self.batch_size, f"config: sampling.shards {self.shards} is more than batch_size "
                 f"{self.batch_size}", "each sub-batch needs a prompt; leave sampling.shards at 0 (one per worker)")
 

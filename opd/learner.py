@@ -148,13 +148,25 @@ def score_batch(student: Transformer, batch: Batch, teacher: Transformer | None 
     return Scores(field("s_y"), field("t_y"), field("kl_exact"), field("rkl"), value, metrics, seconds)
 
 
-def _teacher_source(teacher: Transformer | None, mb: Batch) -> Source | None:
+class TeacherElsewhere:
+    """A teacher whose body runs elsewhere (ray_backend.RemoteTeacher: a Ray actor): it returns the final hidden
+    states at the completion positions, [M, d], and its output layer (`lm_head`) is applied here, chunk by chunk, so
+    no [tokens, vocabulary] tensor travels."""
+    lm_head: torch.nn.Module
+
+    def completion_hidden(self, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _teacher_source(teacher: "Transformer | TeacherElsewhere | None", mb: Batch) -> Source | None:
     """The teacher's distributions of a micro-batch: its hidden states now, its output layer chunk by chunk."""
     if teacher is None:
         return None
     start = time.perf_counter()
     with torch.no_grad():
-        source = Source(completion_hidden(teacher, mb), output_layer(teacher))
+        hidden = teacher.completion_hidden(mb) if isinstance(teacher, TeacherElsewhere) else \
+            completion_hidden(teacher, mb)
+        source = Source(hidden, output_layer(teacher))
     source.seconds = time.perf_counter() - start
     return source
 

@@ -25,20 +25,29 @@ state are the async schedule's, unchanged.
   Ray itself would retry for minutes). A cluster that cannot hold the actors' resources is refused before anything
   loads. A Ray cluster is a remote-code-execution service for whoever reaches its ports: keep it on a private
   network. opd opens no port of its own.
-- **Not here (yet):** the teacher as a scoring actor (the teacher scores in the trainer process); with
-  `kv_scale=calibrate` each actor calibrates its own KV scales on its first shard, and the checkpoint keeps actor
-  0's.
+- **The teacher** (`ray.teacher: true`) can run on a scoring actor of its own (`ray.teacher_cpus/gpus`): its body
+  there, its output layer here, applied chunk by chunk (learner.TeacherElsewhere), so what travels per micro-batch
+  is token ids one way and [tokens, hidden] back, never [tokens, vocabulary]. The teacher is still loaded here once
+  (to check it against the student) and shipped through the object store; then only its output layer stays. A dead
+  or silent teacher actor stops the run with one line (`--resume` continues).
+- **Not here (yet):** with `kv_scale=calibrate` each rollout actor calibrates its own KV scales on its first shard,
+  and the checkpoint keeps the first actor's.
 """
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
 import tempfile
 import time
 
+import torch
+
 from opd import wire
 from opd.config import RayConfig
 from opd.errors import OpdError, require
+from opd.learner import TeacherElsewhere
+from opd.model import ModelConfig, empty_model
 from opd.worker import (COMPILE_GRACE, FROM_WORKER, POLL, WorkerCore, WorkerLost, WorkerSpec, error_message, read,
                         spec_tree)
 
@@ -102,13 +111,75 @@ def connect(settings: RayConfig, worker_threads: int) -> None:
     total = ray.cluster_resources()
     cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
     n = settings.workers
-    require(n * settings.worker_cpus <= cpus + 1e-9 and n * settings.worker_gpus <= gpus + 1e-9,
-            f"the Ray cluster has {cpus:g} CPUs and {gpus:g} GPUs; {n} rollout workers need "
-            f"{n * settings.worker_cpus:g} CPUs and {n * settings.worker_gpus:g} GPUs",
+    need_cpus = n * settings.worker_cpus + (settings.teacher_cpus if settings.teacher else 0)
+    need_gpus = n * settings.worker_gpus + (settings.teacher_gpus if settings.teacher else 0)
+    require(need_cpus <= cpus + 1e-9 and need_gpus <= gpus + 1e-9,
+            f"the Ray cluster has {cpus:g} CPUs and {gpus:g} GPUs; {n} rollout workers"
+            f"{' and the teacher' if settings.teacher else ''} need {need_cpus:g} CPUs and {need_gpus:g} GPUs",
             "lower ray.workers, ray.worker_cpus or ray.worker_gpus, or add nodes to the cluster")
     require(worker_threads <= max(1, settings.worker_cpus) or settings.worker_gpus > 0,
             f"async.worker_threads {worker_threads} is more than the {settings.worker_cpus:g} CPUs each rollout "
             "actor reserves", "raise ray.worker_cpus or lower async.worker_threads")
+
+
+class TeacherActor:
+    """The teacher's forward, hosted by Ray: its final hidden states at the positions the learner asks for."""
+
+    def __init__(self, init: bytes):
+        tree = wire.decode(init, what="the teacher actor's model")
+        torch.set_num_threads(int(tree["threads"]))
+        self.device = "cuda" if tree["gpus"] and torch.cuda.is_available() else "cpu"
+        model = empty_model(ModelConfig(**tree["config"]))
+        model.load_state_dict({k: v.to(self.device) for k, v in tree["state"].items()}, assign=True)
+        if model.cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        self.model = model.eval().requires_grad_(False)
+
+    def ready(self) -> bool:
+        return True
+
+    def hidden(self, data: bytes) -> bytes:
+        """{"input_ids" [B, L], "rows" [M], "cols" [M]} -> {"hidden" [M, d]} at those (row, position) pairs."""
+        tree = wire.decode(data, self.device, "a request to the teacher actor")
+        with torch.no_grad():
+            hidden = self.model.hidden(tree["input_ids"])[tree["rows"], tree["cols"]]
+        return wire.encode({"hidden": hidden.cpu().contiguous()})
+
+
+class RemoteTeacher(TeacherElsewhere):
+    """The learner's handle on the teacher actor: the teacher's body runs there, its output layer here (learner.py
+    applies it chunk by chunk), so what travels per micro-batch is token ids one way and [tokens, hidden] back."""
+
+    def __init__(self, model, settings: RayConfig, threads: int, timeout: float):
+        ray = _ray()
+        init = wire.encode({"config": dataclasses.asdict(model.cfg), "state": model.state_dict(), "threads": threads,
+                            "gpus": settings.teacher_gpus})
+        actor = ray.remote(TeacherActor).options(num_cpus=settings.teacher_cpus, num_gpus=settings.teacher_gpus,
+                                                 max_restarts=0)
+        self.actor = actor.remote(ray.put(init))
+        self.lm_head, self.cfg, self.timeout = model.lm_head, model.cfg, timeout
+        self._call(self.actor.ready.remote(), settings.connect_timeout + timeout, "to start")
+
+    def completion_hidden(self, batch) -> torch.Tensor:
+        rows, cols = batch.mask.nonzero(as_tuple=True)
+        data = wire.encode({"input_ids": batch.input_ids, "rows": rows, "cols": batch.positions[rows, cols]})
+        out = self._call(self.actor.hidden.remote(data), self.timeout, "for a batch")
+        return wire.decode(out, self.lm_head.weight.device, "the teacher actor's hidden states")["hidden"]
+
+    def close(self) -> None:
+        _ray().kill(self.actor, no_restart=True)
+
+    def _call(self, ref, timeout: float, what: str):
+        ray = _ray()
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.RayActorError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise OpdError(f"the teacher actor died: {first[:200]}",
+                           "check its node's memory; the run can be resumed with --resume") from None
+        except ray.exceptions.GetTimeoutError:
+            raise OpdError(f"the teacher actor answered nothing within {timeout:.0f} s {what}",
+                           "check the cluster (ray status); raise async.worker_timeout for a slow teacher") from None
 
 
 class RolloutActor:

@@ -114,6 +114,9 @@ def setup(cfg: TrainConfig) -> Run:
         new_worker = functools.partial(RayWorkers, settings=cfg.ray)
     torch.set_num_threads(cfg.threads - cfg.async_.worker_threads if asynchronous else cfg.threads)
     student, teacher, tok, student_dir = load_pair(cfg)
+    if asynchronous and cfg.ray.teacher and cfg.async_.backend == "ray":  # its body to an actor, its head stays
+        from opd.ray_backend import RemoteTeacher
+        teacher = RemoteTeacher(teacher, cfg.ray, cfg.async_.worker_threads, cfg.async_.worker_timeout)
     cfg = resolve_generation(cfg, tok.generation)
     context = min(student.cfg.context, teacher.cfg.context)
     plan = parse_plan(cfg, student.cfg.num_layers)

@@ -14,7 +14,7 @@ from helpers import config
 
 
 ADDED_SINCE = {"sampling.shards", "async.backend", "ray.address", "ray.workers", "ray.worker_cpus", "ray.worker_gpus",
-               "ray.connect_timeout"}  # settings that never were top-level keys
+               "ray.connect_timeout", "ray.teacher", "ray.teacher_cpus", "ray.teacher_gpus"}  # never top-level keys
 
 
 def old_layout(cfg: TrainConfig) -> dict:
@@ -117,6 +117,8 @@ def test_the_ray_backend_settings_are_checked():
         build_config({"async": {"backend": "mpi"}})
     with pytest.raises(OpdError, match="sampling.shards 9 is more than batch_size 8"):
         build_config({"batch_size": 8, "sampling": {"shards": 9}})
+    with pytest.raises(OpdError, match="ray.teacher needs the Ray backend"):
+        build_config({"schedule": "async", "ray": {"teacher": True}})
     with pytest.raises(OpdError, match="ray.workers must be positive"):
         build_config({"ray": {"workers": 0}})
     cfg = build_config({"schedule": "async", "async": {"backend": "ray"}, "ray": {"workers": 3}})

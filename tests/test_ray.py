@@ -85,6 +85,33 @@ def test_the_shards_do_not_depend_on_the_number_of_actors(cluster, pair, tmp_pat
     assert same_metrics(read_metrics(tmp_path / "ray"), read_metrics(tmp_path / "sync"))
 
 
+def test_the_teacher_on_an_actor_of_its_own_scores_as_the_teacher_here(cluster, pair, tmp_path):
+    """ray.teacher: the teacher's forward on a scoring actor, its output layer in the learner: every per-step metric
+    (teacher log-probs, losses, gradients) and the held-out reverse KL as with the teacher in the learner."""
+    from opd.runlog import read_metrics
+    from opd.setup import setup
+    base = {"steps": 3, "batch_size": 8, "async_": {"max_staleness": 0}, "ray": {"workers": 1}}
+    train(ray_config(pair, **base), tmp_path / "here", progress=False)
+    train(ray_config(pair, **(base | {"ray": {"workers": 1, "teacher": True}})), tmp_path / "actor", progress=False)
+    assert comparable(read_metrics(tmp_path / "actor")) == comparable(read_metrics(tmp_path / "here"))
+    from opd.ray_backend import RemoteTeacher
+    run = setup(ray_config(pair, **(base | {"ray": {"workers": 1, "teacher": True}})))
+    assert isinstance(run.teacher, RemoteTeacher)  # the learner keeps the teacher's output layer only
+    assert tuple(run.teacher.lm_head.weight.shape) == (run.student.cfg.vocab_size, run.teacher.cfg.hidden_size)
+    run.teacher.close()
+
+
+def test_a_dead_teacher_actor_stops_the_run_with_one_line(cluster, pair, tmp_path):
+    def kill_teacher(step, run):
+        if step == 1:
+            import ray
+            ray.kill(run.teacher.actor, no_restart=True)
+    with pytest.raises(OpdError, match="the teacher actor died"):
+        train(ray_config(pair, steps=4, ray={"workers": 1, "teacher": True}), tmp_path / "run", progress=False,
+              on_step=kill_teacher)
+    assert (tmp_path / "run" / "checkpoint").is_dir()
+
+
 def test_a_killed_actor_is_restarted_with_the_newest_weights(cluster, pair, tmp_path):
     start = time.monotonic()
     summary = train(ray_config(pair, async_={"max_staleness": 1}), tmp_path / "run", progress=False,
