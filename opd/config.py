@@ -47,7 +47,7 @@ SEED_LIMIT = 2 ** 32  # seeds are in [0, SEED_LIMIT): sampler_seed(seed, step) m
 INT_LIMIT = 2 ** 31  # any other integer setting (a count or a size) is below it
 
 
-LOSSES = ("sampled_rkl", "full_rkl", "topk_rkl", "fkl", "jsd")
+LOSSES = ("sampled_rkl", "full_rkl", "topk_rkl", "fkl", "jsd", "topk_fkl", "topk_rkl_tail")
 STUDENT_TERMS = ("sampler", "learner")
 CORRECTIONS = ("none", "tis", "mis")
 

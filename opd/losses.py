@@ -18,6 +18,14 @@ the ratio that makes the estimate below unbiased for the current policy when `y 
 - `topk_rkl`: the same on the k most likely tokens S_t of the student (sg) or of the teacher, both distributions
   renormalised on S_t: sum_{v in S} p~(v) (s~(v) - T~(v)), s~ = s - logsumexp_S(s).
 - `fkl`: forward KL(T_t || pi_t) = sum_v p_T(v) (T(v) - s(v)).
+- `topk_fkl`, `topk_rkl_tail`: what a teacher served by an inference engine allows, which returns only its k most
+  likely tokens S_t and their log-probs (verl, TRL, slime): the forward or reverse KL between the two distributions
+  coarsened to k + 1 outcomes, each token of S_t and one tail bucket for the rest,
+      topk_fkl       sum_{v in S} p_T(v) (T(v) - s(v)) + T_tail (log T_tail - log p_tail)
+      topk_rkl_tail  sum_{v in S} p(v) (s(v) - T(v)) + p_tail (log p_tail - log T_tail)
+  with T_tail = 1 - sum_S p_T (from the k log-probs alone) and p_tail = 1 - sum_S p (the learner's, exact:
+  logsumexp over the complement). Coarsening never increases a KL, and S for k + 1 refines S for k, so each is at
+  most its full-vocabulary loss and grows with k to it (equal at k = V; tests).
 - `jsd`: generalised Jensen-Shannon (GKD) JSD_beta = beta KL(T || M) + (1 - beta) KL(pi || M),
   M = beta p_T + (1 - beta) p, for 0 < beta < 1 (its limits are the forward and reverse KL, up to scale).
 The full-distribution losses need the learner's and teacher's whole distributions at each position, which a
@@ -70,6 +78,27 @@ def topk_rkl(student_logp: torch.Tensor, teacher_logp: torch.Tensor, k: int, sup
     return kl(s.log_softmax(-1), t.log_softmax(-1))
 
 
+def topk_tail_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor, k: int, forward: bool) -> torch.Tensor:
+    """KL between the student's and the teacher's distributions coarsened to the teacher's top-k tokens and one tail
+    bucket (forward: KL(T || pi), else KL(pi || T)); the teacher's tail mass comes from its k log-probs only."""
+    V = student_logp.shape[-1]
+    if k >= V:
+        return kl(teacher_logp, student_logp) if forward else kl(student_logp, teacher_logp)
+    idx = teacher_logp.topk(k, dim=-1).indices
+    s, t = student_logp.gather(-1, idx), teacher_logp.gather(-1, idx)
+    outside = torch.ones_like(student_logp, dtype=torch.bool).scatter_(-1, idx, False)
+    s_tail = student_logp.masked_fill(~outside, float("-inf")).logsumexp(-1)  # log p_tail, exact
+    t_tail_mass = (1 - t.exp().sum(-1)).clamp(min=0)  # what the k log-probs leave; rounding can make it negative
+    t_tail = t_tail_mass.clamp(min=torch.finfo(t.dtype).tiny).log()
+    if forward:
+        head = (t.exp() * (t - s)).sum(-1)
+        tail = t_tail_mass * (t_tail - s_tail)
+    else:
+        head = (s.exp() * (s - t)).sum(-1)
+        tail = s_tail.exp() * (s_tail - t_tail)
+    return head + tail
+
+
 def jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float) -> torch.Tensor:
     """Generalised JSD_beta = beta KL(T || M) + (1 - beta) KL(pi || M), M = beta p_T + (1 - beta) p: [..., V] -> [...]."""
     log_m = torch.logsumexp(torch.stack([teacher_logp + math.log(beta), student_logp + math.log(1 - beta)]), dim=0)
@@ -94,6 +123,8 @@ def token_losses(cfg: LossConfig, student_logp: torch.Tensor, teacher_logp: torc
         return out | {"loss": topk_rkl(student_logp, teacher_logp, cfg.topk, cfg.topk_support)}
     if cfg.name == "fkl":
         return out | {"loss": kl(teacher_logp, student_logp)}
+    if cfg.name in ("topk_fkl", "topk_rkl_tail"):
+        return out | {"loss": topk_tail_kl(student_logp, teacher_logp, cfg.topk, cfg.name == "topk_fkl")}
     return out | {"loss": jsd(student_logp, teacher_logp, cfg.jsd_beta)}
 
 

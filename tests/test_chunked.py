@@ -17,7 +17,8 @@ from opd.tokenizer import TextTokenizer
 from helpers import batch_of, grads, recorded_distributions, tiny
 
 LOSSES = [LossConfig("full_rkl"), LossConfig("fkl"), LossConfig("jsd", jsd_beta=0.3), LossConfig("topk_rkl", topk=3),
-          LossConfig("topk_rkl", topk=3, topk_support="teacher"),
+          LossConfig("topk_rkl", topk=3, topk_support="teacher"), LossConfig("topk_fkl", topk=3),
+          LossConfig("topk_rkl_tail", topk=3),
           LossConfig("sampled_rkl", student_term="sampler", correction="tis"),
           LossConfig("sampled_rkl", correction="mis", cap=1.5), LossConfig("sampled_rkl")]
 TOL = 1e-12

@@ -48,6 +48,12 @@ def reference(cfg: LossConfig, z, teacher, tokens, mask) -> float:
                 ranked = s if cfg.topk_support == "student" else te
                 keep = sorted(range(V), key=lambda v: -ranked[v])[:cfg.topk]
                 values.append(kl_list(log_softmax_list([s[v] for v in keep]), log_softmax_list([te[v] for v in keep])))
+            elif cfg.name in ("topk_fkl", "topk_rkl_tail"):  # k tokens of the teacher's and one tail bucket
+                keep = sorted(range(V), key=lambda v: -te[v])[:cfg.topk]
+                rest = [v for v in range(V) if v not in keep]
+                a = [s[v] for v in keep] + [math.log(sum(math.exp(s[v]) for v in rest))]
+                c = [te[v] for v in keep] + [math.log(sum(math.exp(te[v]) for v in rest))]
+                values.append(kl_list(c, a) if cfg.name == "topk_fkl" else kl_list(a, c))
             elif cfg.name == "jsd":
                 beta = cfg.jsd_beta
                 m = [math.log(beta * math.exp(x) + (1 - beta) * math.exp(y)) for x, y in zip(te, s)]
@@ -56,7 +62,8 @@ def reference(cfg: LossConfig, z, teacher, tokens, mask) -> float:
 
 
 FULL = [LossConfig("full_rkl"), LossConfig("fkl"), LossConfig("jsd", jsd_beta=0.3),
-        LossConfig("topk_rkl", topk=3, topk_support="student"), LossConfig("topk_rkl", topk=3, topk_support="teacher")]
+        LossConfig("topk_rkl", topk=3, topk_support="student"), LossConfig("topk_rkl", topk=3, topk_support="teacher"),
+        LossConfig("topk_fkl", topk=2), LossConfig("topk_rkl_tail", topk=2)]
 
 
 @pytest.mark.parametrize("cfg", FULL, ids=lambda c: f"{c.name}-{c.topk_support}")
@@ -170,3 +177,21 @@ def test_sampled_rkl_with_the_learner_ratio_is_unbiased_off_policy():
 def test_bad_loss_config(kwargs, message):
     with pytest.raises(OpdError, match=message):
         LossConfig(**kwargs)
+
+
+@pytest.mark.parametrize("name,full", [("topk_fkl", "fkl"), ("topk_rkl_tail", "full_rkl")])
+def test_a_top_k_teacher_loss_grows_with_k_to_the_full_vocabulary_loss(name, full):
+    """Coarsened to the teacher's top k and a tail, a KL is at most the full one, never decreases as k grows (each
+    partition refines the last), and is the full one at k = V; a realistic vocabulary (V = 1000, a peaked teacher)."""
+    g = torch.Generator().manual_seed(3)
+    V, mask = 1000, torch.ones(2, 4, dtype=torch.bool)
+    z = torch.randn(2, 4, V, generator=g, dtype=torch.float64) * 3
+    teacher = (torch.randn(2, 4, V, generator=g, dtype=torch.float64) * 3).log_softmax(-1)
+    tokens, mu = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.float64)
+    exact, _ = opd_loss(LossConfig(full), z.log_softmax(-1), teacher, tokens, mu, mask)
+    values = [opd_loss(LossConfig(name, topk=k), z.log_softmax(-1), teacher, tokens, mu, mask)[0].item()
+              for k in (1, 8, 64, 512, 999, 1000)]
+    # the teacher's tail is 1 - (sum of its k probabilities): at k = V - 1 that cancels to ~1e-11 relative in float64
+    assert all(a <= b * (1 + 1e-9) for a, b in zip(values, values[1:])) and values[-2] <= exact.item() * (1 + 1e-9)
+    assert values[-1] == pytest.approx(exact.item(), rel=1e-12)
+    assert values[0] < 0.9 * exact.item()  # k = 1 sees much less than the whole distribution
