@@ -211,6 +211,7 @@ class RayWorkers:
     def __init__(self, address: str, spec: WorkerSpec, timeout: float, settings: RayConfig):
         self.address, self.spec, self.timeout, self.settings = address, spec, timeout, settings
         self.actors: list = []
+        self.pids: list[int] = []  # the actors' processes (on their nodes)
         self.pending: dict = {}  # object ref -> (key, actor index); key None: a weights update
         self.parts: dict = {}  # key -> {actor index: its "rollouts" message}
         self.layout: dict = {}  # key -> [(actor index, shard sizes)] in shard order
@@ -237,10 +238,12 @@ class RayWorkers:
         if waiting:
             raise WorkerLost(f"did not start within {limit:.0f} s (the cluster may be out of the "
                              f"{self.settings.worker_cpus:g} CPUs / {self.settings.worker_gpus:g} GPUs each needs)")
+        self.pids = []
         for ref in refs:
             message = self._message(self._get(ref, refs.index(ref)))
             if message["kind"] == "error":
                 raise OpdError(f"rollout worker {message['address']} failed to start: {message['message']}")
+            self.pids.append(message["pid"])
 
     def send(self, message: dict | bytes) -> None:
         ray = _ray()
@@ -299,7 +302,7 @@ class RayWorkers:
             ray = _ray()
             for a in self.actors:
                 ray.kill(a, no_restart=True)
-        self.actors, self.pending, self.parts, self.layout = [], {}, {}, {}
+        self.actors, self.pids, self.pending, self.parts, self.layout = [], [], {}, {}, {}
 
     # -- internals -------------------------------------------------------------------------------------------------
     def _get(self, ref, i: int):

@@ -120,6 +120,20 @@ def test_a_killed_actor_is_restarted_with_the_newest_weights(cluster, pair, tmp_
     assert time.monotonic() - start < 120
 
 
+def test_a_hung_actor_is_detected_and_restarted(cluster, pair, tmp_path):
+    """An actor that stops answering (its process stopped with SIGSTOP) counts as hung after async.worker_timeout."""
+    import signal
+
+    def stop_actor(step, run):
+        if step == 2:
+            os.kill(run.rollouts.worker.pids[1], signal.SIGSTOP)
+    start = time.monotonic()
+    summary = train(ray_config(pair, async_={"max_staleness": 1, "worker_timeout": 3.0}), tmp_path / "run",
+                    progress=False, on_step=stop_actor)
+    assert summary["async/worker_restarts"] == 1 and summary["steps"] == 6
+    assert time.monotonic() - start < 120
+
+
 def test_restarts_used_up_stop_the_run_with_one_line_and_a_checkpoint(cluster, pair, tmp_path):
     with pytest.raises(OpdError, match=r"rollout worker rollout-0 \(Ray actor 0\) died.*restarted 0 times"):
         train(ray_config(pair, async_={"max_staleness": 1, "max_worker_restarts": 0}), tmp_path / "run",
