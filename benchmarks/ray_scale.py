@@ -82,7 +82,7 @@ def main() -> None:
     steps = 6 if args.quick else 14
     base = {"family": args.family, "batch_size": batch, "eval": {"every": 0, "examples": 8}, "save_every": 0,
             "threads": 2, "plan": "forward=bf16 kv=bf16"}
-    window = {"schedule": "async", "async": {"max_staleness": batches + 1, "worker_threads": 1}}
+    window = {"schedule": "async", "async": {"max_staleness": batches - 1, "worker_threads": 1}}  # all timed at once
     inproc = rollout_throughput(build_config(base | {"threads": 1}), batches)
     on_ray = window | {"async": window["async"] | {"backend": "ray"}}
     one = rollout_throughput(build_config(base | on_ray), batches)

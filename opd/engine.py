@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from opd.errors import OpdError, require
+from opd.errors import OpdError, first_line, require
 from opd.naive import left_pad, prefill_mask
 from opd.kv_cache import KVCache
 from opd.model import Transformer
@@ -247,7 +247,7 @@ def compiled_forward(model: Transformer):
 
 
 def _compile_failed(e: Exception):
-    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    reason = first_line(e)
     raise OpdError(f"torch.compile of the rollout engine failed: {reason}", "set engine.compile=false, or install a "
                    "working C++ compiler (inductor builds its CPU kernels with it)") from None
 

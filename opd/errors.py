@@ -17,6 +17,12 @@ def require(ok: bool, problem: str, fix: str = "") -> None:
         raise OpdError(problem, fix)
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's message, first line only (or its type's name when it has none): for one-line errors."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def from_os_error(e: OSError) -> OpdError:
     """An error of the operating system (a full disk, a path that is not there or not writable) as one line that
     names the path and the system's reason."""

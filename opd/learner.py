@@ -94,12 +94,18 @@ def _per_token(rollouts: list[Rollout], name: str, N: int) -> torch.Tensor | Non
     return out
 
 
+def completion_index(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, positions) [M] of the hidden states that predict the completion tokens, in packed order."""
+    rows, cols = batch.mask.nonzero(as_tuple=True)
+    return rows, batch.positions[rows, cols]
+
+
 def completion_hidden(model: Transformer, batch: Batch) -> torch.Tensor:
     """The model's final hidden states at the positions that predict the completion tokens, packed: [M, d]."""
     device = model.embed_tokens.weight.device
     h = model.hidden(batch.input_ids.to(device))  # [B, L, d]
-    rows, cols = batch.mask.nonzero(as_tuple=True)
-    return h[rows.to(device), batch.positions[rows, cols].to(device)]
+    rows, positions = completion_index(batch)
+    return h[rows.to(device), positions.to(device)]
 
 
 def unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -45,9 +45,10 @@ import torch
 
 from opd import wire
 from opd.config import RayConfig
-from opd.errors import OpdError, require
-from opd.learner import TeacherElsewhere
+from opd.errors import OpdError, first_line, require
+from opd.learner import TeacherElsewhere, completion_index
 from opd.model import ModelConfig, empty_model
+from opd.rollouts import by_sizes
 from opd.worker import (COMPILE_GRACE, FROM_WORKER, POLL, WorkerCore, WorkerLost, WorkerSpec, error_message, read,
                         spec_tree)
 
@@ -104,8 +105,7 @@ def connect(settings: RayConfig, worker_threads: int) -> None:
                     ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
                              _node_ip_address="127.0.0.1")
         except (ConnectionError, RuntimeError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise OpdError(f"cannot join the Ray cluster at {address or 'a new local cluster'!r}: {first}",
+            raise OpdError(f"cannot join the Ray cluster at {address or 'a new local cluster'!r}: {first_line(e)}",
                            f"start one with `ray start --head`, or set ray.address; Ray's output: {log.name}") \
                 from None
     total = ray.cluster_resources()
@@ -161,8 +161,8 @@ class RemoteTeacher(TeacherElsewhere):
         self._call(self.actor.ready.remote(), settings.connect_timeout + timeout, "to start")
 
     def completion_hidden(self, batch) -> torch.Tensor:
-        rows, cols = batch.mask.nonzero(as_tuple=True)
-        data = wire.encode({"input_ids": batch.input_ids, "rows": rows, "cols": batch.positions[rows, cols]})
+        rows, cols = completion_index(batch)
+        data = wire.encode({"input_ids": batch.input_ids, "rows": rows, "cols": cols})
         out = self._call(self.actor.hidden.remote(data), self.timeout, "for a batch")
         return wire.decode(out, self.lm_head.weight.device, "the teacher actor's hidden states")["hidden"]
 
@@ -174,8 +174,7 @@ class RemoteTeacher(TeacherElsewhere):
         try:
             return ray.get(ref, timeout=timeout)
         except ray.exceptions.RayActorError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise OpdError(f"the teacher actor died: {first[:200]}",
+            raise OpdError(f"the teacher actor died: {first_line(e)[:200]}",
                            "check its node's memory; the run can be resumed with --resume") from None
         except ray.exceptions.GetTimeoutError:
             raise OpdError(f"the teacher actor answered nothing within {timeout:.0f} s {what}",
@@ -221,10 +220,6 @@ class RayWorkers:
         """Truthy while the actors run (the schedule asks this of a process worker)."""
         return self.actors or None
 
-    @property
-    def pid(self) -> None:
-        return None
-
     def start(self, weights: bytes, scales: dict) -> None:
         ray = _ray()
         init = wire.encode({"spec": spec_tree(self.spec), "scales": scales})
@@ -239,8 +234,8 @@ class RayWorkers:
             raise WorkerLost(f"did not start within {limit:.0f} s (the cluster may be out of the "
                              f"{self.settings.worker_cpus:g} CPUs / {self.settings.worker_gpus:g} GPUs each needs)")
         self.pids = []
-        for ref in refs:
-            message = self._message(self._get(ref, refs.index(ref)))
+        for i, ref in enumerate(refs):
+            message = self._message(self._get(ref, i))
             if message["kind"] == "error":
                 raise OpdError(f"rollout worker {message['address']} failed to start: {message['message']}")
             self.pids.append(message["pid"])
@@ -255,15 +250,12 @@ class RayWorkers:
         if message["kind"] != "generate":
             return
         key, n, m = tuple(message["key"]), len(self.actors), len(message["shards"])
-        starts = [0]
-        for size, _ in message["shards"]:
-            starts.append(starts[-1] + size)
+        chunks = by_sizes(message["prompts"], [size for size, _ in message["shards"]])
         owner = [(key[0] * m + j) % n for j in range(m)]  # batch i's shard j: actor (i * shards + j) mod actors
         self.parts[key], self.layout[key] = {}, [(owner[j], message["shards"][j][0]) for j in range(m)]
         for i in sorted(set(owner)):
             mine = [j for j in range(m) if owner[j] == i]
-            prompts = [p for j in mine for p in message["prompts"][starts[j]:starts[j + 1]]]
-            part = {"kind": "generate", "key": list(key), "prompts": prompts,
+            part = {"kind": "generate", "key": list(key), "prompts": [p for j in mine for p in chunks[j]],
                     "shards": [message["shards"][j] for j in mine]}
             self.pending[self.actors[i].handle.remote(wire.encode(part))] = (key, i)
 
@@ -310,8 +302,7 @@ class RayWorkers:
         try:
             return ray.get(ref, timeout=self.timeout)
         except ray.exceptions.RayActorError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise WorkerLost(f"(Ray actor {i}) died: {first[:200]}") from None
+            raise WorkerLost(f"(Ray actor {i}) died: {first_line(e)[:200]}") from None
         except ray.exceptions.GetTimeoutError:
             raise WorkerLost(f"(Ray actor {i}) sent nothing for {self.timeout:.0f} s (hung)") from None
 
@@ -320,12 +311,9 @@ class RayWorkers:
 
     def _merged(self, key) -> dict:
         """The actors' parts of batch `key` as one "rollouts" message, in shard order."""
-        parts, taken = self.parts.pop(key), {}
-        trees = []
-        for i, size in self.layout.pop(key):
-            start = taken.get(i, 0)
-            trees += parts[i]["rollouts"][start:start + size]
-            taken[i] = start + size
+        parts, layout = self.parts.pop(key), self.layout.pop(key)
+        mine = {i: iter(by_sizes(parts[i]["rollouts"], [size for j, size in layout if j == i])) for i in parts}
+        trees = [tree for i, _ in layout for tree in next(mine[i])]  # each actor's shards come back in order
         seconds = [max(p["seconds"][k] for p in parts.values()) for k in (0, 1)]
         return {"kind": "rollouts", "key": list(key), "rollouts": trees, "scales": parts[min(parts)]["scales"],
                 "seconds": seconds, "finished_at": max(p["finished_at"] for p in parts.values())}

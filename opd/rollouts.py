@@ -22,6 +22,7 @@ from typing import Callable, Protocol
 import torch
 
 from opd.engine import Engine, Rollout, drawn_logprobs
+from opd.errors import require
 from opd.plan import Plan
 from opd.sampling import SamplingParams
 
@@ -40,6 +41,15 @@ def shards(prompts: list, seed: int, n: int) -> list[tuple[list, int]]:
     size, extra = divmod(len(prompts), n)
     bounds = [j * size + min(j, extra) for j in range(n + 1)]
     return [(list(prompts[bounds[j]:bounds[j + 1]]), (seed * 1_000_003 + j + 1) % 2 ** 63) for j in range(n)]
+
+
+def by_sizes(items: list, sizes: list[int]) -> list[list]:
+    """items cut into consecutive pieces of the given sizes (which add up to len(items))."""
+    require(sum(sizes) == len(items) and all(size > 0 for size in sizes), "sub-batches that do not cover their batch")
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    return [list(items[a:b]) for a, b in zip(starts, starts[1:])]
 
 
 def generate_shards(engine, parts: list[tuple[list, int]], params: SamplingParams, return_hidden: bool) -> list:

@@ -59,7 +59,7 @@ from opd.kv_cache import KVSpec
 from opd.learner import collate, score_batch
 from opd.model import ModelConfig, Transformer, empty_model
 from opd.plan import LayerPrecision, Plan
-from opd.rollouts import generate_shards, make_engine
+from opd.rollouts import by_sizes, generate_shards, make_engine
 from opd.sampling import SamplingParams
 
 POLL = 0.2  # seconds between liveness checks while waiting
@@ -300,11 +300,8 @@ def rollouts_message(engine, model: Transformer, spec: WorkerSpec, message: dict
     """One "generate" request (its prompts, sampled as the sub-batches `shards` lists: [size, seed] each) -> its
     "rollouts" message."""
     start = time.perf_counter()
-    prompts, parts = list(message["prompts"]), []
-    for size, seed in message["shards"]:
-        parts.append((prompts[:size], seed))
-        prompts = prompts[size:]
-    require(not prompts and all(p for p, _ in parts), "a generate message whose shards do not cover its prompts")
+    sizes, seeds = zip(*message["shards"])
+    parts = list(zip(by_sizes(message["prompts"], list(sizes)), seeds))
     rollouts = generate_shards(engine, parts, spec.params, spec.return_hidden)
     generated = time.perf_counter()
     if spec.recompute:

@@ -69,6 +69,12 @@ def comparable(rows):
             for row in rows]
 
 
+def same_as_sync(rows, sync) -> bool:
+    """An async run's metric lines equal the sync run's on every metric the sync run has (the async ones aside)."""
+    return len(rows) == len(sync) and \
+        comparable(sync) == [{k: v for k, v in row.items() if k in s} for row, s in zip(comparable(rows), sync)]
+
+
 # ---- tiny float64 models, a batch they sampled, and what the engine drew from ----------------------------------------
 
 def tiny(seed: int, vocab: int = 40, tied: bool = True, **overrides) -> Transformer:

@@ -11,7 +11,7 @@ import pytest
 from opd.errors import OpdError
 from opd.trainer import train
 
-from helpers import assert_one_line_error, comparable, config, crash_at, opd
+from helpers import assert_one_line_error, comparable, config, crash_at, opd, same_as_sync
 
 pytestmark = pytest.mark.ray
 
@@ -44,12 +44,6 @@ def ray_config(pair, **overrides):
     return config(pair, **(values | overrides))
 
 
-def same_metrics(rows, sync) -> bool:
-    """rows (an async run) equal the sync run's on every metric the sync run has (the async ones aside)."""
-    return len(rows) == len(sync) and \
-        comparable(sync) == [{k: v for k, v in row.items() if k in s} for row, s in zip(comparable(rows), sync)]
-
-
 def actors(run):
     return run.rollouts.worker.actors
 
@@ -70,7 +64,7 @@ def test_n_actors_at_staleness_0_are_the_sync_run_with_the_same_shards(cluster, 
     summary = train(ray_config(pair, async_={"max_staleness": 0}), tmp_path / "ray", progress=False)
     assert summary["steps"] == 6 and summary["async/worker_restarts"] == 0
     sync, ray_rows = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "ray")
-    assert same_metrics(ray_rows, sync) and "mismatch/kl_exact" in ray_rows[0]
+    assert same_as_sync(ray_rows, sync) and "mismatch/kl_exact" in ray_rows[0]
 
 
 def test_the_shards_do_not_depend_on_the_number_of_actors(cluster, pair, tmp_path):
@@ -82,7 +76,7 @@ def test_the_shards_do_not_depend_on_the_number_of_actors(cluster, pair, tmp_pat
           tmp_path / "sync", progress=False)
     train(ray_config(pair, steps=3, batch_size=8, sampling={"shards": 4}, async_={"max_staleness": 0}),
           tmp_path / "ray", progress=False)
-    assert same_metrics(read_metrics(tmp_path / "ray"), read_metrics(tmp_path / "sync"))
+    assert same_as_sync(read_metrics(tmp_path / "ray"), read_metrics(tmp_path / "sync"))
 
 
 def test_the_teacher_on_an_actor_of_its_own_scores_as_the_teacher_here(cluster, pair, tmp_path):
