@@ -38,6 +38,8 @@ DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
 SCHEDULES = ("sync", "async")
 BACKENDS = ("process", "ray")
 ENGINES = ("builtin", "vllm")
+TEACHER_ENGINES = ("trainer", "builtin", "vllm")  # who scores the student's tokens for the teacher (teacher.py)
+TOPK_TEACHER_LOSSES = ("sampled_rkl", "topk_fkl", "topk_rkl_tail", "topk_rkl")  # what a top-k teacher can drive
 STALE_POLICIES = ("requeue", "drop")
 GUARD_ACTIONS = ("warn", "fallback", "stop")
 LR_SCHEDULES = ("cosine", "constant")
@@ -97,7 +99,7 @@ def _at_least(section, key: str, names, low: int, fix: str = "") -> None:
 
 def _one_of(section, key: str, name: str, choices) -> None:
     value = getattr(section, name)
-    require(value in choices, f"unknown {key}.{name} {value!r}", f"use one of {', '.join(choices)}")
+    require(value in choices, f"unknown {key + '.' if key else ''}{name} {value!r}", f"use one of {', '.join(choices)}")
 
 
 @dataclass(frozen=True)
@@ -313,6 +315,12 @@ class TrainConfig:
     exact_kl: bool = True  # also log the exact per-position KL(p_rollout || p_train) (needs the engine's distributions)
     save_every: int = 50  # 0: only at the end (and on Ctrl-C)
     max_bad_steps: int = 5  # stop after this many non-finite losses/gradients in a row
+    # the teacher's side (teacher.py): "trainer" = its full-precision forward here; "builtin" = the built-in engine
+    # under teacher_plan, scoring by prefill; "vllm" = vLLM's prompt log-probs
+    teacher_engine: str = "trainer"
+    teacher_plan: str | dict = ""  # the teacher engine's precision plan (plan.py); "" = float32
+    teacher_topk: int = 0  # the teacher returns only its k most likely tokens (and the sampled one); 0 = whole rows
+    teacher_check: float = 0.25  # share of each batch the trainer's teacher also scores, for teacher_mismatch/*
     data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -356,8 +364,34 @@ class TrainConfig:
                 "config: async.backend ray is the async schedule's", "set schedule=async")
         require(not self.ray.teacher or self.async_.backend == "ray",
                 "config: ray.teacher needs the Ray backend", "set schedule=async and async.backend=ray")
+        self._check_teacher_side()
         require(self.shards <= self.batch_size, f"config: sampling.shards {self.shards} is more than batch_size "
                 f"{self.batch_size}", "each sub-batch needs a prompt; leave sampling.shards at 0 (one per worker)")
+
+    def _check_teacher_side(self) -> None:
+        _one_of(self, "", "teacher_engine", TEACHER_ENGINES)
+        require(isinstance(self.teacher_plan, (str, dict)),
+                f"config: teacher_plan must be a string or a mapping, got {self.teacher_plan!r:.60}")
+        require(self.teacher_engine != "trainer" or not self.teacher_plan,
+                f"config: teacher_plan {self.teacher_plan!r:.60} needs an inference engine for the teacher",
+                "set teacher_engine=builtin (or vllm), or drop teacher_plan")
+        require(self.teacher_topk >= 0, f"config: teacher_topk must be >= 0, got {self.teacher_topk}",
+                "0 = the teacher's whole distributions")
+        require(0 <= self.teacher_check <= 1, f"config: teacher_check must be in [0, 1], got {self.teacher_check}")
+        require(self.teacher_engine == "trainer" or not self.ray.teacher,
+                f"config: ray.teacher runs the trainer's teacher on an actor, not teacher_engine {self.teacher_engine}",
+                "drop ray.teacher, or set teacher_engine=trainer")
+        k, loss = self.teacher_topk, self.loss
+        if not k:
+            return
+        require(loss.name in TOPK_TEACHER_LOSSES, f"config: loss.name {loss.name} needs the teacher's whole "
+                f"distribution, but teacher_topk={k} gives only its top {k} log-probs", "use loss.name sampled_rkl, "
+                "topk_fkl or topk_rkl_tail (and loss.topk <= teacher_topk), or teacher_topk=0")
+        require(loss.name != "topk_rkl" or loss.topk_support == "teacher", "config: loss topk_rkl on the student's "
+                f"top-k needs the teacher's log-probs there, but teacher_topk={k} gives only the teacher's top {k}",
+                "set loss.topk_support=teacher, or use topk_fkl / topk_rkl_tail")
+        require(not loss.name.startswith("topk") or loss.topk <= k, f"config: loss.topk {loss.topk} is more than "
+                f"the teacher returns (teacher_topk={k})", f"set loss.topk <= {k}, or raise teacher_topk")
 
     @property
     def rollout_workers(self) -> int:

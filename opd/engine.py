@@ -160,14 +160,32 @@ class Engine:
 
     @torch.no_grad()
     def teacher_force(self, prompts: list[list[int]], completions: list[list[int]],
-                      params: SamplingParams) -> list[Rollout]:
+                      params: SamplingParams, return_hidden: bool = False) -> list[Rollout]:
         """The given completions decoded as if sampled: step by step, each token fed back through the KV cache as
         in generation, with the log-probs this engine gives them (to compare engines on identical sequences)."""
         require(len(prompts) == len(completions) and all(completions), "one non-empty completion per prompt")
         N = max(map(len, completions))
         forced = torch.tensor([c + [self.pad_id] * (N - len(c)) for c in completions], device=self.device)
-        return self._decode(prompts, replace(params, max_new_tokens=N), None, forced=(forced, list(map(len,
-                                                                                                     completions))))
+        return self._decode(prompts, replace(params, max_new_tokens=N), None, return_hidden,
+                            forced=(forced, list(map(len, completions))))
+
+    @torch.no_grad()
+    def prefill_hidden(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor]:
+        """Prompt + completion scored in one forward, as an inference server scores a prompt (vLLM's prompt
+        log-probs): the sequences left-padded and prefilled through a KV cache at the plan's precision (attention
+        reads the stored, quantized keys and values, the current position's included). Returns, per sequence, the
+        final hidden states [n, d] that predict its n completion tokens; `self.model.lm_head` turns them into
+        log-probs. Against `teacher_force` (decode), the same numbers up to the order of float sums (test)."""
+        require(len(prompts) == len(completions) and all(prompts), "one prompt (of at least one token) per completion")
+        sequences = [p + c for p, c in zip(prompts, completions)]
+        ids, valid = (t.to(self.device) for t in left_pad(sequences, self.pad_id))
+        B, L = ids.shape
+        require(L <= self.model.cfg.context, f"prompt + completion ({L} tokens) exceeds the model's context "
+                f"({self.model.cfg.context})", "shorten the prompts or lower max_new_tokens")
+        cache = self.new_cache(B, L)
+        h = self.model.hidden(ids, (valid.cumsum(1) - 1).clamp(min=0), prefill_mask(valid), cache)  # [B, L, d]
+        starts = [L - len(s) + len(p) - 1 for s, p in zip(sequences, prompts)]  # predicts the first completion token
+        return [h[b, start:start + len(c)] for b, (start, c) in enumerate(zip(starts, completions))]
 
     def _decode(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None,
                 return_hidden: bool = False, forced: tuple[torch.Tensor, list[int]] | None = None,

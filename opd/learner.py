@@ -125,6 +125,7 @@ class Scores:
     loss: float = float("nan")
     metrics: dict | None = None
     teacher_seconds: float = 0.0  # time in the teacher's forward and output layer
+    teacher_tails: torch.Tensor | None = None  # [M] a top-k teacher's tail mass per token (teacher.py)
 
 
 def score_batch(student: Transformer, batch: Batch, teacher: Transformer | None = None, loss: LossConfig | None = None,
@@ -136,7 +137,7 @@ def score_batch(student: Transformer, batch: Batch, teacher: Transformer | None 
     With a loss and backward=True, the loss's gradient is accumulated into the student's .grad, micro-batch by
     micro-batch. autocast: the student's compute dtype (bf16) under float32 master weights."""
     weight = 1 / max(batch.num_tokens, 1)  # every token's share of the whole batch's mean
-    value, parts, seconds = 0.0, [], 0.0
+    value, parts, seconds, tails = 0.0, [], 0.0, []
     for mb in batch.micro_batches(micro_batch_size):
         teacher_source = _teacher_source(teacher, mb)
         with torch.set_grad_enabled(backward), torch.autocast(student.embed_tokens.weight.device.type,
@@ -147,11 +148,13 @@ def score_batch(student: Transformer, batch: Batch, teacher: Transformer | None 
             loss_value.backward()
         value += loss_value.item()
         seconds += teacher_source.seconds if teacher_source else 0.0
+        tails += getattr(teacher_source, "tails", [])
         parts.append(terms)
     terms = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
     field = lambda name: unpack(terms[name], batch.mask) if name in terms else None  # noqa: E731
     metrics = loss_metrics(terms, torch.ones_like(terms["s_y"], dtype=torch.bool)) if loss is not None else None
-    return Scores(field("s_y"), field("t_y"), field("kl_exact"), field("rkl"), value, metrics, seconds)
+    return Scores(field("s_y"), field("t_y"), field("kl_exact"), field("rkl"), value, metrics, seconds,
+                  torch.cat(tails).cpu() if tails else None)
 
 
 class TeacherElsewhere:
@@ -165,9 +168,12 @@ class TeacherElsewhere:
 
 
 def _teacher_source(teacher: "Transformer | TeacherElsewhere | None", mb: Batch) -> Source | None:
-    """The teacher's distributions of a micro-batch: its hidden states now, its output layer chunk by chunk."""
+    """The teacher's distributions of a micro-batch: its hidden states now, its output layer chunk by chunk (or what
+    a teacher engine returns: teacher.py)."""
     if teacher is None:
         return None
+    if hasattr(teacher, "source"):  # a teacher.TeacherEngine
+        return teacher.source(mb)
     start = time.perf_counter()
     with torch.no_grad():
         hidden = teacher.completion_hidden(mb) if isinstance(teacher, TeacherElsewhere) else \

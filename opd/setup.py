@@ -25,6 +25,7 @@ from opd.probe import ProbeSetup
 from opd.prompts import PromptSet
 from opd.rollouts import Rollouts, SyncRollouts, make_engine
 from opd.sampling import SamplingParams
+from opd.teacher import TeacherEngine, make_teacher_engine
 from opd.scoring import check_scorer
 from opd.tokenizer import TextTokenizer, first_difference
 from opd.worker import RolloutWorker, WorkerSpec
@@ -53,6 +54,12 @@ def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer
         require(bad is None, f"the {role} checkpoint {folder} has NaN/Inf weights ({bad})",
                 "use an undamaged checkpoint: every step would be skipped as non-finite")
     return student, teacher.eval().requires_grad_(False), tok, student_dir
+
+
+def teacher_folder(cfg: TrainConfig) -> Path:
+    """The teacher's checkpoint folder (the built-in one is pretrained and cached by load_pair)."""
+    return Path(cfg.teacher) if cfg.teacher else pretrain(PretrainConfig(family=cfg.family, role="teacher",
+                                                                         task=cfg.task))[0]
 
 
 def check_same_tokenizer(student: Transformer, tok: TextTokenizer, teacher: Transformer,
@@ -101,6 +108,7 @@ class Run:
     state: State
     student_dir: Path
     guard: Guard  # the runtime admission check (cfg.guard.every > 0)
+    teacher_engine: TeacherEngine | None = None  # who scores for the teacher when not `teacher` itself (teacher.py)
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -114,6 +122,7 @@ def setup(cfg: TrainConfig) -> Run:
         new_worker = functools.partial(RayWorkers, settings=cfg.ray)
     torch.set_num_threads(cfg.threads - cfg.async_.worker_threads if asynchronous else cfg.threads)
     student, teacher, tok, student_dir = load_pair(cfg)
+    teacher_engine = make_teacher_engine(cfg, teacher, tok.pad_id, teacher_folder(cfg))
     if asynchronous and cfg.ray.teacher and cfg.async_.backend == "ray":  # its body to an actor, its head stays
         from opd.ray_backend import RemoteTeacher
         teacher = RemoteTeacher(teacher, cfg.ray, cfg.async_.worker_threads, cfg.async_.worker_timeout)
@@ -141,7 +150,8 @@ def setup(cfg: TrainConfig) -> Run:
     else:
         rollouts = SyncRollouts(engine_builder(cfg, student, tok, student_dir), plan, prompts, params, cfg.seed,
                                 exact_kl, cfg.shards)
-    return Run(cfg, student, teacher, tok, rollouts, plan, opt, prompts, params, State(), student_dir, Guard(cfg))
+    return Run(cfg, student, teacher, tok, rollouts, plan, opt, prompts, params, State(), student_dir, Guard(cfg),
+               teacher_engine)
 
 
 def worker_spec(cfg: TrainConfig, model: Transformer, tok, plan: Plan, params: SamplingParams, return_hidden: bool,

@@ -38,13 +38,14 @@ from opd.evaluate import greedy_accuracy, sampled_quality
 from opd.learner import Scores, collate, score_batch
 from opd.losses import masked_mean
 from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics, noise_to_signal,
-                         rollout_metrics, staleness_metrics)
+                         rollout_metrics, staleness_metrics, teacher_mismatch_metrics)
 from opd.model import Transformer
 from opd.plan import Plan
 from opd.runlog import RunLock, RunLog, check_run_dir, check_same_run, clear_run_dir, read_guard_events, \
     read_metrics, save_config, write_atomic
 from opd.schema import Schema, check, read_json
 from opd.setup import Run, State, setup
+from opd.teacher import check_rows, trainer_scores
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -213,13 +214,29 @@ def step_metrics(batch, scores: Scores, cfg: TrainConfig, version: int) -> dict:
     return out | rollout_metrics(lengths, [n >= cfg.new_tokens for n in lengths])
 
 
+def teacher_side_metrics(teacher: Transformer, engine, batch, scores: Scores, cfg: TrainConfig) -> dict:
+    """teacher_mismatch/* (metrics.py) on the first ceil(teacher_check x B) rollouts, which the trainer's teacher
+    scores here; the engine's tail mass over the whole batch."""
+    n = check_rows(batch.tokens.shape[0], cfg.teacher_check)
+    tails = {"teacher_mismatch/tail_mass": scores.teacher_tails.double().mean().item()} \
+        if scores.teacher_tails is not None and scores.teacher_tails.numel() else {}
+    if not n:
+        return tails
+    start = time.perf_counter()
+    checked = batch.rows(slice(0, n))
+    trainer, kl_exact = trainer_scores(teacher, engine, checked, cfg.compute.chunk_tokens)
+    return teacher_mismatch_metrics(scores.teacher[:n], trainer, scores.pi[:n], checked.mask, kl_exact) | tails | \
+        {"time/teacher_check": time.perf_counter() - start}
+
+
 def train_step(student: Transformer, teacher: Transformer, opt: torch.optim.Optimizer, batch, cfg: TrainConfig,
-               lr: float, version: int, rollout=None) -> tuple[dict, bool]:
+               lr: float, version: int, rollout=None, teacher_engine=None) -> tuple[dict, bool]:
     """One learner update on a batch of rollouts -> (metrics, whether the update was applied). rollout: hidden rows ->
-    the engine's log-probs, for the exact KL (sync, builtin engine)."""
+    the engine's log-probs, for the exact KL (sync, builtin engine). teacher_engine: who scores for the teacher
+    (teacher.py), when not the trainer's teacher itself; `teacher` then only scores the checked rows."""
     start = time.perf_counter()
     opt.zero_grad(set_to_none=True)
-    scores = score_batch(student, batch, teacher, cfg.loss, cfg.sampling.temperature, cfg.compute.micro_batch_size,
+    scores = score_batch(student, batch, teacher_engine or teacher, cfg.loss, cfg.sampling.temperature, cfg.compute.micro_batch_size,
                          cfg.compute.chunk_tokens, rollout, devices.autocast_dtype(cfg.compute.dtype), backward=True)
     metrics = dict(scores.metrics)
     ok = math.isfinite(scores.loss)
@@ -233,6 +250,8 @@ def train_step(student: Transformer, teacher: Transformer, opt: torch.optim.Opti
         opt.step()
     with torch.no_grad():
         metrics |= step_metrics(batch, scores, cfg, version)
+        if teacher_engine is not None:
+            metrics |= teacher_side_metrics(teacher, teacher_engine, batch, scores, cfg)
     metrics |= {"train/lr": lr, "time/teacher": scores.teacher_seconds,
                 "time/train": time.perf_counter() - start - scores.teacher_seconds}
     return metrics, ok
@@ -246,7 +265,7 @@ def run_step(run: Run) -> dict:
     rollouts, sample_metrics, rollout = sampled.rollouts, sampled.metrics, sampled.engine_logprobs
     batch = collate(rollouts, run.tok.pad_id)
     metrics, ok = train_step(run.student, run.teacher, run.opt, batch, cfg, lr_at(state.version, cfg), state.version,
-                             rollout)
+                             rollout, run.teacher_engine)
     state.step += 1
     if ok:
         state.version += 1
@@ -288,6 +307,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
             return _train(run, cfg, run_dir, progress, on_step)
         finally:
             run.rollouts.close()
+            if run.teacher_engine is not None:
+                run.teacher_engine.close()
 
 
 class Interrupted(KeyboardInterrupt):

@@ -87,9 +87,10 @@ class VllmEngine:
 
     def __init__(self, model_dir: str, stop_ids: int | list[int], pad_id: int, plan: Plan, version: int = 0,
                  seed: int = 0, max_model_len: int = 512, tied: bool = True, memory_fraction: float = 0.15,
-                 in_process: bool = False):
+                 in_process: bool = False, max_logprobs: int = 20):
         """in_process: vLLM's engine runs in this process (the caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0 and
-        OMP_NUM_THREADS before torch is imported; the async rollout worker does)."""
+        OMP_NUM_THREADS before torch is imported; the async rollout worker does). max_logprobs: the most log-probs per
+        position `score` may ask for (vLLM's own default is 20)."""
         import_vllm()
         from vllm import LLM
         self.dtype, self.kv_cache_dtype = vllm_settings(plan)
@@ -103,7 +104,7 @@ class VllmEngine:
             self.llm = LLM(model=str(model_dir), dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, seed=seed,
                            gpu_memory_utilization=memory_fraction, enforce_eager=True, max_model_len=max_model_len,
                            logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
-                           worker_extension_cls="opd.vllm_ext.WeightSync",
+                           worker_extension_cls="opd.vllm_ext.WeightSync", max_logprobs=max_logprobs,
                            **({"distributed_executor_backend": "uni"} if in_process else {}))
         except (NotImplementedError, RuntimeError, ValueError) as e:
             raise OpdError(f"vllm failed to start on {model_dir} (dtype {self.dtype}, kv_cache_dtype "
@@ -144,6 +145,32 @@ class VllmEngine:
             rollouts.append(Rollout(list(prompt), ids, logprobs, raw, "length" if out.finish_reason == "length"
                                     else "stop", self.version))
         return rollouts
+
+    def score(self, prompts: list[list[int]], completions: list[list[int]],
+              k: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Prompt + completion scored by prefill, as a teacher server does (vLLM's prompt log-probs, raw: the
+        teacher's temperature is 1): per sequence, the log-prob of each completion token [n] and the k most likely
+        tokens' ids [n, k] and log-probs [n, k] at its position."""
+        from vllm import SamplingParams as VllmParams
+        from vllm.inputs import TokensPrompt
+        require(all(prompts) and all(completions), "every sequence needs a prompt and a completion token")
+        request = VllmParams(max_tokens=1, prompt_logprobs=k, detokenize=False, temperature=1.0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p + c) for p, c in zip(prompts, completions)],
+                                    request, use_tqdm=False)
+        scored = []
+        for prompt, completion, output in zip(prompts, completions, outputs):
+            positions = output.prompt_logprobs[len(prompt):]  # position i: the log-probs of token i given those before
+            require(len(positions) == len(completion), "vllm returned prompt log-probs that do not match the tokens")
+            sampled, ids, values = [], [], []
+            for token, entries in zip(completion, positions):
+                ranked = sorted(((e.rank, t, e.logprob) for t, e in entries.items() if e.rank is not None
+                                 and e.rank <= k), key=lambda x: x[0])[:k]
+                require(len(ranked) == k and token in entries, f"vllm returned {len(ranked)} of {k} top log-probs")
+                sampled.append(entries[token].logprob)
+                ids.append([t for _, t, _ in ranked])
+                values.append([v for _, _, v in ranked])
+            scored.append((torch.tensor(sampled), torch.tensor(ids, dtype=torch.long), torch.tensor(values)))
+        return scored
 
     def close(self) -> None:
         engine = getattr(self, "llm", None)

@@ -1,0 +1,179 @@
+"""The teacher's side (teacher.py): engines that score for the teacher against the trainer's teacher (the oracle),
+top-k teachers against the full-vocabulary losses, the teacher-side metrics against hand computation, the config's
+refusals."""
+import math
+
+import pytest
+import torch
+
+from opd.chunked import Source, Student, output_layer, score
+from opd.config import LossConfig
+from opd.errors import OpdError
+from opd.learner import completion_hidden, completion_logprobs, score_batch, token_logprobs
+from opd.losses import opd_loss
+from opd.metrics import teacher_mismatch_metrics
+from opd.plan import Plan
+from opd.runlog import read_metrics
+from opd.sampling import SamplingParams
+from opd.teacher import BuiltinTeacher, Sparse, TopK, TrainerTeacher, check_rows, keep_topk, sequences, \
+    trainer_scores
+from opd.trainer import train
+
+from helpers import assert_one_line_error, batch_of, config, opd, tiny
+
+
+def test_sequences_give_back_the_prompts_and_completions():
+    model = tiny(0)
+    batch, engine = batch_of(model)
+    prompts, completions = sequences(batch)
+    assert [len(c) for c in completions] == batch.mask.sum(1).tolist()
+    assert all(p[0] == 1 for p in prompts)
+    rollouts = engine.generate(prompts, SamplingParams(7, temperature=1.0), 3)
+    assert [r.completion_ids for r in rollouts] == completions  # the same seed samples the same tokens
+
+
+@pytest.mark.parametrize("plan,same", [("", True), ("kv=fp8_e4m3", True), ("forward=bf16 kv=bf16", True),
+                                       ("w=fp8_block", True), ("w=fp8", False)])
+def test_prefill_scoring_against_decoding_and_the_trainer(plan, same):
+    """The built-in engine's prefill scoring (a teacher server's prompt log-probs) against the same engine decoding
+    the tokens one at a time (teacher_force): equal up to the order of float sums (1e-4) under plans whose numbers do
+    not depend on how many tokens one call holds, FP8 KV included (both read the stored FP8 keys). Per-tensor FP8
+    activations (w=fp8: one dynamic scale per call) do: a prefill's scale covers the whole batch's tokens, a decode
+    step's only that step's, so the two differ (a decode-vs-prefill gap of the emulated engine itself). With the
+    full-precision plan prefill equals the trainer's forward."""
+    model = tiny(1).float()
+    batch, _ = batch_of(tiny(0))
+    prompts, completions = sequences(batch)
+    engine = BuiltinTeacher(model, Plan.parse(plan, 2), pad_id=0).engine
+    prefill = engine.prefill_hidden(prompts, completions)
+    decode = engine.teacher_force(prompts, completions, SamplingParams(7), return_hidden=True)
+    head = output_layer(engine.model)
+    assert [h.shape for h in prefill] == [(len(c), model.cfg.hidden_size) for c in completions]
+    gap = torch.cat([(head(h) - head(r.hidden)).abs().flatten() for h, r in zip(prefill, decode)])
+    assert (gap.max() < 1e-4) if same else (gap.mean() > 1e-3), gap.max()
+    if not plan:
+        trainer = completion_hidden(model, batch)
+        assert torch.allclose(torch.cat(prefill), trainer, atol=1e-5)
+
+
+def test_fp8_teacher_plan_moves_the_teacher_and_the_full_plan_does_not():
+    """The builtin teacher engine at the full-precision plan scores what the trainer's teacher scores (1e-5); under
+    an FP8 KV plan its log-probs move by a measurable amount, and the teacher-side metrics see it."""
+    teacher, student = tiny(1).float(), tiny(0).float()
+    batch, _ = batch_of(tiny(0))
+    trainer = score_batch(student, batch, teacher)
+    for plan, moved in (("", False), ("kv=fp8_e5m2", True)):
+        engine = BuiltinTeacher(teacher, Plan.parse(plan, 2), pad_id=0)
+        scores = score_batch(student, batch, engine)
+        gap = (scores.teacher - trainer.teacher)[batch.mask].abs()
+        assert (gap.mean() > 1e-3) == moved, (plan, gap.mean())
+        assert gap.max() < (1.0 if moved else 1e-5)
+        assert torch.allclose(scores.rkl, trainer.rkl, atol=1e-5) != moved
+        t, kl_exact = trainer_scores(teacher, engine, batch)
+        assert torch.allclose(t, trainer.teacher, atol=1e-6)  # the trainer's teacher on the checked rows
+        m = teacher_mismatch_metrics(scores.teacher, t, scores.pi, batch.mask, kl_exact)
+        assert (m["teacher_mismatch/kl_exact"] > 1e-5) == moved and m["teacher_mismatch/kl_exact"] > -1e-6  # float32 sums
+
+
+@pytest.mark.parametrize("name", ["topk_fkl", "topk_rkl_tail", "sampled_rkl"])
+@pytest.mark.parametrize("k", [1, 5, 40])
+def test_a_topk_teacher_drives_its_losses_exactly(name, k):
+    """A teacher cut to its top k (and the sampled token) gives the top-k losses the same value and gradient as the
+    whole teacher does (they read only its top k; the tail bucket from the k log-probs), and the sampled-token loss
+    the same (it reads only the sampled token's): chunked, against the whole-batch opd_loss in float64."""
+    student, teacher = tiny(0), tiny(1)
+    batch, _ = batch_of(student)
+    loss = LossConfig(name=name, topk=k)
+    T = completion_logprobs(teacher, batch)
+    s = completion_logprobs(student, batch)
+    want, _ = opd_loss(loss, s, T, batch.tokens, batch.mu.double(), batch.mask)
+    want.backward()
+    want_grad = student.lm_head.weight.grad.clone()
+    student.zero_grad()
+    engine = TrainerTeacher(teacher, k)
+    got = score_batch(student, batch, engine, loss, chunk_tokens=7, backward=True)
+    assert math.isclose(got.loss, want.item(), rel_tol=1e-9, abs_tol=1e-12)
+    assert torch.allclose(student.lm_head.weight.grad, want_grad, rtol=1e-7, atol=1e-12)
+
+
+def test_keep_topk_and_the_sparse_rows():
+    logp = torch.tensor([[-0.1, -3.0, -2.5, -5.0], [-4.0, -0.05, -3.5, -6.0]]).log_softmax(-1)
+    cut, tail = keep_topk(logp, torch.tensor([3, 1]), 2)
+    assert torch.equal(torch.isfinite(cut), torch.tensor([[True, False, True, True], [False, True, True, False]]))
+    assert torch.equal(cut[torch.isfinite(cut)], logp[torch.isfinite(cut)])
+    assert torch.allclose(tail, 1 - logp.exp().topk(2).values.sum(-1))
+    sparse = Sparse(torch.tensor([[3, 0, 2], [1, 1, 2]]), torch.stack([logp[0, [3, 0, 2]], logp[1, [1, 1, 2]]]), 4, tail)
+    assert torch.equal(sparse.rows(slice(0, 2), torch.device("cpu")), cut)
+    assert TopK(Source(logp, lambda h: h), torch.tensor([3, 1]), 2).rows(slice(1, 2), torch.device("cpu")).shape == (1, 4)
+
+
+def test_teacher_mismatch_metrics_by_hand():
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    engine = torch.tensor([[-1.0, -2.0, 9.0], [-0.5, 9.0, 9.0]], dtype=torch.float64)
+    trainer = torch.tensor([[-1.2, -2.0, 0.0], [-0.1, 0.0, 0.0]], dtype=torch.float64)
+    learner = torch.tensor([[-1.1, -1.0, 0.0], [-0.3, 0.0, 0.0]], dtype=torch.float64)
+    m = teacher_mismatch_metrics(engine, trainer, learner, mask)
+    d = torch.tensor([-0.2, 0.0, 0.4], dtype=torch.float64)
+    assert math.isclose(m["teacher_mismatch/kl_k1"], (-d).mean().item())
+    assert math.isclose(m["teacher_mismatch/kl_k3"], (d.exp() - d - 1).mean().item())
+    assert math.isclose(m["teacher_mismatch/abs_dlogp_mean"], 0.2, rel_tol=1e-6)
+    assert math.isclose(m["teacher_mismatch/abs_dlogp_max"], 0.4, rel_tol=1e-6)
+    # A_e = [0.1, -1.0, -0.2], A = [-0.1, -1.0, 0.2]: two of three flip; nsr = 0.2 / mean(0.1, 1.0, 0.2)
+    assert math.isclose(m["teacher_mismatch/adv_sign_flip"], 2 / 3)
+    assert math.isclose(m["teacher_mismatch/nsr"], 0.2 / (1.3 / 3), rel_tol=1e-6)
+    assert teacher_mismatch_metrics(engine, engine, learner, mask)["teacher_mismatch/nsr"] == 0
+
+
+def test_check_rows():
+    assert [check_rows(8, f) for f in (0, 0.1, 0.25, 0.5, 1.0)] == [0, 1, 2, 4, 8]
+
+
+def test_training_with_a_builtin_teacher_engine_logs_the_teacher_side(pair, tmp_path):
+    """A run whose teacher is scored by the built-in engine under an FP8 KV plan trains and logs teacher_mismatch/*
+    every step; with teacher_check 0 the trainer's teacher never runs and those metrics are absent (the tail mass of a
+    top-k teacher stays: the engine alone gives it)."""
+    cfg = config(pair, steps=3, teacher_engine="builtin", teacher_plan="kv=fp8_e4m3", teacher_check=0.5)
+    train(cfg, tmp_path / "a", progress=False)
+    rows = read_metrics(tmp_path / "a")[:-1]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["teacher_mismatch/kl_exact"] > 0 and row["teacher_mismatch/abs_dlogp_mean"] > 0
+        assert 0 <= row["teacher_mismatch/adv_sign_flip"] <= 1 and "teacher_mismatch/tail_mass" not in row
+    cfg = config(pair, steps=2, teacher_engine="builtin", teacher_plan="kv=bf16", teacher_topk=4, teacher_check=0,
+                 loss=dict(name="topk_fkl", topk=4))
+    train(cfg, tmp_path / "b", progress=False)
+    for row in read_metrics(tmp_path / "b")[:-1]:
+        assert not any(k.startswith("teacher_mismatch/") and k != "teacher_mismatch/tail_mass" for k in row)
+        assert 0 < row["teacher_mismatch/tail_mass"] < 1
+
+
+def test_the_trainer_teacher_at_k_equal_v_is_the_trainer_path(pair, tmp_path):
+    """teacher_topk = V cuts nothing: the run is the plain run, metric for metric (bar the teacher-side ones)."""
+    train(config(pair, steps=2, loss=dict(name="topk_fkl", topk=100)), tmp_path / "a", progress=False)
+    train(config(pair, steps=2, teacher_topk=100, loss=dict(name="topk_fkl", topk=100)), tmp_path / "b",
+          progress=False)
+    plain, cut = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    strip = lambda row: {k: v for k, v in row.items() if not k.startswith(("time", "throughput", "teacher_"))}  # noqa
+    assert [strip(r) for r in plain] == [strip(r) for r in cut]
+    assert cut[0]["teacher_mismatch/abs_dlogp_max"] == 0
+
+
+@pytest.mark.parametrize("values,message", [
+    (dict(teacher_topk=8, loss=dict(name="full_rkl")), "needs the teacher's whole distribution"),
+    (dict(teacher_topk=8, loss=dict(name="topk_fkl", topk=16)), "more than the teacher returns"),
+    (dict(teacher_topk=8, loss=dict(name="topk_rkl", topk=4)), "topk_support=teacher"),
+    (dict(teacher_plan="kv=fp8_e4m3"), "needs an inference engine for the teacher"),
+    (dict(teacher_engine="sglang"), "unknown teacher_engine"),
+    (dict(teacher_topk=-1), "teacher_topk must be >= 0"),
+    (dict(teacher_check=1.5), "teacher_check must be in [0, 1]"),
+])
+def test_teacher_side_settings_are_checked(pair, values, message):
+    with pytest.raises(OpdError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        config(pair, **values)
+
+
+def test_cli_refuses_a_topk_teacher_under_a_full_loss(pair, tmp_path):
+    result = opd("train", "--set", f"student={pair[0]}", "--set", f"teacher={pair[1]}", "--run-dir", str(tmp_path / "r"),
+                 "--set", "teacher_topk=8", "--set", "loss.name=full_rkl")
+    assert_one_line_error(result, "teacher_topk=8", "loss.name sampled_rkl")
+    assert not (tmp_path / "r").exists()
