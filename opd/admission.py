@@ -55,7 +55,7 @@ models, is probe.py; this module only decides and calibrates.
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError
 
@@ -120,9 +120,15 @@ class ClassThresholds(Schema):
     knee: bool = False
 
 
+class TeacherThresholds(Schema):
+    metric: str = "teacher_nsr"
+    classes: dict[Literal[CLASSES], ClassThresholds] = Field(min_length=1)
+
+
 class Thresholds(Schema):
     metric: str = METRIC
     classes: dict[str, ClassThresholds]
+    teacher: TeacherThresholds | None = None  # the teacher side's limits (calibrate_teacher)
 
 
 def load_thresholds(path: str | Path = "") -> dict:
@@ -143,6 +149,8 @@ def load_thresholds(path: str | Path = "") -> dict:
         Thresholds.model_validate(data)
     except ValidationError as e:
         loc = e.errors()[0]["loc"]
+        if loc[0] == "teacher":
+            raise OpdError(f"{where}: its teacher-side limits are invalid ({problem(e)})", fix) from None
         if len(loc) < 3 or loc[2] == "max":
             raise OpdError(f"{where} has no valid per-class limits ({problem(e)})", fix) from None
         raise OpdError(f"{where}: '{loc[1]}' has an invalid {loc[2]} ({problem(e)})", fix) from None
@@ -224,7 +232,50 @@ def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0,
         reasons.append(f"the KV cache saturated {numbers.get('kv_clipped_k', 0):.3%} of the keys and "
                        f"{numbers.get('kv_clipped_v', 0):.3%} of the values at its format's largest value (a larger or "
                        "calibrated scale, kv_scale=calibrate, avoids it)")
+    if "teacher_nsr" in numbers:
+        teacher = decide_teacher(numbers, thresholds, cls, limit if how == "user-set limit" else 0.0)
+        verdicts.append(teacher.verdict)
+        reasons += teacher.reasons
     return Decision(max(verdicts, key=ORDER.__getitem__), reasons, limit, value, reject_at)
+
+
+def decide_teacher(numbers: dict, thresholds: dict | None, cls: str, limit: float = 0.0) -> Decision:
+    """The teacher side's verdict: the teacher engine's noise-to-signal `teacher_nsr` (mean |T - T_e| / mean |T - q|,
+    metrics.py) against the thresholds' teacher-side limit for the class (`teacher` in the file: calibrated on the
+    teacher study, docs/teacher.md); a file without one judges it by the student side's limit, which the reasons say.
+    limit > 0 (the user's) replaces both. A top-k teacher's tail mass is reported beside it."""
+    value = numbers.get("teacher_nsr", math.nan)
+    side = (thresholds or {}).get("teacher")
+    if limit > 0:
+        how, limit, reject_at = "user-set limit", limit, limit
+    else:
+        entry, how = class_limits(side or thresholds, cls)
+        how = how if side else f"no teacher-side calibration in these thresholds: the student side's limit ({how})"
+        limit = float(entry["max"])
+        reject_at = max(limit, float(entry.get("reject") or limit))
+    if not math.isfinite(value):
+        return Decision("REJECT", ["the teacher engine's log-probs are not finite (NaN/Inf)"], limit, value, reject_at)
+    verdict = "ADMIT" if value <= limit else "UNCERTAIN" if value <= reject_at else "REJECT"
+    reasons = [f"teacher engine: teacher_nsr {value:.3g} {'<=' if value <= limit else '>'} teacher-side limit "
+               f"{limit:.3g} ({how.replace('calibrated knee', 'teacher-side calibrated knee')})"]
+    if verdict == "UNCERTAIN":
+        reasons.append(f"uncertain: teacher_nsr <= {reject_at:.3g}, where teacher-side runs of these estimators both "
+                       "trained fine and degraded; run it only under the runtime guard (guard.every > 0)")
+    elif verdict == "REJECT" and reject_at > limit:
+        reasons.append(f"teacher_nsr > {reject_at:.3g}, above every teacher-side run of these estimators that trained "
+                       "fine")
+    details = [f"{name} {numbers[key]:.3g}" for name, key in (
+        ("teacher_kl_k3", "teacher_kl_k3"), ("teacher_kl_exact", "teacher_kl_exact"),
+        ("teacher_adv_sign_flip", "teacher_adv_sign_flip"), ("top-k tail mass", "teacher_tail_mass")) if key in numbers]
+    if details:
+        reasons.append("teacher engine: " + ", ".join(details))
+    return Decision(verdict, reasons, limit, value, reject_at)
+
+
+def is_teacher_side(row: dict) -> bool:
+    """A sweep result whose teacher was scored by an engine or cut to its top k (the teacher study's rows)."""
+    cfg = row["config"]
+    return cfg.get("teacher_engine", "trainer") != "trainer" or bool(cfg.get("teacher_topk", 0))
 
 
 def safe_staleness(budget: float, lr: float) -> int:
@@ -261,6 +312,8 @@ def calibrate(rows: list[dict]) -> dict:
     band's upper edge `reject`, between the largest nsr that trained fine and the next run above it, all of which
     degraded (REJECT above it, UNCERTAIN between the cut and it); and the drift budget `max_drift`, the largest
     staleness x lr among the runs whose only mismatch was staleness that the same best-cut rule keeps."""
+    teacher = calibrate_teacher([r for r in rows if is_teacher_side(r)])
+    rows = [r for r in rows if not is_teacher_side(r)]  # their rollouts are at the floor: a teacher's knee is not q's
     classes = {}
     for cls in CLASSES:
         mine = [r for r in rows if r["class"] == cls and math.isfinite(r["probe"].get(METRIC, math.nan))]
@@ -282,7 +335,26 @@ def calibrate(rows: list[dict]) -> dict:
         classes[cls] = entry | {"runs": len(points), "max_drift": safe,
                                 "staleness_seen": sorted({k for _, _, k in stale})}
     require(classes, "no synchronous sweep results with probe measurements to calibrate from", "run `opd sweep` first")
-    return {"metric": METRIC, "classes": classes}
+    return {"metric": METRIC, "classes": classes} | ({"teacher": teacher} if teacher else {})
+
+
+def calibrate_teacher(rows: list[dict]) -> dict | None:
+    """The teacher side's limits, per estimator class, from the teacher study's rows (teacher engines under a plan;
+    not top-k alone, whose sampled tokens' log-probs are exact: its teacher_nsr is 0): the same best cut on the
+    probe's teacher_nsr and the band above it. None without such rows."""
+    classes = {}
+    for cls in CLASSES:
+        points = sorted((r["probe"]["teacher_nsr"], r["degraded"]) for r in rows if r["class"] == cls and
+                        math.isfinite(r["probe"].get("teacher_nsr", math.nan)) and not r["staleness"] and
+                        not r["config"].get("teacher_topk", 0))
+        if not points:
+            continue
+        entry = best_cut(points)
+        fine_max = max((v for v, bad in points if not bad), default=0.0)
+        above = [v for v, bad in points if v > fine_max]
+        entry["reject"] = max(entry["max"], math.sqrt(fine_max * above[0]) if above else fine_max)
+        classes[cls] = entry | {"runs": len(points)}
+    return {"metric": "teacher_nsr", "classes": classes} if classes else None
 
 
 def best_cut(points: list[tuple[float, bool]], cost: float = ADMITTED_DEGRADED_COST) -> dict:

@@ -22,13 +22,15 @@ import math
 import sys
 from pathlib import Path
 
-from opd.admission import FLOOR_PLAN, METRIC, MIN_ESS_FRAC, calibrated, decide, estimator_class, load_thresholds
+from opd.admission import (FLOOR_PLAN, METRIC, MIN_ESS_FRAC, calibrated, decide, decide_teacher, estimator_class,
+                           load_thresholds)
 from opd.errors import OpdError
 from opd.plan import Plan
 from opd.runlog import read_guard_events, read_metrics, write_atomic
 
 GUARD_NSR, GUARD_ESS, GUARD_TOTAL = "opd/nsr", "is/ess_frac", "stale/total_nsr"  # read from each step's metrics
-GUARD_KEYS = (GUARD_NSR, GUARD_ESS, GUARD_TOTAL)
+GUARD_TEACHER = "teacher_mismatch/nsr"  # the teacher engine's, on the rows the trainer's teacher checks (teacher.py)
+GUARD_KEYS = (GUARD_NSR, GUARD_ESS, GUARD_TOTAL, GUARD_TEACHER)
 
 
 def safer_plan(plan: Plan, engine: str = "builtin") -> Plan | None:
@@ -67,7 +69,9 @@ class Guard:
         Raises OpdError when the action is `stop`."""
         nsr = window_mean(self.window, GUARD_NSR, finite_only=False)  # NaN: broken rollouts, a REJECT
         ess, total = window_mean(self.window, GUARD_ESS, True), window_mean(self.window, GUARD_TOTAL, True)
+        teacher = window_mean(self.window, GUARD_TEACHER, finite_only=False)
         self.window.clear()
+        teacher_out = {} if teacher is None else self._check_teacher(step, teacher, run_dir)
         nsr = math.nan if nsr is None else nsr
         decision = decide({METRIC: nsr, "ess_frac": ess}, self.thresholds, self.cls, 0, self.limit)
         out = {"guard/nsr": nsr, "guard/limit": decision.limit, "guard/triggered": float(decision.reject),
@@ -76,6 +80,7 @@ class Guard:
             out["guard/ess_frac"] = ess
         if total is not None and self.asynchronous:
             out["guard/total_nsr"] = total
+        out |= teacher_out
         if not decision.reject:
             return out, None
         safer = safer_plan(plan, self.engine)
@@ -95,6 +100,26 @@ class Guard:
                            f"({what})", "use a safer plan (`opd admit` proposes one), guard.action=fallback, or a "
                            "higher guard.limit")
         return out, safer if action == "fallback" else None
+
+    def _check_teacher(self, step: int, nsr: float, run_dir: Path) -> dict:
+        """The teacher side's check over the window: guard/teacher_* metrics; on REJECT an event, then warn or stop."""
+        decision = decide_teacher({"teacher_nsr": nsr}, self.thresholds, self.cls, self.limit)
+        out = {"guard/teacher_nsr": nsr, "guard/teacher_limit": decision.limit,
+               "guard/teacher_triggered": float(decision.reject)}
+        if not decision.reject:
+            return out
+        action = "stop" if self.action == "stop" else "warn"
+        with open(run_dir / "guard.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "side": "teacher", "action": action, "teacher_nsr": nsr,
+                                "limit": decision.limit, "reject_at": decision.reject_at,
+                                "reasons": decision.reasons}) + "\n")
+        what = f"teacher_nsr {nsr:.3g} {'>' if nsr > decision.reject_at else '<='} {decision.reject_at:.3g}"
+        print(f"opd: guard: step {step}: teacher engine vs the trainer's teacher {what}: {action}", file=sys.stderr)
+        if action == "stop":
+            raise OpdError(f"guard: the teacher engine's mismatch exceeded what the admission check allows at step "
+                           f"{step} ({what})", "score the teacher at a higher precision (teacher_plan), with the "
+                           "trainer (teacher_engine=trainer), or raise guard.limit")
+        return out
 
     def resume(self, run_dir: Path, step: int) -> None:
         """On resume: the live numbers of the steps since the last check (from metrics.jsonl), so the checks see what

@@ -18,7 +18,8 @@ from opd.admission import (FLOOR_PLAN, KEEP, METRIC, calibrated, class_limits, d
 from opd.devices import autocast_dtype
 from opd.learner import collate, score_batch
 from opd.losses import masked_mean
-from opd.metrics import distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics
+from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics,
+                         teacher_mismatch_metrics)
 from opd.plan import Plan, describe_layer
 from opd.rollouts import sampler_seed
 from opd.sampling import SamplingParams
@@ -33,12 +34,13 @@ class ProbeSetup:
     tok: object
     make_engine: object  # (plan) -> engine
     prompts: list[list[int]] = field(default_factory=list)
+    teacher_engine: object = None  # teacher.TeacherEngine when the run's teacher is not the trainer's own
 
 
 def probe(setup: ProbeSetup, plan: Plan, floor: dict | None = None) -> dict:
     """The candidate plan's mismatch on the probe batch (+ the BF16 floor, measured unless given)."""
     start = time.perf_counter()
-    numbers = measure(setup, plan)
+    numbers = measure(setup, plan, teacher_side=True)
     if floor is None:
         floor_plan = Plan.parse(FLOOR_PLAN, len(plan.layers))
         floor = numbers if str(floor_plan) == str(plan) else measure(setup, floor_plan)
@@ -48,10 +50,11 @@ def probe(setup: ProbeSetup, plan: Plan, floor: dict | None = None) -> dict:
 
 
 @torch.no_grad()
-def measure(setup: ProbeSetup, plan: Plan) -> dict:
+def measure(setup: ProbeSetup, plan: Plan, teacher_side: bool = False) -> dict:
     """The probe's metrics for one plan: the engine samples the probe prompts; the student (as the learner computes:
     its dtype, the training temperature) and the teacher score the tokens, a micro-batch and a chunk at a time; the
-    built-in engine also gives its hidden states (for the exact KL) and KV saturation counts."""
+    built-in engine also gives its hidden states (for the exact KL) and KV saturation counts. teacher_side, with a
+    teacher engine: the engine also scores the tokens, against the trainer's teacher (`teacher_nsr`, ...)."""
     cfg = setup.cfg
     engine = setup.make_engine(plan)
     full = engine.hidden_states  # the built-in engine: hidden states (exact KL) and KV saturation counts
@@ -75,7 +78,23 @@ def measure(setup: ProbeSetup, plan: Plan) -> dict:
     if scores.rkl is not None:  # the student's distance to its teacher: exact KL(q || T) per token, the probe's mean
         out["rkl"] = masked_mean(scores.rkl.double(), mask).item()
     out |= clipped  # kv_clipped_k, kv_clipped_v (the built-in engine)
-    return {k.split("/")[-1]: v for k, v in out.items()}
+    if teacher_side and setup.teacher_engine is not None:
+        out |= teacher_side_numbers(setup, batch, scores)
+    return {k.replace("teacher_mismatch/", "teacher_").split("/")[-1]: v for k, v in out.items()}
+
+
+def teacher_side_numbers(setup: ProbeSetup, batch, scores) -> dict:
+    """The teacher engine on the probe's tokens against the trainer's teacher (scores.teacher): teacher_mismatch/*
+    over the whole probe batch."""
+    from opd.teacher import trainer_scores
+    cfg = setup.cfg
+    engine_scores = score_batch(setup.student, batch, setup.teacher_engine, temperature=cfg.sampling.temperature,
+                                micro_batch_size=cfg.compute.micro_batch_size, chunk_tokens=cfg.compute.chunk_tokens,
+                                autocast=autocast_dtype(cfg.compute.dtype))
+    kl = trainer_scores(setup.teacher, setup.teacher_engine, batch, cfg.compute.chunk_tokens)[1] \
+        if setup.teacher_engine.whole_rows else None
+    return teacher_mismatch_metrics(engine_scores.teacher, scores.teacher, scores.pi, batch.mask, kl,
+                                    engine_scores.teacher_tails)
 
 
 # ---- the check, and the plan it proposes --------------------------------------------------------------------------

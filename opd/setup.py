@@ -173,5 +173,6 @@ def probe_setup(cfg: TrainConfig, n: int) -> tuple[ProbeSetup, Plan]:
     context = min(student.cfg.context, teacher.cfg.context)
     prompts = PromptSet(replace(cfg, batch_size=n), tok, context, cfg.new_tokens).batch(0)
     probe_cfg = replace(cfg, engine=replace(cfg.engine, compile=False))  # 16 rollouts: compiling costs more than it saves
-    return ProbeSetup(cfg, student, teacher, tok, engine_builder(probe_cfg, student, tok, student_dir), prompts), \
+    return ProbeSetup(cfg, student, teacher, tok, engine_builder(probe_cfg, student, tok, student_dir), prompts,
+                      make_teacher_engine(cfg, teacher, tok.pad_id, teacher_folder(cfg))), \
         parse_plan(cfg, student.cfg.num_layers)

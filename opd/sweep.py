@@ -74,7 +74,8 @@ points:
 PROBE_ROLLOUTS = 16
 PLAN_CHECK_LAYERS = 1024
 CURVE_POINTS = 30
-AVERAGED = ("mismatch/", "is/", "opd/", "stale/", "loss/", "train/grad_norm", "rollout/", "throughput/")
+AVERAGED = ("mismatch/", "is/", "opd/", "stale/", "loss/", "train/grad_norm", "rollout/", "throughput/",
+            "teacher_mismatch/")
 
 
 Seed = Annotated[int, Field(ge=0, lt=2 ** 32)]  # torch and numpy take seeds in [0, 2**32)
@@ -342,6 +343,8 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
             continue
         setup, plan = probe_setup(cfg, PROBE_ROLLOUTS)
         numbers = probe(setup, plan)
+        if setup.teacher_engine is not None:
+            setup.teacher_engine.close()
         del setup
         run_dir = out / "runs" / spec["id"].replace("/", "__")
         try:

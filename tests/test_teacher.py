@@ -177,3 +177,85 @@ def test_cli_refuses_a_topk_teacher_under_a_full_loss(pair, tmp_path):
                  "--set", "teacher_topk=8", "--set", "loss.name=full_rkl")
     assert_one_line_error(result, "teacher_topk=8", "loss.name sampled_rkl")
     assert not (tmp_path / "r").exists()
+
+
+# ---- admission and guard on the teacher side -------------------------------------------------------------------
+
+THRESHOLDS = {"metric": "nsr", "classes": {"full": {"max": 0.5, "reject": 0.8, "knee": True}},
+              "teacher": {"metric": "teacher_nsr", "classes": {"full": {"max": 0.1, "reject": 0.2, "knee": True}}}}
+
+
+@pytest.mark.parametrize("teacher_nsr,verdict", [(0.05, "ADMIT"), (0.15, "UNCERTAIN"), (0.3, "REJECT"),
+                                                 (math.nan, "REJECT")])
+def test_decide_judges_the_teacher_side_by_its_own_limit(teacher_nsr, verdict):
+    from opd.admission import decide
+    numbers = {"nsr": 0.01, "teacher_nsr": teacher_nsr, "teacher_kl_k3": 0.002}
+    decision = decide(numbers, THRESHOLDS, "full")
+    assert decision.verdict == verdict and decision.value == 0.01  # the student side's value stays the headline
+    assert any("teacher" in r for r in decision.reasons)
+    assert decide({"nsr": 0.01}, THRESHOLDS, "full").verdict == "ADMIT"  # no teacher engine: no teacher verdict
+
+
+def test_decide_without_teacher_thresholds_uses_the_student_side_limit_and_says_so():
+    from opd.admission import decide
+    student_only = {"metric": "nsr", "classes": THRESHOLDS["classes"]}
+    decision = decide({"nsr": 0.01, "teacher_nsr": 0.3}, student_only, "full")
+    assert decision.verdict == "ADMIT" and "no teacher-side calibration" in " ".join(decision.reasons)
+    assert decide({"nsr": 0.01, "teacher_nsr": 0.3}, None, "full", limit=0.2).verdict == "REJECT"  # user limit
+
+
+def test_calibrate_keeps_the_two_sides_apart():
+    """Teacher-side rows (their rollouts at the floor) calibrate the teacher entry only; the student side's cut is
+    the one the other rows give."""
+    from opd.admission import calibrate
+    def row(nsr, teacher_nsr, degraded, **cfg):
+        probe = {"nsr": nsr, "floor_nsr": 0.01} | ({"teacher_nsr": teacher_nsr} if teacher_nsr is not None else {})
+        return {"class": "full", "staleness": 0, "probe": probe, "degraded": degraded,
+                "config": {"optim": {"lr": 1e-3}} | cfg}
+    student = [row(0.01, None, False), row(0.1, None, False), row(0.4, None, True), row(0.8, None, True)]
+    teacher = [row(0.01, 0.02, False, teacher_engine="builtin"), row(0.01, 0.05, False, teacher_engine="builtin"),
+               row(0.01, 0.3, True, teacher_engine="builtin"), row(0.01, 0.0, True, teacher_topk=1)]
+    both = calibrate(student + teacher)
+    assert both["classes"] == calibrate(student)["classes"]
+    cut = both["teacher"]["classes"]["full"]
+    assert 0.05 < cut["max"] < 0.3 and cut["runs"] == 3  # the top-k row (teacher_nsr 0, degraded) is left out
+    assert "teacher" not in calibrate(student)
+
+
+def test_a_bad_teacher_entry_in_a_thresholds_file_is_one_line(pair, tmp_path):
+    bad = tmp_path / "t.json"
+    bad.write_text('{"metric": "nsr", "classes": {"full": {"max": 0.5}}, "teacher": {"classes": {"full": {"max": -1}}}}')
+    result = opd("admit", "--set", f"student={pair[0]}", "--set", f"teacher={pair[1]}", "--set", "task=add",
+                 "--thresholds", str(bad))
+    assert_one_line_error(result, "teacher-side limits are invalid")
+
+
+def test_admit_names_teacher_side_reasons(pair):
+    """`opd admit` probes the teacher engine as well: a noisy teacher plan is rejected for its teacher side (the
+    student's rollouts are at full precision)."""
+    common = ("--set", f"student={pair[0]}", "--set", f"teacher={pair[1]}", "--set", "task=add", "--set", "plan=",
+              "--no-propose", "--set", "teacher_engine=builtin")
+    ok = opd("admit", *common, "--set", "teacher_plan=kv=bf16", "--limit", "0.5")
+    assert ok.returncode == 0 and "teacher engine: teacher_nsr" in ok.stdout, ok.stdout + ok.stderr
+    bad = opd("admit", *common, "--set", "teacher_plan=noise=0.5", "--limit", "0.05")
+    assert bad.returncode == 1 and "teacher_nsr" in bad.stdout and bad.stdout.startswith("REJECT"), bad.stdout
+
+
+@pytest.mark.parametrize("action", ["fallback", "stop"])
+def test_the_guard_watches_the_teacher_side(pair, tmp_path, action):
+    """A teacher engine far from the trainer's teacher: the guard logs a teacher-side event every check; fallback
+    cannot change a teacher's numbers, so it warns and training goes on; stop stops the run with one line."""
+    cfg = config(pair, steps=4, teacher_engine="builtin", teacher_plan="noise=0.5", teacher_check=0.5,
+                 guard=dict(every=2, action=action, limit=1e-3))
+    if action == "stop":
+        with pytest.raises(OpdError, match="teacher engine's mismatch"):
+            train(cfg, tmp_path / "r", progress=False)
+    else:
+        train(cfg, tmp_path / "r", progress=False)
+    from opd.runlog import read_guard_events
+    events = read_guard_events(tmp_path / "r")
+    assert events and all(e["side"] == "teacher" and e["action"] == ("stop" if action == "stop" else "warn")
+                          for e in events)
+    if action == "fallback":
+        rows = read_metrics(tmp_path / "r")
+        assert len(rows) == 5 and [r.get("guard/teacher_triggered") for r in rows[:4]] == [None, 1.0, None, 1.0]
