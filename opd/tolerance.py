@@ -3,7 +3,10 @@
 **Quality** is the held-out mean per-token reverse KL to the teacher after training (`eval/rkl`, lower is better;
 exact-match accuracy is reported beside it but is too coarse on 100 prompts to decide with). **Mismatch** is what
 the run measured, not what it was configured with: `stale/total_kl_k3` averaged over training, the k3 estimate of
-KL(rollout engine || current learner), which covers numerics and staleness alike.
+KL(rollout engine || current learner), which covers numerics and staleness alike; for the teacher study's runs
+(a teacher scored by an engine: teacher.py) the teacher side's exact `teacher_mismatch/kl_exact` (its k3 estimate is
+a poor axis there: the tokens are the student's, not the teacher's), and for a top-k teacher the tail mass its k
+tokens leave (`teacher_mismatch/tail_mass`).
 
 **Degraded**, per family and estimator: the BF16 runs (source `bf16`, several seeds) span [lo, hi] in final reverse
 KL. A run is degraded when its final reverse KL exceeds hi by more than that spread, or by 5% of the BF16 mean if
@@ -19,12 +22,16 @@ import json
 import math
 from pathlib import Path
 
-from opd.admission import best_cut, decide
+from opd.admission import best_cut, decide, is_teacher_side
 from opd.errors import require
 from opd.figures import pyplot, save
 from opd.runlog import write_atomic
 
 QUALITY, MISMATCH = "eval/rkl", "stale/total_kl_k3"
+# the teacher study's axes: the exact KL(teacher engine || trainer's teacher) per position (the k3 estimate on the
+# student's tokens is dominated by tokens the teacher finds unlikely, where a low-precision teacher errs most), and
+# for a top-k teacher the mass its k tokens leave
+TEACHER_MISMATCH, TOPK_MISMATCH = "teacher_mismatch/kl_exact", "teacher_mismatch/tail_mass"
 MARKERS = {"bf16": "o", "kv": "s", "kv_trunc": "P", "noise": "^", "staleness": "D", "weights": "v"}
 
 
@@ -54,10 +61,21 @@ def label(rows: list[dict]) -> list[dict]:
     for group in groups(rows).values():
         b = band(group)
         for row in group:
-            mismatch = row["train"].get(MISMATCH, row["train"].get("mismatch/kl_k3", math.nan))
+            mismatch = mismatch_of(row)
             out.append(row | {"degraded": None if b is None else row["after"][QUALITY] > b["limit"],
                               "mismatch": mismatch if mismatch is not None else math.nan})
     return out
+
+
+def mismatch_of(row: dict) -> float | None:
+    """The run's measured mismatch: the rollouts' (MISMATCH) or, for the teacher study's runs, the teacher side's
+    (TEACHER_MISMATCH; a top-k teacher's: the mass its k tokens leave)."""
+    train = row["train"]
+    if is_teacher_side(row):
+        if row["config"].get("teacher_topk"):
+            return train.get(TOPK_MISMATCH, math.nan)
+        return train.get(TEACHER_MISMATCH, train.get("teacher_mismatch/kl_k3", math.nan))
+    return train.get(MISMATCH, train.get("mismatch/kl_k3", math.nan))
 
 
 def knees(rows: list[dict]) -> list[dict]:
@@ -66,8 +84,9 @@ def knees(rows: list[dict]) -> list[dict]:
     labelled = label(rows)
     for (family, estimator), group in groups(labelled).items():
         for source in sorted({r["source"] for r in group} - {"bf16"}):
-            points = sorted((r["mismatch"], bool(r["degraded"])) for r in group
-                            if r["source"] in (source, "bf16") and r["degraded"] is not None)
+            teacher = source.startswith("teacher_")  # its BF16 runs' teacher side is exact: mismatch 0
+            points = sorted((0.0 if teacher and r["source"] == "bf16" else r["mismatch"], bool(r["degraded"]))
+                            for r in group if r["source"] in (source, "bf16") and r["degraded"] is not None)
             entry = {"family": family, "estimator": estimator, "source": source,
                      "max_mismatch": max(m for m, _ in points) if points else None}
             cut = best_cut(points, cost=1.0) if any(bad for _, bad in points) else None

@@ -1,0 +1,133 @@
+"""The teacher's side of the mismatch: how much of it OPD tolerates, against the student's side at the same KL.
+
+Two grids on both built-in pairs, the study's recipe (60 steps of batch 32, BF16 rollouts for the student):
+- benchmarks/data/teacher_grid.yaml: the teacher scored by the built-in engine under a teacher_plan (FP8 KV e4m3 and
+  e5m2, FP8 weights, relative weight noise 0.3 and 1.0) for the full-vocabulary reverse KL and the sampled-token
+  estimator, and beside them the same kinds of mismatch on the student's side (FP8 e5m2 KV, noise 0.3 and 1.0);
+- benchmarks/data/teacher_topk_grid.yaml: a teacher that returns only its top k = 1, 8, 64 log-probs, for the top-k
+  forward KL and the top-k reverse KL with a tail bucket (k = V = 100: the full losses).
+Each run is labelled as in the tolerance study (opd/tolerance.py: its final held-out reverse KL to the *trainer's*
+teacher against its BF16 seeds). Printed: the table; the knees (teacher-side sources on `teacher_mismatch/kl_exact`, a
+top-k teacher on its tail mass, student-side sources on `stale/total_kl_k3`); the comparison of the two sides at the
+same measured KL; the teacher-side admission limits calibrated on these runs (admission.calibrate_teacher) and their
+leave-one-source-out decisions.
+
+**The comparison.** Both sides' engines are the built-in one, whose whole distributions give the exact mean KL per
+position (student side: KL(rollout || trainer), `mismatch/kl_exact`; teacher side: KL(teacher engine || trainer's
+teacher), `teacher_mismatch/kl_exact`). Per family and estimator, the damage of each run is its final reverse KL minus
+the BF16 seeds' mean; `slope_<side>` is the least-squares slope of damage on exact KL through the origin over that
+side's runs, and `teacher_vs_student` their ratio: above 1, a unit of KL costs more on the teacher's side.
+
+    python benchmarks/teacher_study.py --out runs/teacher --family llama   # and qwen3, side by side (~1 h each)
+    python benchmarks/teacher_study.py --quick     # the stored results (benchmarks/data/teacher_results.jsonl)
+    python benchmarks/teacher_study.py --quick --write-thresholds opd/thresholds.json   # its teacher entry
+
+The last line is `RESULT key=value ...`.
+"""
+import json
+import math
+from pathlib import Path
+
+import yaml
+
+from opd.admission import calibrate_teacher, decide_teacher, is_teacher_side, load_thresholds
+from opd.runlog import write_atomic
+from opd.sweep import read_results, run_sweep
+from opd.tolerance import QUALITY, band, groups, knees, label, latest, pivot
+from studies import parse_args
+
+DATA = Path(__file__).parent / "data"
+STORED = DATA / "teacher_results.jsonl"
+GRIDS = (DATA / "teacher_grid.yaml", DATA / "teacher_topk_grid.yaml")
+STUDENT_SIDE = ("kv", "noise")
+
+
+def teacher_thresholds(rows: list[dict]) -> dict | None:
+    """The thresholds file's `teacher` entry from the teacher study's rows (labelled here)."""
+    return calibrate_teacher([r for r in label(rows) if r["degraded"] is not None and is_teacher_side(r)])
+
+
+def comparison(rows: list[dict]) -> tuple[list[str], dict]:
+    lines, result = [], {}
+    for (family, estimator), group in sorted(groups(label(rows)).items()):
+        b = band(group)
+        if b is None or estimator.startswith("topk"):
+            continue
+        sides = {"student": [], "teacher": []}
+        for r in group:
+            if r["source"] in STUDENT_SIDE:
+                sides["student"].append((r["train"].get("mismatch/kl_exact", math.nan), r))
+            elif r["source"].startswith("teacher_"):
+                sides["teacher"].append((r["train"].get("teacher_mismatch/kl_exact", math.nan), r))
+        slopes = {}
+        for side, points in sides.items():
+            points = [(kl, r["after"][QUALITY] - b["mean"], r) for kl, r in points if math.isfinite(kl)]
+            for kl, damage, r in sorted(points, key=lambda p: p[0]):
+                lines.append(f"{family:6} {estimator:10} {side:7} {r['source']}={r['level']!s:9} exact KL {kl:9.3g}  "
+                             f"damage {damage:+.4f}  {'degraded' if r['degraded'] else 'fine'}")
+            den = sum(kl * kl for kl, _, _ in points)
+            slopes[side] = sum(kl * d for kl, d, _ in points) / den if den > 0 else math.nan
+        ratio = slopes["teacher"] / slopes["student"] if slopes["student"] > 0 else math.nan
+        lines.append(f"{family:6} {estimator:10} slope (damage per unit exact KL): student {slopes['student']:.3g}, "
+                     f"teacher {slopes['teacher']:.3g}, teacher / student {ratio:.3g}")
+        result[f"teacher_vs_student_{family}_{estimator}"] = f"{ratio:.3g}"
+    return lines, result
+
+
+def leave_source_out(rows: list[dict]) -> tuple[list[str], int, int]:
+    """Each teacher-side source decided by teacher limits calibrated on the other teacher-side sources."""
+    labelled = [r for r in label(rows) if r["degraded"] is not None and is_teacher_side(r)
+                and not r["config"].get("teacher_topk")]
+    lines, right = [], 0
+    for source in sorted({r["source"] for r in labelled}):
+        entry = calibrate_teacher([r for r in labelled if r["source"] != source])
+        for r in (r for r in labelled if r["source"] == source):
+            verdict = decide_teacher(r["probe"], {"classes": {}, "teacher": entry}, r["class"]).verdict \
+                if entry else "none"
+            ok = (verdict == "ADMIT") != r["degraded"]
+            right += ok
+            lines.append(f"{r['id']:45} teacher_nsr {r['probe']['teacher_nsr']:.3g}  {verdict:9} "
+                         f"{'degraded' if r['degraded'] else 'fine':8}  {'yes' if ok else 'NO'}")
+    return lines, right, len(labelled)
+
+
+def main():
+    args = parse_args(__doc__, STORED, "runs/teacher", extra=lambda ap: ap.add_argument(
+        "--write-thresholds", type=Path, help="write the teacher entry into this thresholds file (opd/thresholds.json)"))
+    if args.quick:
+        rows = read_results(STORED)
+    else:
+        for path in GRIDS:
+            run_sweep(yaml.safe_load(path.read_text()), args.out, args.family)
+        rows = read_results(args.out / "results.jsonl")
+    rows = latest(rows)
+    if args.store:
+        write_atomic(args.store, "".join(json.dumps(r) + "\n" for r in rows))
+    print(pivot(rows))
+    print("\nknees (teacher sources: teacher_mismatch/kl_exact; teacher_topk: tail mass; others: stale/total_kl_k3):")
+    for k in knees(rows):
+        where = f"knee {k['knee']:.3g} (first degraded {k['first_degraded']:.3g})" if k.get("knee") is not None \
+            else f"no knee up to {k['max_mismatch']:.3g}" if k["max_mismatch"] is not None else "no runs"
+        print(f"  {k['family']}/{k['estimator']}/{k['source']}: {where}")
+    lines, result = comparison(rows)
+    print("\nthe two sides at the same measured KL:")
+    print("\n".join("  " + line for line in lines))
+    entry = teacher_thresholds(rows)
+    print("\nteacher-side limits calibrated on these runs (teacher_nsr of the probe):")
+    for cls, e in (entry or {}).get("classes", {}).items():
+        print(f"  {cls:10} ADMIT teacher_nsr <= {e['max']:.3g}, REJECT > {e['reject']:.3g} "
+              f"({'knee' if e['knee'] else 'no degradation seen'}; {e['errors']} of {e['runs']} runs misclassified)")
+    lines, right, n = leave_source_out(rows)
+    print("\nleave one teacher-side source out (limits from the other sources decide it):")
+    print("\n".join("  " + line for line in lines))
+    result["teacher_admission_leave_source_out"] = f"{right / max(n, 1):.3f}"
+    result["teacher_runs"] = n
+    if args.write_thresholds:
+        current = load_thresholds(args.write_thresholds) if args.write_thresholds.is_file() else {}
+        write_atomic(args.write_thresholds, json.dumps(current | {"teacher": entry}, indent=2) + "\n")
+        print(f"wrote the teacher entry into {args.write_thresholds}")
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
+
+
+if __name__ == "__main__":
+    main()
