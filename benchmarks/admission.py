@@ -37,7 +37,7 @@ from pathlib import Path
 from opd.admission import calibrate, decide
 from opd.runlog import write_atomic
 from opd.sweep import PROBE_ROLLOUTS, read_results, stored_config
-from opd.tolerance import QUALITY, band, label, latest
+from opd.tolerance import QUALITY, band, label, latest, teacher_thresholds
 
 DATA = Path(__file__).parent / "data"
 # (study, results files labelled together, the sources of it that count: None for all). Each study's BF16 seeds
@@ -50,6 +50,7 @@ STUDIES = [
 ]
 
 
+TEACHER = "teacher_results.jsonl"  # the teacher side's study (benchmarks/teacher_study.py): the `teacher` entry only
 NEW = "generalization_results.jsonl"  # the grids run after the decision rule was chosen (dev/LOG.md, issue 22)
 
 
@@ -78,8 +79,10 @@ CALIBRATED_ON = {
 def shipped_thresholds(rows: list[dict]) -> dict:
     """opd/thresholds.json: the calibration on every stored run, with what it was calibrated on."""
     files = [f for _, names, _ in STUDIES for f in names]
-    return calibrate(rows) | {"calibrated_from": [f"benchmarks/data/{f}" for f in files], "runs": len(rows),
-                              "calibrated_on": CALIBRATED_ON}
+    out = calibrate(rows) | {"calibrated_from": [f"benchmarks/data/{f}" for f in files], "runs": len(rows),
+                             "calibrated_on": CALIBRATED_ON}
+    teacher = teacher_thresholds(latest(read_results(DATA / TEACHER))) if (DATA / TEACHER).is_file() else None
+    return out | ({"teacher": teacher | {"calibrated_from": f"benchmarks/data/{TEACHER}"}} if teacher else {})
 
 
 def scored(rows: list[dict]) -> list[dict]:

@@ -20,7 +20,9 @@ side's runs, and `teacher_vs_student` their ratio: above 1, a unit of KL costs m
 
     python benchmarks/teacher_study.py --out runs/teacher --family llama   # and qwen3, side by side (~1 h each)
     python benchmarks/teacher_study.py --quick     # the stored results (benchmarks/data/teacher_results.jsonl)
-    python benchmarks/teacher_study.py --quick --write-thresholds opd/thresholds.json   # its teacher entry
+
+The shipped thresholds' `teacher` entry is this calibration: `python benchmarks/admission.py --quick
+--write-thresholds opd/thresholds.json` writes it from benchmarks/data/teacher_results.jsonl (`--store` that file).
 
 The last line is `RESULT key=value ...`.
 """
@@ -30,21 +32,16 @@ from pathlib import Path
 
 import yaml
 
-from opd.admission import calibrate_teacher, decide_teacher, is_teacher_side, load_thresholds
+from opd.admission import calibrate_teacher, decide_teacher, is_teacher_side
 from opd.runlog import write_atomic
 from opd.sweep import read_results, run_sweep
-from opd.tolerance import QUALITY, band, groups, knees, label, latest, pivot
+from opd.tolerance import QUALITY, band, groups, knees, label, latest, pivot, teacher_thresholds
 from studies import parse_args
 
 DATA = Path(__file__).parent / "data"
 STORED = DATA / "teacher_results.jsonl"
 GRIDS = (DATA / "teacher_grid.yaml", DATA / "teacher_topk_grid.yaml")
 STUDENT_SIDE = ("kv", "noise")
-
-
-def teacher_thresholds(rows: list[dict]) -> dict | None:
-    """The thresholds file's `teacher` entry from the teacher study's rows (labelled here)."""
-    return calibrate_teacher([r for r in label(rows) if r["degraded"] is not None and is_teacher_side(r)])
 
 
 def comparison(rows: list[dict]) -> tuple[list[str], dict]:
@@ -92,8 +89,7 @@ def leave_source_out(rows: list[dict]) -> tuple[list[str], int, int]:
 
 
 def main():
-    args = parse_args(__doc__, STORED, "runs/teacher", extra=lambda ap: ap.add_argument(
-        "--write-thresholds", type=Path, help="write the teacher entry into this thresholds file (opd/thresholds.json)"))
+    args = parse_args(__doc__, STORED, "runs/teacher")
     if args.quick:
         rows = read_results(STORED)
     else:
@@ -122,10 +118,6 @@ def main():
     print("\n".join("  " + line for line in lines))
     result["teacher_admission_leave_source_out"] = f"{right / max(n, 1):.3f}"
     result["teacher_runs"] = n
-    if args.write_thresholds:
-        current = load_thresholds(args.write_thresholds) if args.write_thresholds.is_file() else {}
-        write_atomic(args.write_thresholds, json.dumps(current | {"teacher": entry}, indent=2) + "\n")
-        print(f"wrote the teacher entry into {args.write_thresholds}")
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))
 
 

@@ -274,7 +274,7 @@ def decide_teacher(numbers: dict, thresholds: dict | None, cls: str, limit: floa
 
 def is_teacher_side(row: dict) -> bool:
     """A sweep result whose teacher was scored by an engine or cut to its top k (the teacher study's rows)."""
-    cfg = row["config"]
+    cfg = row.get("config", {})
     return cfg.get("teacher_engine", "trainer") != "trainer" or bool(cfg.get("teacher_topk", 0))
 
 

@@ -22,7 +22,7 @@ import json
 import math
 from pathlib import Path
 
-from opd.admission import best_cut, decide, is_teacher_side
+from opd.admission import best_cut, calibrate_teacher, decide, is_teacher_side
 from opd.errors import require
 from opd.figures import pyplot, save
 from opd.runlog import write_atomic
@@ -72,10 +72,16 @@ def mismatch_of(row: dict) -> float | None:
     (TEACHER_MISMATCH; a top-k teacher's: the mass its k tokens leave)."""
     train = row["train"]
     if is_teacher_side(row):
-        if row["config"].get("teacher_topk"):
+        if row.get("config", {}).get("teacher_topk"):
             return train.get(TOPK_MISMATCH, math.nan)
         return train.get(TEACHER_MISMATCH, train.get("teacher_mismatch/kl_k3", math.nan))
     return train.get(MISMATCH, train.get("mismatch/kl_k3", math.nan))
+
+
+def teacher_thresholds(rows: list[dict]) -> dict | None:
+    """A thresholds file's `teacher` entry from the teacher study's results (labelled here against their BF16 seeds;
+    admission.calibrate_teacher)."""
+    return calibrate_teacher([r for r in label(rows) if r["degraded"] is not None and is_teacher_side(r)])
 
 
 def knees(rows: list[dict]) -> list[dict]:

@@ -118,6 +118,21 @@ def test_knees_per_source_and_no_knee():
     assert {k["source"]: k["knee"] for k in knees(calm[:4])} == {"kv": None}  # no level degraded: no knee
 
 
+def test_teacher_side_runs_are_placed_on_the_teacher_sides_exact_kl():
+    """A teacher-study run's mismatch is the teacher side's exact KL (a top-k teacher's: its tail mass), and its
+    source's knee counts the BF16 runs at 0 (their teacher is the trainer's own)."""
+    def teacher(level, rkl, kl_exact, **cfg):
+        row = synthetic("teacher_kv", level, rkl, 1e-5)
+        row["train"] |= {"teacher_mismatch/kl_exact": kl_exact, "teacher_mismatch/kl_k3": 9.0,
+                         "teacher_mismatch/tail_mass": 0.25}
+        return row | {"config": {"teacher_engine": "builtin"} | cfg}
+    rows = STUDY[:3] + [teacher("a", 0.31, 0.002), teacher("b", 0.36, 0.02), teacher("c", 0.5, 0.9, teacher_topk=1)]
+    mismatch = {r["id"]: r["mismatch"] for r in label(rows)}
+    assert [mismatch[r["id"]] for r in rows[3:]] == [0.002, 0.02, 0.25]
+    found = {k["source"]: k for k in knees(rows[:5])}
+    assert math.isclose(found["teacher_kv"]["knee"], math.sqrt(0.002 * 0.02))
+
+
 def test_report_writes_plots_from_the_results_alone(tmp_path):
     text = report(STUDY, tmp_path)
     for name in ("quality_vs_mismatch.png", "curves.png"):

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from opd.chunked import Source, Student, output_layer, score
+from opd.chunked import Source, output_layer
 from opd.config import LossConfig
 from opd.errors import OpdError
-from opd.learner import completion_hidden, completion_logprobs, score_batch, token_logprobs
+from opd.learner import completion_hidden, completion_logprobs, score_batch
 from opd.losses import opd_loss
 from opd.metrics import teacher_mismatch_metrics
 from opd.plan import Plan
