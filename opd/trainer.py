@@ -45,7 +45,7 @@ from opd.runlog import RunLock, RunLog, check_run_dir, check_same_run, clear_run
     read_metrics, save_config, write_atomic
 from opd.schema import Schema, check, read_json
 from opd.setup import Run, State, setup
-from opd.teacher import check_rows, trainer_scores
+from opd.teacher import BuiltinTeacher, check_rows, trainer_scores
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -91,6 +91,8 @@ def save_state(run_dir: Path, run: Run, wait: bool = True) -> None:
     """wait (async): collect the batches in flight first, so that a resume continues exactly. Everything is tensors +
     JSON: a checkpoint someone hands you cannot run code when it is resumed (wire.py)."""
     blob = {"optimizer": run.opt.state_dict(), **run.rollouts.state_dict(wait)}
+    if isinstance(run.teacher_engine, BuiltinTeacher):  # its calibrated KV scales, kept for its lifetime
+        blob["teacher_scales"] = dict(run.teacher_engine.engine.scales)
     save_checkpoint(run_dir / "checkpoint", run.student, run.tok, extra_json={"trainer_state.json": vars(run.state)},
                     extra_files={STATE_FILE: wire.encode(blob)})
 
@@ -128,6 +130,14 @@ def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
         isinstance(k, int) and 0 <= k < run.student.cfg.num_layers and isinstance(v, list) and len(v) == 2 and
         all(x is None or _is_scale(x, run.student.cfg.num_kv_heads) for x in v) for k, v in scales.items()),
         f"{folder / STATE_FILE}: not a trainer state of this model (its optimizer or KV scales)", fix)
+    teacher_scales = blob.get("teacher_scales", {})
+    if isinstance(run.teacher_engine, BuiltinTeacher):
+        t = run.teacher_engine.engine.model.cfg
+        require(isinstance(teacher_scales, dict) and all(
+            isinstance(k, int) and 0 <= k < t.num_layers and isinstance(v, list) and len(v) == 2 and
+            all(x is None or _is_scale(x, t.num_kv_heads) for x in v) for k, v in teacher_scales.items()),
+            f"{folder / STATE_FILE}: its teacher engine's KV scales do not fit the teacher", fix)
+        run.teacher_engine.engine.scales.update(teacher_scales)
     check_optimizer_state(run.opt, blob["optimizer"], state.version, str(folder / STATE_FILE), fix)
     run.student.load_state_dict(saved.state_dict())
     run.opt.load_state_dict(blob["optimizer"])

@@ -259,3 +259,39 @@ def test_the_guard_watches_the_teacher_side(pair, tmp_path, action):
     if action == "fallback":
         rows = read_metrics(tmp_path / "r")
         assert len(rows) == 5 and [r.get("guard/teacher_triggered") for r in rows[:4]] == [None, 1.0, None, 1.0]
+
+
+@pytest.mark.reliability
+def test_resume_with_a_calibrated_teacher_engine_is_exact(pair, tmp_path, monkeypatch):
+    """A crash in step 4 of a run whose teacher engine calibrates its FP8 KV scales on its first batch: the resumed
+    run loads those scales with the checkpoint and logs exactly the uninterrupted run's metrics (without them the
+    first batch after the resume would calibrate other scales)."""
+    import opd.trainer as trainer
+    from helpers import comparable
+    cfg = config(pair, teacher_engine="builtin", teacher_plan="kv=fp8_e4m3 kv_scale=calibrate", teacher_check=0.5)
+    train(cfg, tmp_path / "straight", progress=False)
+    step = trainer.run_step
+
+    def crashing_step(run):
+        if run.state.step == 4:
+            raise RuntimeError("simulated crash")
+        return step(run)
+    monkeypatch.setattr(trainer, "run_step", crashing_step)
+    with pytest.raises(RuntimeError):
+        train(cfg, tmp_path / "split", progress=False)
+    monkeypatch.setattr(trainer, "run_step", step)
+    train(cfg, tmp_path / "split", resume=True, progress=False)
+    straight, split = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split")
+    assert comparable(split) == comparable(straight)
+    assert straight[4]["teacher_mismatch/kl_exact"] > 0
+
+
+def test_async_at_staleness_0_with_a_teacher_engine_is_the_sync_run(pair, tmp_path):
+    from helpers import same_as_sync
+    common = dict(steps=3, teacher_engine="builtin", teacher_plan="kv=fp8_e5m2", teacher_check=1.0, threads=2,
+                  save_every=0)
+    train(config(pair, **common), tmp_path / "sync", progress=False)
+    train(config(pair, schedule="async", async_=dict(max_staleness=0, worker_threads=1), **common),
+          tmp_path / "async", progress=False)
+    sync, asynchronous = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "async")
+    assert same_as_sync(asynchronous, sync) and sync[0]["teacher_mismatch/abs_dlogp_mean"] > 0
