@@ -378,9 +378,9 @@ class TrainConfig:
         require(self.teacher_topk >= 0, f"config: teacher_topk must be >= 0, got {self.teacher_topk}",
                 "0 = the teacher's whole distributions")
         require(0 <= self.teacher_check <= 1, f"config: teacher_check must be in [0, 1], got {self.teacher_check}")
-        require(self.teacher_engine == "trainer" or not self.ray.teacher,
-                f"config: ray.teacher runs the trainer's teacher on an actor, not teacher_engine {self.teacher_engine}",
-                "drop ray.teacher, or set teacher_engine=trainer")
+        require(not self.ray.teacher or (self.teacher_engine == "trainer" and not self.teacher_topk),
+                "config: ray.teacher runs the trainer's teacher, whole, on an actor, not teacher_engine "
+                f"{self.teacher_engine} or a top-k teacher", "drop ray.teacher, or teacher_engine / teacher_topk")
         k, loss = self.teacher_topk, self.loss
         if not k:
             return

@@ -77,10 +77,10 @@ class Sparse:
     """Log-probs known on a few tokens per position (an inference server's answer): indices, values [M, K] -> rows
     [c, V] with -inf elsewhere. `tails`: the mass the top k leave, [M]."""
 
-    def __init__(self, indices: torch.Tensor, values: torch.Tensor, vocab: int, tails: torch.Tensor,
+    def __init__(self, indices: torch.Tensor, values: torch.Tensor, vocab: int, tails: torch.Tensor | None = None,
                  seconds: float = 0.0):
         self.indices, self.values, self.vocab, self.seconds = indices, values, vocab, seconds
-        self.tails = [tails]
+        self.tails = [] if tails is None else [tails]
 
     def rows(self, rows: slice, device: torch.device) -> torch.Tensor:
         idx, val = self.indices[rows].to(device), self.values[rows].to(device)
@@ -158,7 +158,7 @@ class VllmTeacher(TeacherEngine):
         top_ids, top = torch.cat([i for _, i, _ in scored]), torch.cat([v for _, _, v in scored])
         # the sampled token first: where it is also in the top k, both entries hold vLLM's one number for it
         return Sparse(torch.cat([tokens[:, None], top_ids], 1), torch.cat([sampled[:, None], top], 1), self.vocab,
-                      (1 - top.exp().sum(-1)).clamp(min=0))
+                      (1 - top.exp().sum(-1)).clamp(min=0) if self.topk else None)
 
     def close(self) -> None:
         self.engine.close()

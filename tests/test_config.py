@@ -14,7 +14,8 @@ from helpers import config
 
 
 ADDED_SINCE = {"sampling.shards", "async.backend", "ray.address", "ray.workers", "ray.worker_cpus", "ray.worker_gpus",
-               "ray.connect_timeout", "ray.teacher", "ray.teacher_cpus", "ray.teacher_gpus"}  # never top-level keys
+               "ray.connect_timeout", "ray.teacher", "ray.teacher_cpus", "ray.teacher_gpus",  # never top-level keys
+               "teacher_engine", "teacher_plan", "teacher_topk", "teacher_check"}  # top-level, added after the sections
 
 
 def old_layout(cfg: TrainConfig) -> dict:
