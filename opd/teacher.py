@@ -34,6 +34,9 @@ from opd.model import Transformer
 from opd.plan import Plan
 
 
+VLLM_WHOLE_ROWS = 4096  # the largest vocabulary a vLLM teacher is asked for whole rows (prompt_logprobs = V)
+
+
 def sequences(batch: Batch) -> tuple[list[list[int]], list[list[int]]]:
     """The batch's prompts and completions as token lists (the learner's batch back to what an engine is sent)."""
     prompts, completions = [], []
@@ -173,6 +176,10 @@ def make_teacher_engine(cfg, teacher: Transformer, pad_id: int, teacher_dir=None
         return BuiltinTeacher(teacher, plan, pad_id, cfg.teacher_topk, cfg.noise_seed)
     if cfg.teacher_engine == "vllm":
         require(teacher_dir is not None, "teacher_engine vllm needs the teacher's checkpoint folder")
+        V = teacher.cfg.vocab_size
+        require(cfg.teacher_topk or V <= VLLM_WHOLE_ROWS, f"teacher_engine vllm with teacher_topk 0 would ask vLLM for "
+                f"all {V} log-probs of every position", "set teacher_topk (e.g. 20) with loss.name sampled_rkl, "
+                "topk_fkl or topk_rkl_tail, or teacher_engine builtin for whole distributions")
         return VllmTeacher(teacher_dir, plan, pad_id, teacher.cfg.vocab_size, cfg.teacher_topk, cfg.seed,
                            teacher.cfg.context, teacher.cfg.tie_word_embeddings)
     return TrainerTeacher(teacher, cfg.teacher_topk) if cfg.teacher_topk else None

@@ -172,6 +172,15 @@ def test_teacher_side_settings_are_checked(pair, values, message):
         config(pair, **values)
 
 
+def test_a_vllm_teacher_is_not_asked_for_whole_rows_of_a_large_vocabulary(tmp_path):
+    """A 150k vocabulary's whole rows from vLLM would be V log-probs per position: refused before vLLM starts."""
+    from opd.teacher import make_teacher_engine
+    big = tiny(0, vocab=5000).float()
+    cfg = config((tmp_path, tmp_path), teacher_engine="vllm")
+    with pytest.raises(OpdError, match="all 5000 log-probs"):
+        make_teacher_engine(cfg, big, 0, tmp_path)
+
+
 def test_cli_refuses_a_topk_teacher_under_a_full_loss(pair, tmp_path):
     result = opd("train", "--set", f"student={pair[0]}", "--set", f"teacher={pair[1]}", "--run-dir", str(tmp_path / "r"),
                  "--set", "teacher_topk=8", "--set", "loss.name=full_rkl")
