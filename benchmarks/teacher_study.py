@@ -14,9 +14,12 @@ leave-one-source-out decisions.
 
 **The comparison.** Both sides' engines are the built-in one, whose whole distributions give the exact mean KL per
 position (student side: KL(rollout || trainer), `mismatch/kl_exact`; teacher side: KL(teacher engine || trainer's
-teacher), `teacher_mismatch/kl_exact`). Per family and estimator, the damage of each run is its final reverse KL minus
-the BF16 seeds' mean; `slope_<side>` is the least-squares slope of damage on exact KL through the origin over that
-side's runs, and `teacher_vs_student` their ratio: above 1, a unit of KL costs more on the teacher's side.
+teacher), `teacher_mismatch/kl_exact`). Per family and estimator, each side's runs give that side's knee by the
+study's rule (admission.best_cut; the student side with its BF16 runs at their own exact KL; the teacher side's BF16
+runs would sit at 0, their teacher being the trainer's, so its knee comes from its runs alone, and a knee below all of
+them is only an upper bound); `tolerance_ratio` is the student side's knee over the teacher side's: above 1, OPD
+tolerates more KL on the student's side. A student side without a degraded run gives a lower bound (its largest fine
+KL over the teacher's knee), as does a teacher knee below all its runs.
 
     python benchmarks/teacher_study.py --out runs/teacher --family llama   # and qwen3, side by side (~1 h each)
     python benchmarks/teacher_study.py --quick     # the stored results (benchmarks/data/teacher_results.jsonl)
@@ -32,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from opd.admission import calibrate_teacher, decide_teacher, is_teacher_side
+from opd.admission import best_cut, calibrate_teacher, decide_teacher, is_teacher_side
 from opd.runlog import write_atomic
 from opd.sweep import read_results, run_sweep
 from opd.tolerance import QUALITY, band, groups, knees, label, latest, pivot, teacher_thresholds
@@ -44,31 +47,61 @@ GRIDS = (DATA / "teacher_grid.yaml", DATA / "teacher_topk_grid.yaml")
 STUDENT_SIDE = ("kv", "noise")
 
 
+def side_knee(points: list[tuple[float, bool]]) -> dict:
+    """points: (exact KL, degraded) of one side's runs -> the knee (admission.best_cut, cost 1), the largest KL that
+    trained fine, the smallest that degraded, and whether the cut lies below every run (then the knee is only known
+    to be under the smallest: best_cut puts it at that KL / sqrt 2)."""
+    points = sorted(points)
+    bad = [kl for kl, b in points if b]
+    cut = best_cut(points, cost=1.0)["max"] if bad else None
+    return {"knee": cut, "fine_max": max((kl for kl, b in points if not b), default=None),
+            "degraded_min": min(bad, default=None), "below_all": cut is not None and cut < points[0][0]}
+
+
 def comparison(rows: list[dict]) -> tuple[list[str], dict]:
+    """Per family and estimator, each side's runs on its exact KL (module docstring): the knee of each side and how
+    many times more KL the student side tolerates (`tolerance_ratio`: student knee / teacher knee; a side without a
+    degraded run gives a bound)."""
     lines, result = [], {}
     for (family, estimator), group in sorted(groups(label(rows)).items()):
         b = band(group)
         if b is None or estimator.startswith("topk"):
             continue
+        floor = [(r["train"].get("mismatch/kl_exact", 0.0), False) for r in group if r["source"] == "bf16"]
         sides = {"student": [], "teacher": []}
-        for r in group:
+        for r in sorted(group, key=lambda r: (r["source"], str(r["level"]))):
             if r["source"] in STUDENT_SIDE:
-                sides["student"].append((r["train"].get("mismatch/kl_exact", math.nan), r))
+                side, kl = "student", r["train"].get("mismatch/kl_exact", math.nan)
             elif r["source"].startswith("teacher_"):
-                sides["teacher"].append((r["train"].get("teacher_mismatch/kl_exact", math.nan), r))
-        slopes = {}
-        for side, points in sides.items():
-            points = [(kl, r["after"][QUALITY] - b["mean"], r) for kl, r in points if math.isfinite(kl)]
-            for kl, damage, r in sorted(points, key=lambda p: p[0]):
-                lines.append(f"{family:6} {estimator:10} {side:7} {r['source']}={r['level']!s:9} exact KL {kl:9.3g}  "
-                             f"damage {damage:+.4f}  {'degraded' if r['degraded'] else 'fine'}")
-            den = sum(kl * kl for kl, _, _ in points)
-            slopes[side] = sum(kl * d for kl, d, _ in points) / den if den > 0 else math.nan
-        ratio = slopes["teacher"] / slopes["student"] if slopes["student"] > 0 else math.nan
-        lines.append(f"{family:6} {estimator:10} slope (damage per unit exact KL): student {slopes['student']:.3g}, "
-                     f"teacher {slopes['teacher']:.3g}, teacher / student {ratio:.3g}")
-        result[f"teacher_vs_student_{family}_{estimator}"] = f"{ratio:.3g}"
+                side, kl = "teacher", r["train"].get("teacher_mismatch/kl_exact", math.nan)
+            else:
+                continue
+            sides[side].append((kl, bool(r["degraded"])))
+            lines.append(f"{family:6} {estimator:10} {side:7} {r['source']}={r['level']!s:9} exact KL {kl:9.3g}  "
+                         f"final rkl {r['after'][QUALITY]:.4f} (BF16 {b['lo']:.4f}-{b['hi']:.4f}, limit "
+                         f"{b['limit']:.4f})  {'degraded' if r['degraded'] else 'fine'}")
+        # the student side's BF16 runs sit at their own exact KL; the teacher side's would sit at 0 (their teacher
+        # is the trainer's), where no knee can be placed: its runs alone, a knee below them all being a bound
+        knees_ = {"student": side_knee(sides["student"] + floor), "teacher": side_knee(sides["teacher"])}
+        for side, k in knees_.items():
+            where = "no knee" if k["knee"] is None else \
+                f"knee {'below ' if k['below_all'] else ''}{k['knee']:.3g}"
+            lines.append(f"{family:6} {estimator:10} {side:7} {where}; largest fine {fmt(k['fine_max'])}, smallest "
+                         f"degraded {fmt(k['degraded_min'])}")
+        s, t = knees_["student"], knees_["teacher"]
+        if t["knee"] is None:
+            ratio = "nan"  # nothing degraded on the teacher's side
+        elif s["knee"] is None:  # the student side never degraded: a lower bound
+            ratio = f">{s['fine_max'] / t['knee']:.3g}" if s["fine_max"] else "nan"
+        else:
+            ratio = f"{'>' if t['below_all'] else ''}{s['knee'] / t['knee']:.3g}"
+        lines.append(f"{family:6} {estimator:10} the student side tolerates {ratio}x the teacher side's exact KL")
+        result[f"tolerance_ratio_{family}_{estimator}"] = ratio
     return lines, result
+
+
+def fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
 
 
 def leave_source_out(rows: list[dict]) -> tuple[list[str], int, int]:

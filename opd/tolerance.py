@@ -90,9 +90,11 @@ def knees(rows: list[dict]) -> list[dict]:
     labelled = label(rows)
     for (family, estimator), group in groups(labelled).items():
         for source in sorted({r["source"] for r in group} - {"bf16"}):
-            teacher = source.startswith("teacher_")  # its BF16 runs' teacher side is exact: mismatch 0
-            points = sorted((0.0 if teacher and r["source"] == "bf16" else r["mismatch"], bool(r["degraded"]))
-                            for r in group if r["source"] in (source, "bf16") and r["degraded"] is not None)
+            # a teacher-side source's BF16 runs would sit at 0 (their teacher is the trainer's), where no knee can
+            # be placed: its own runs alone (a knee below all of them is then an upper bound)
+            both = (source,) if source.startswith("teacher_") else (source, "bf16")
+            points = sorted((r["mismatch"], bool(r["degraded"])) for r in group
+                            if r["source"] in both and r["degraded"] is not None)
             entry = {"family": family, "estimator": estimator, "source": source,
                      "max_mismatch": max(m for m, _ in points) if points else None}
             cut = best_cut(points, cost=1.0) if any(bad for _, bad in points) else None

@@ -120,7 +120,7 @@ def test_knees_per_source_and_no_knee():
 
 def test_teacher_side_runs_are_placed_on_the_teacher_sides_exact_kl():
     """A teacher-study run's mismatch is the teacher side's exact KL (a top-k teacher's: its tail mass), and its
-    source's knee counts the BF16 runs at 0 (their teacher is the trainer's own)."""
+    source's knee comes from its own runs (the BF16 runs' teacher is the trainer's own: no teacher-side KL)."""
     def teacher(level, rkl, kl_exact, **cfg):
         row = synthetic("teacher_kv", level, rkl, 1e-5)
         row["train"] |= {"teacher_mismatch/kl_exact": kl_exact, "teacher_mismatch/kl_k3": 9.0,
