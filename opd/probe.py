@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opd.admission import (FLOOR_PLAN, KEEP, METRIC, calibrated, class_limits, decide, estimator_class,
-                           safe_staleness, staleness)
+from opd.admission import (FLOOR_PLAN, KEEP, METRIC, calibrated, class_limits, decide, decide_teacher,
+                           estimator_class, safe_staleness, staleness)
 from opd.devices import autocast_dtype
 from opd.learner import collate, score_batch
 from opd.losses import masked_mean
@@ -107,8 +107,13 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, p
     decision = decide(numbers, thresholds, cls, staleness(setup.cfg), limit, setup.cfg.optim.lr)
     out = {**decision.to_dict(), "plan": str(plan), "estimator_class": cls, "staleness": staleness(setup.cfg),
            "probe": numbers, "probe_rollouts": len(setup.prompts)}
+    teacher = decide_teacher(numbers, thresholds, cls, limit) if "teacher_nsr" in numbers else None
     if not decision.admit and propose and math.isfinite(decision.value):
-        if decision.value > decision.limit:
+        if teacher is not None and not teacher.admit and decision.value <= decision.limit:
+            out["proposal"] = {"plan": None, "layer_kl": [], "note": "the rollout plan passes; the teacher engine "
+                               "does not: score the teacher at a higher precision (teacher_plan), or in the trainer "
+                               "(teacher_engine=trainer)"}
+        elif decision.value > decision.limit:
             floor = {"kl_k3": numbers["floor_kl_k3"], METRIC: numbers["floor_nsr"]}
             out["proposal"] = propose_plan(setup, plan, thresholds, cls, limit, floor)
         else:  # the plan passes; the staleness does not

@@ -243,11 +243,12 @@ def test_admit_names_teacher_side_reasons(pair):
     """`opd admit` probes the teacher engine as well: a noisy teacher plan is rejected for its teacher side (the
     student's rollouts are at full precision)."""
     common = ("--set", f"student={pair[0]}", "--set", f"teacher={pair[1]}", "--set", "task=add", "--set", "plan=",
-              "--no-propose", "--set", "teacher_engine=builtin")
+              "--set", "teacher_engine=builtin")
     ok = opd("admit", *common, "--set", "teacher_plan=kv=bf16", "--limit", "0.5")
     assert ok.returncode == 0 and "teacher engine: teacher_nsr" in ok.stdout, ok.stdout + ok.stderr
     bad = opd("admit", *common, "--set", "teacher_plan=noise=0.5", "--limit", "0.05")
     assert bad.returncode == 1 and "teacher_nsr" in bad.stdout and bad.stdout.startswith("REJECT"), bad.stdout
+    assert "the rollout plan passes; the teacher engine does not" in bad.stdout  # no rollout plan is proposed
 
 
 @pytest.mark.parametrize("action", ["fallback", "stop"])
@@ -304,3 +305,16 @@ def test_async_at_staleness_0_with_a_teacher_engine_is_the_sync_run(pair, tmp_pa
           tmp_path / "async", progress=False)
     sync, asynchronous = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "async")
     assert same_as_sync(asynchronous, sync) and sync[0]["teacher_mismatch/abs_dlogp_mean"] > 0
+
+
+def test_teacher_study_benchmark_quick_mode():
+    """The stored teacher study (benchmarks/teacher_study.py --quick): the numbers docs/teacher.md quotes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).parents[1] / "benchmarks" / "teacher_study.py"
+    out = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = dict(kv.split("=", 1) for kv in out.stdout.strip().splitlines()[-1].split()[1:])
+    assert result["teacher_runs"] == "20" and result["teacher_admission_leave_source_out"] == "1.000"
+    assert result["tolerance_ratio_llama_full_rkl"] == "3.15" and result["tolerance_ratio_qwen3_sampled_pi"] == "0.0854"
