@@ -324,10 +324,7 @@ def calibrate(rows: list[dict]) -> dict:
         stale = sorted((r["staleness"] * r["config"]["optim"]["lr"], r["degraded"], r["staleness"])
                        for r in mine  # at the floor
                        if r["staleness"] and r["probe"][METRIC] <= FLOOR_FACTOR * r["probe"].get("floor_nsr", 0))
-        entry = best_cut(points)
-        fine_max = max((v for v, bad in points if not bad), default=0.0)
-        above = [v for v, bad in points if v > fine_max]  # all degraded
-        entry["reject"] = max(entry["max"], math.sqrt(fine_max * above[0]) if above else fine_max)
+        entry = cut_and_band(points)
         safe = None
         if stale:
             cut = best_cut([(d, bad) for d, bad, _ in stale])["max"]
@@ -341,7 +338,7 @@ def calibrate(rows: list[dict]) -> dict:
 def calibrate_teacher(rows: list[dict]) -> dict | None:
     """The teacher side's limits, per estimator class, from the teacher study's rows (teacher engines under a plan;
     not top-k alone, whose sampled tokens' log-probs are exact: its teacher_nsr is 0): the same best cut on the
-    probe's teacher_nsr and the band above it. None without such rows."""
+    probe's teacher_nsr and the band above it (cut_and_band). None without such rows."""
     classes = {}
     for cls in CLASSES:
         points = sorted((r["probe"]["teacher_nsr"], r["degraded"]) for r in rows if r["class"] == cls and
@@ -349,12 +346,17 @@ def calibrate_teacher(rows: list[dict]) -> dict | None:
                         not r["config"].get("teacher_topk", 0))
         if not points:
             continue
-        entry = best_cut(points)
-        fine_max = max((v for v, bad in points if not bad), default=0.0)
-        above = [v for v, bad in points if v > fine_max]
-        entry["reject"] = max(entry["max"], math.sqrt(fine_max * above[0]) if above else fine_max)
-        classes[cls] = entry | {"runs": len(points)}
+        classes[cls] = cut_and_band(points) | {"runs": len(points)}
     return {"metric": "teacher_nsr", "classes": classes} if classes else None
+
+
+def cut_and_band(points: list[tuple[float, bool]]) -> dict:
+    """best_cut's entry with the band's upper edge `reject`: between the largest value that trained fine and the next
+    run above it (all of those degraded), never below the cut."""
+    entry = best_cut(points)
+    fine_max = max((v for v, bad in points if not bad), default=0.0)
+    above = [v for v, bad in points if v > fine_max]
+    return entry | {"reject": max(entry["max"], math.sqrt(fine_max * above[0]) if above else fine_max)}
 
 
 def best_cut(points: list[tuple[float, bool]], cost: float = ADMITTED_DEGRADED_COST) -> dict:

@@ -48,6 +48,13 @@ def window_mean(window: list[dict], key: str, finite_only: bool) -> float | None
     return sum(values) / len(values) if values else None
 
 
+def log_event(run_dir: Path, event: dict, line: str) -> None:
+    """A guard event: one guard.jsonl line, and `line` on stderr."""
+    with open(run_dir / "guard.jsonl", "a") as f:
+        f.write(json.dumps(event) + "\n")
+    print(f"opd: guard: {line}", file=sys.stderr)
+
+
 class Guard:
     """The guard of one run (cfg.guard.every > 0; with 0, `observe` is never due)."""
 
@@ -89,12 +96,10 @@ class Guard:
                  "reject_at": decision.reject_at, "plan": str(plan), "reasons": decision.reasons}
         if action == "fallback":
             event["to"] = str(safer)
-        with open(run_dir / "guard.jsonl", "a") as f:
-            f.write(json.dumps(event) + "\n")
         what = f"nsr {nsr:.3g} {'>' if nsr > decision.reject_at else '<='} {decision.reject_at:.3g}" + (
             "" if ess is None else f", ess_frac {ess:.3g} {'<' if ess < MIN_ESS_FRAC else '>='} {MIN_ESS_FRAC}")
-        print(f"opd: guard: step {step}: rollout-vs-learner {what} (plan {plan}): {action}"
-              + (f" to {event['to']}" if "to" in event else ""), file=sys.stderr)
+        log_event(run_dir, event, f"step {step}: rollout-vs-learner {what} (plan {plan}): {action}"
+                  + (f" to {event['to']}" if "to" in event else ""))
         if action == "stop":
             raise OpdError(f"guard: the rollouts' mismatch exceeded what the admission check allows at step {step} "
                            f"({what})", "use a safer plan (`opd admit` proposes one), guard.action=fallback, or a "
@@ -109,12 +114,10 @@ class Guard:
         if not decision.reject:
             return out
         action = "stop" if self.action == "stop" else "warn"
-        with open(run_dir / "guard.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "side": "teacher", "action": action, "teacher_nsr": nsr,
-                                "limit": decision.limit, "reject_at": decision.reject_at,
-                                "reasons": decision.reasons}) + "\n")
         what = f"teacher_nsr {nsr:.3g} {'>' if nsr > decision.reject_at else '<='} {decision.reject_at:.3g}"
-        print(f"opd: guard: step {step}: teacher engine vs the trainer's teacher {what}: {action}", file=sys.stderr)
+        log_event(run_dir, {"step": step, "side": "teacher", "action": action, "teacher_nsr": nsr,
+                            "limit": decision.limit, "reject_at": decision.reject_at, "reasons": decision.reasons},
+                  f"step {step}: teacher engine vs the trainer's teacher {what}: {action}")
         if action == "stop":
             raise OpdError(f"guard: the teacher engine's mismatch exceeded what the admission check allows at step "
                            f"{step} ({what})", "score the teacher at a higher precision (teacher_plan), with the "

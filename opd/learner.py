@@ -131,11 +131,13 @@ class Scores:
 def score_batch(student: Transformer, batch: Batch, teacher: Transformer | None = None, loss: LossConfig | None = None,
                 temperature: float = 1.0, micro_batch_size: int = 0, chunk_tokens: int = 0,
                 rollout: Callable[[torch.Tensor], torch.Tensor] | None = None, autocast: torch.dtype | None = None,
-                backward: bool = False) -> Scores:
+                backward: bool = False, on_teacher_source: Callable | None = None) -> Scores:
     """Score every sampled token of the batch with the student (at `temperature`), the teacher and, when the batch
     has the engine's hidden states, the rollout distributions (`rollout`: hidden rows -> the engine's log-probs).
     With a loss and backward=True, the loss's gradient is accumulated into the student's .grad, micro-batch by
-    micro-batch. autocast: the student's compute dtype (bf16) under float32 master weights."""
+    micro-batch. autocast: the student's compute dtype (bf16) under float32 master weights. on_teacher_source(mb,
+    source), if given, is called with each micro-batch and its teacher's distributions once they are scored
+    (teacher.TeacherCheck compares a teacher engine's with the trainer's teacher there)."""
     weight = 1 / max(batch.num_tokens, 1)  # every token's share of the whole batch's mean
     value, parts, seconds, tails = 0.0, [], 0.0, []
     for mb in batch.micro_batches(micro_batch_size):
@@ -149,6 +151,8 @@ def score_batch(student: Transformer, batch: Batch, teacher: Transformer | None 
         value += loss_value.item()
         seconds += teacher_source.seconds if teacher_source else 0.0
         tails += getattr(teacher_source, "tails", [])
+        if on_teacher_source is not None and teacher_source is not None:
+            on_teacher_source(mb, teacher_source)
         parts.append(terms)
     terms = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
     field = lambda name: unpack(terms[name], batch.mask) if name in terms else None  # noqa: E731

@@ -19,7 +19,8 @@ it, `pi` = under the current learner, `T` = under the teacher; `delta = q - mu`.
   and `total_nsr = mean |pi - mu| / mean |T - pi|` (trainer.py; `opd/nsr` when nothing is stale).
 - `teacher_mismatch/`: the same for the teacher's side (teacher.py), on the rollouts the trainer's teacher also
   scores: `T_e` = the teacher engine's log-prob of the sampled token, `T` = the trainer's full-precision teacher's,
-  `d = T - T_e`: `kl_k1 = mean(-d)`, `kl_k3 = mean(exp(d) - d - 1)`, `abs_dlogp_{mean,p99,max}` of |d|, `kl_exact`
+  `d = T - T_e`: the `mismatch/` set with T_e as the sampler and T as the trainer (`kl_k1 = mean(-d)`,
+  `kl_k3 = mean(exp(d) - d - 1)`, `abs_dlogp_{mean,p99,max}` of |d|, `prob_err`, `chi2_token`), `kl_exact`
   (mean KL(p_engine || p_trainer), when the engine gives whole rows), `tail_mass` (top-k engines: the mass their k
   tokens leave); the advantage distortion with the learner's baseline, `A_e = T_e - pi` vs `A = T - pi`:
   `adv_sign_flip` and `nsr = mean |d| / mean |A|`. The tokens come from the student, not from either teacher, so k3
@@ -115,14 +116,11 @@ def teacher_mismatch_metrics(engine: torch.Tensor, trainer: torch.Tensor, learne
     each sampled token (T_e, T, pi); kl_exact [B, T] per position; tail_mass [M] per token."""
     if not mask.any():
         return {}
-    k1, k3 = kl_estimates(trainer - engine, mask)
-    d = _values(trainer - engine, mask).abs()
+    # the student side's mismatch/ set with the engine as the sampler and the trainer's teacher as the trainer
+    out = {k.replace("mismatch/", "teacher_mismatch/"): v for k, v in mismatch_metrics(engine, trainer, mask).items()}
     a_e, a = _values(engine - learner, mask), _values(trainer - learner, mask)
-    out = {"teacher_mismatch/kl_k1": k1, "teacher_mismatch/kl_k3": k3, "teacher_mismatch/abs_dlogp_mean": d.mean().item(),
-           "teacher_mismatch/abs_dlogp_p99": torch.quantile(d, 0.99).item(),
-           "teacher_mismatch/abs_dlogp_max": d.max().item(),
-           "teacher_mismatch/adv_sign_flip": (torch.sign(a_e) != torch.sign(a)).double().mean().item(),
-           "teacher_mismatch/nsr": _nsr(d.mean().item(), a.abs().mean().item())}
+    out |= {"teacher_mismatch/adv_sign_flip": (torch.sign(a_e) != torch.sign(a)).double().mean().item(),
+            "teacher_mismatch/nsr": _nsr(out["teacher_mismatch/abs_dlogp_mean"], a.abs().mean().item())}
     if kl_exact is not None:
         out["teacher_mismatch/kl_exact"] = masked_mean(kl_exact.double(), mask).item()
     if tail_mass is not None and tail_mass.numel():

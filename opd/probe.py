@@ -86,14 +86,13 @@ def measure(setup: ProbeSetup, plan: Plan, teacher_side: bool = False) -> dict:
 def teacher_side_numbers(setup: ProbeSetup, batch, scores) -> dict:
     """The teacher engine on the probe's tokens against the trainer's teacher (scores.teacher): teacher_mismatch/*
     over the whole probe batch."""
-    from opd.teacher import trainer_scores
+    from opd.teacher import TeacherCheck
     cfg = setup.cfg
+    check = TeacherCheck(setup.teacher, len(batch.versions), setup.teacher_engine.whole_rows, cfg.compute.chunk_tokens)
     engine_scores = score_batch(setup.student, batch, setup.teacher_engine, temperature=cfg.sampling.temperature,
                                 micro_batch_size=cfg.compute.micro_batch_size, chunk_tokens=cfg.compute.chunk_tokens,
-                                autocast=autocast_dtype(cfg.compute.dtype))
-    kl = trainer_scores(setup.teacher, setup.teacher_engine, batch, cfg.compute.chunk_tokens)[1] \
-        if setup.teacher_engine.whole_rows else None
-    return teacher_mismatch_metrics(engine_scores.teacher, scores.teacher, scores.pi, batch.mask, kl,
+                                autocast=autocast_dtype(cfg.compute.dtype), on_teacher_source=check)
+    return teacher_mismatch_metrics(engine_scores.teacher, scores.teacher, scores.pi, batch.mask, check.result()[1],
                                     engine_scores.teacher_tails)
 
 

@@ -20,7 +20,8 @@ sampled-token loss only the sampled token's; config.py refuses the losses that n
 **Teacher-side metrics** (`teacher_mismatch/`, metrics.teacher_mismatch_metrics) compare the engine's log-prob of each
 sampled token with the trainer's teacher's on the first ceil(teacher_check x B) rollouts of every batch, which the
 trainer's teacher also scores (the rest of the batch never runs it). With whole rows from the engine they include the
-exact per-position KL(p_engine || p_trainer); with top-k, the tail mass the engine's k tokens leave.
+exact per-position KL(p_engine || p_trainer); with top-k, the tail mass the engine's k tokens leave. The check runs
+micro-batch by micro-batch inside the learner's pass (`TeacherCheck`), on the engine's own answer.
 """
 import math
 import time
@@ -66,10 +67,6 @@ class TopK:
     def seconds(self) -> float:
         return self.base.seconds
 
-    @seconds.setter
-    def seconds(self, value: float) -> None:
-        self.base.seconds = value
-
     def rows(self, rows: slice, device: torch.device) -> torch.Tensor:
         out, tail = keep_topk(self.base.rows(rows, device), self.tokens[rows].to(device), self.k)
         self.tails.append(tail)
@@ -80,9 +77,8 @@ class Sparse:
     """Log-probs known on a few tokens per position (an inference server's answer): indices, values [M, K] -> rows
     [c, V] with -inf elsewhere. `tails`: the mass the top k leave, [M]."""
 
-    def __init__(self, indices: torch.Tensor, values: torch.Tensor, vocab: int, tails: torch.Tensor | None = None,
-                 seconds: float = 0.0):
-        self.indices, self.values, self.vocab, self.seconds = indices, values, vocab, seconds
+    def __init__(self, indices: torch.Tensor, values: torch.Tensor, vocab: int, tails: torch.Tensor | None = None):
+        self.indices, self.values, self.vocab, self.seconds = indices, values, vocab, 0.0
         self.tails = [] if tails is None else [tails]
 
     def rows(self, rows: slice, device: torch.device) -> torch.Tensor:
@@ -104,13 +100,11 @@ class TeacherEngine:
         with torch.no_grad():
             out = self._source(batch)
         out.seconds += time.perf_counter() - start
-        return out
+        return TopK(out, batch.tokens[batch.mask], self.topk) if self.topk and isinstance(out, Source) else out
 
     def _source(self, batch: Batch):
+        """The engine's answer: a Source of whole rows (cut to the top k by `source`), or a Sparse one."""
         raise NotImplementedError
-
-    def _cut(self, source: Source, batch: Batch):
-        return TopK(source, batch.tokens[batch.mask], self.topk) if self.topk else source
 
     def close(self) -> None:
         pass
@@ -124,7 +118,7 @@ class TrainerTeacher(TeacherEngine):
         self.model = model
 
     def _source(self, batch: Batch):
-        return self._cut(Source(completion_hidden(self.model, batch), output_layer(self.model)), batch)
+        return Source(completion_hidden(self.model, batch), output_layer(self.model))
 
 
 class BuiltinTeacher(TeacherEngine):
@@ -138,7 +132,7 @@ class BuiltinTeacher(TeacherEngine):
 
     def _source(self, batch: Batch):
         hidden = torch.cat(self.engine.prefill_hidden(*sequences(batch)))  # [M, d], the mask's (row-major) order
-        return self._cut(Source(hidden, output_layer(self.engine.model)), batch)
+        return Source(hidden, output_layer(self.engine.model))
 
 
 class VllmTeacher(TeacherEngine):
@@ -190,14 +184,33 @@ def check_rows(batch_size: int, share: float) -> int:
     return min(batch_size, math.ceil(share * batch_size - 1e-9))
 
 
-def trainer_scores(teacher: Transformer, engine: TeacherEngine, batch: Batch,
-                   chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The trainer's teacher on a batch: its log-prob of each sampled token [B, N] and, when the engine gives whole
-    rows, the exact KL(p_engine || p_trainer) per position [B, N] (the engine scores the rows again for it)."""
-    with torch.no_grad():
-        hidden = completion_hidden(teacher, batch)
-        rollout = engine.source(batch) if engine.whole_rows else None
-        _, terms = score(Student(hidden, teacher.lm_head.weight), batch.tokens[batch.mask].to(hidden.device),
-                         rollout=rollout, chunk_tokens=chunk_tokens)
-    kl = unpack(terms["kl_exact"], batch.mask) if "kl_exact" in terms else None
-    return unpack(terms["s_y"], batch.mask), kl
+class TeacherCheck:
+    """The trainer's teacher on the first `rows` rollouts of a batch, for teacher_mismatch/*: score_batch hands it each
+    micro-batch with the teacher engine's source (`on_teacher_source`), whose first packed rows are those rollouts'
+    tokens, so the exact KL(p_engine || p_trainer) (whole rows only) reuses the engine's answer: the engine never
+    scores a rollout twice, and nothing outlives its micro-batch but [rows, N] results."""
+
+    def __init__(self, teacher: Transformer, rows: int, whole_rows: bool, chunk_tokens: int = 0):
+        self.teacher, self.rows, self.whole_rows, self.chunk_tokens = teacher, rows, whole_rows, chunk_tokens
+        self.seen, self.seconds, self.trainer, self.kl = 0, 0.0, [], []
+
+    def __call__(self, mb: Batch, source) -> None:
+        k = min(self.rows - self.seen, mb.tokens.shape[0])
+        self.seen += mb.tokens.shape[0]
+        if k <= 0:
+            return
+        start = time.perf_counter()
+        checked = mb.rows(slice(0, k))
+        with torch.no_grad():
+            hidden = completion_hidden(self.teacher, checked)
+            _, terms = score(Student(hidden, self.teacher.lm_head.weight), checked.tokens[checked.mask].to(hidden.device),
+                             rollout=source if self.whole_rows else None, chunk_tokens=self.chunk_tokens)
+        self.trainer.append(unpack(terms["s_y"], checked.mask))
+        if "kl_exact" in terms:
+            self.kl.append(unpack(terms["kl_exact"], checked.mask))
+        self.seconds += time.perf_counter() - start
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The trainer's teacher's log-prob of each sampled token of the checked rollouts [rows, N], and with whole
+        rows the exact KL(p_engine || p_trainer) per position [rows, N]."""
+        return torch.cat(self.trainer), torch.cat(self.kl) if self.kl else None

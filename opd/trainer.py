@@ -45,7 +45,7 @@ from opd.runlog import RunLock, RunLog, check_run_dir, check_same_run, clear_run
     read_metrics, save_config, write_atomic
 from opd.schema import Schema, check, read_json
 from opd.setup import Run, State, setup
-from opd.teacher import BuiltinTeacher, check_rows, trainer_scores
+from opd.teacher import BuiltinTeacher, TeacherCheck, check_rows
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -224,19 +224,17 @@ def step_metrics(batch, scores: Scores, cfg: TrainConfig, version: int) -> dict:
     return out | rollout_metrics(lengths, [n >= cfg.new_tokens for n in lengths])
 
 
-def teacher_side_metrics(teacher: Transformer, engine, batch, scores: Scores, cfg: TrainConfig) -> dict:
-    """teacher_mismatch/* (metrics.py) on the first ceil(teacher_check x B) rollouts, which the trainer's teacher
-    scores here; the engine's tail mass over the whole batch."""
-    n = check_rows(batch.tokens.shape[0], cfg.teacher_check)
+def teacher_side_metrics(check: TeacherCheck, batch, scores: Scores) -> dict:
+    """teacher_mismatch/* (metrics.py) on the rollouts the trainer's teacher checked; the engine's tail mass over the
+    whole batch."""
     tails = {"teacher_mismatch/tail_mass": scores.teacher_tails.double().mean().item()} \
         if scores.teacher_tails is not None and scores.teacher_tails.numel() else {}
+    n = check.rows
     if not n:
         return tails
-    start = time.perf_counter()
-    checked = batch.rows(slice(0, n))
-    trainer, kl_exact = trainer_scores(teacher, engine, checked, cfg.compute.chunk_tokens)
-    return teacher_mismatch_metrics(scores.teacher[:n], trainer, scores.pi[:n], checked.mask, kl_exact) | tails | \
-        {"time/teacher_check": time.perf_counter() - start}
+    trainer, kl_exact = check.result()
+    return teacher_mismatch_metrics(scores.teacher[:n], trainer, scores.pi[:n], batch.mask[:n], kl_exact) | tails | \
+        {"time/teacher_check": check.seconds}
 
 
 def train_step(student: Transformer, teacher: Transformer, opt: torch.optim.Optimizer, batch, cfg: TrainConfig,
@@ -246,8 +244,11 @@ def train_step(student: Transformer, teacher: Transformer, opt: torch.optim.Opti
     (teacher.py), when not the trainer's teacher itself; `teacher` then only scores the checked rows."""
     start = time.perf_counter()
     opt.zero_grad(set_to_none=True)
+    check = None if teacher_engine is None else TeacherCheck(
+        teacher, check_rows(batch.tokens.shape[0], cfg.teacher_check), teacher_engine.whole_rows, cfg.compute.chunk_tokens)
     scores = score_batch(student, batch, teacher_engine or teacher, cfg.loss, cfg.sampling.temperature, cfg.compute.micro_batch_size,
-                         cfg.compute.chunk_tokens, rollout, devices.autocast_dtype(cfg.compute.dtype), backward=True)
+                         cfg.compute.chunk_tokens, rollout, devices.autocast_dtype(cfg.compute.dtype), backward=True,
+                         on_teacher_source=check)
     metrics = dict(scores.metrics)
     ok = math.isfinite(scores.loss)
     if ok:
@@ -260,8 +261,8 @@ def train_step(student: Transformer, teacher: Transformer, opt: torch.optim.Opti
         opt.step()
     with torch.no_grad():
         metrics |= step_metrics(batch, scores, cfg, version)
-        if teacher_engine is not None:
-            metrics |= teacher_side_metrics(teacher, teacher_engine, batch, scores, cfg)
+        if check is not None:
+            metrics |= teacher_side_metrics(check, batch, scores)
     metrics |= {"train/lr": lr, "time/teacher": scores.teacher_seconds,
                 "time/train": time.perf_counter() - start - scores.teacher_seconds}
     return metrics, ok

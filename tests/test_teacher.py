@@ -15,8 +15,7 @@ from opd.metrics import teacher_mismatch_metrics
 from opd.plan import Plan
 from opd.runlog import read_metrics
 from opd.sampling import SamplingParams
-from opd.teacher import BuiltinTeacher, Sparse, TopK, TrainerTeacher, check_rows, keep_topk, sequences, \
-    trainer_scores
+from opd.teacher import BuiltinTeacher, Sparse, TeacherCheck, TopK, TrainerTeacher, check_rows, keep_topk, sequences
 from opd.trainer import train
 
 from helpers import assert_one_line_error, batch_of, config, opd, tiny
@@ -64,12 +63,13 @@ def test_fp8_teacher_plan_moves_the_teacher_and_the_full_plan_does_not():
     trainer = score_batch(student, batch, teacher)
     for plan, moved in (("", False), ("kv=fp8_e5m2", True)):
         engine = BuiltinTeacher(teacher, Plan.parse(plan, 2), pad_id=0)
-        scores = score_batch(student, batch, engine)
+        check = TeacherCheck(teacher, len(batch.versions), engine.whole_rows)
+        scores = score_batch(student, batch, engine, micro_batch_size=2, on_teacher_source=check)
         gap = (scores.teacher - trainer.teacher)[batch.mask].abs()
         assert (gap.mean() > 1e-3) == moved, (plan, gap.mean())
         assert gap.max() < (1.0 if moved else 1e-5)
         assert torch.allclose(scores.rkl, trainer.rkl, atol=1e-5) != moved
-        t, kl_exact = trainer_scores(teacher, engine, batch)
+        t, kl_exact = check.result()
         assert torch.allclose(t, trainer.teacher, atol=1e-6)  # the trainer's teacher on the checked rows
         m = teacher_mismatch_metrics(scores.teacher, t, scores.pi, batch.mask, kl_exact)
         assert (m["teacher_mismatch/kl_exact"] > 1e-5) == moved and m["teacher_mismatch/kl_exact"] > -1e-6  # float32 sums
