@@ -40,7 +40,7 @@ from opd.naive import left_pad, prefill_mask
 from opd.kv_cache import KVCache
 from opd.model import Transformer
 from opd.plan import Plan
-from opd.sampling import SamplingParams, process_logits, sample, seeded
+from opd.sampling import SamplingParams, process_logits, raw_logprobs, sample, seeded
 from opd.weight_quant import LayerWeights, refresh, rollout_copy
 
 
@@ -49,7 +49,7 @@ class Rollout:
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]  # processed: log-prob under the distribution the token was drawn from (mu)
-    raw_logprobs: list[float]  # log_softmax of the raw logits
+    raw_logprobs: list[float]  # before top-k/top-p: log_softmax(logits / temperature) (sampling.py)
     finish_reason: str  # "stop" | "length"
     policy_version: int
     hidden: torch.Tensor | None = None  # [n, d] final hidden state of every step, when generate(return_hidden=True)
@@ -66,10 +66,10 @@ def next_token_logits(model: Transformer, ids: torch.Tensor, positions: torch.Te
 
 
 def drawn_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Final hidden states [c, d] of generated steps -> the processed log-probs [c, V] their tokens were drawn from:
-    a decode step's computation (its rows may round differently in the last bit). lm_head: the sampling weights'."""
-    logits = lm_head(hidden)
-    return process_logits(logits, params) if params.reshapes_distribution else logits.float().log_softmax(-1)
+    """Final hidden states [c, d] of generated steps -> the engine's log-probs [c, V] at the sampling temperature,
+    before top-k/top-p (the raw ones: the numerics, without the truncation; sampling.py): a decode step's computation
+    (its rows may round differently in the last bit). lm_head: the sampling weights'."""
+    return raw_logprobs(lm_head(hidden), params)
 
 
 class Engine:
@@ -237,8 +237,8 @@ class Engine:
               given: torch.Tensor | None = None):
         """logits [B, V] -> the sampled token [B] (or the given one, teacher forcing), its processed and raw
         log-probs [B]."""
-        raw = logits.float().log_softmax(-1)
-        processed = process_logits(logits, params) if params.reshapes_distribution else raw
+        raw = raw_logprobs(logits, params)
+        processed = process_logits(logits, params) if params.truncates else raw
         tok = sample(processed, params, generator) if given is None else given
         return tok, processed.gather(1, tok[:, None])[:, 0], raw.gather(1, tok[:, None])[:, 0]
 

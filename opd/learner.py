@@ -32,6 +32,7 @@ class Batch:
     mask: torch.Tensor  # [B, N] bool
     mu: torch.Tensor  # [B, N] sampler log-probs
     versions: list[int]  # policy version of each rollout
+    raw: torch.Tensor | None = None  # [B, N] the sampler's log-probs before top-k/top-p (sampling.py)
     rollout_hidden: torch.Tensor | None = None  # [B, N, d] the engine's final hidden states, when it returned them
     q: torch.Tensor | None = None  # [B, N] log-probs under the sampling weights, when rollouts carry them (async)
     kl_exact: torch.Tensor | None = None  # [B, N] exact KL(p_rollout || p_q) per token, likewise
@@ -45,7 +46,7 @@ class Batch:
         """The rollouts sl of the batch (a micro-batch)."""
         cut = lambda x: None if x is None else x[sl]  # noqa: E731
         return replace(self, input_ids=self.input_ids[sl], positions=self.positions[sl], tokens=self.tokens[sl],
-                       mask=self.mask[sl], mu=self.mu[sl], versions=self.versions[sl],
+                       mask=self.mask[sl], mu=self.mu[sl], versions=self.versions[sl], raw=cut(self.raw),
                        rollout_hidden=cut(self.rollout_hidden), q=cut(self.q), kl_exact=cut(self.kl_exact),
                        has_q=cut(self.has_q))
 
@@ -64,7 +65,7 @@ def collate(rollouts: list[Rollout], pad_id: int) -> Batch:
     positions = torch.zeros(B, N, dtype=torch.long)
     tokens = torch.full((B, N), pad_id, dtype=torch.long)
     mask = torch.zeros(B, N, dtype=torch.bool)
-    mu = torch.zeros(B, N)
+    mu, raw = torch.zeros(B, N), torch.zeros(B, N)
     for b, r in enumerate(rollouts):
         P, n = len(r.prompt_ids), len(r.completion_ids)
         input_ids[b, :P + n] = torch.tensor(r.prompt_ids + r.completion_ids)
@@ -72,6 +73,7 @@ def collate(rollouts: list[Rollout], pad_id: int) -> Batch:
         tokens[b, :n] = torch.tensor(r.completion_ids, dtype=torch.long)
         mask[b, :n] = True
         mu[b, :n] = torch.tensor(r.logprobs)
+        raw[b, :n] = torch.tensor(r.raw_logprobs, dtype=raw.dtype)
     hidden = None
     if all(r.hidden is not None for r in rollouts):
         first = rollouts[0].hidden
@@ -79,8 +81,14 @@ def collate(rollouts: list[Rollout], pad_id: int) -> Batch:
         for b, r in enumerate(rollouts):
             hidden[b, :len(r.completion_ids)] = r.hidden
     has_q = torch.tensor([r.q is not None for r in rollouts])
-    return Batch(input_ids, positions, tokens, mask, mu, [r.policy_version for r in rollouts], hidden,
+    return Batch(input_ids, positions, tokens, mask, mu, [r.policy_version for r in rollouts], raw, hidden,
                  _per_token(rollouts, "q", N), _per_token(rollouts, "kl_exact", N), has_q if has_q.any() else None)
+
+
+def numerics_mu(batch: Batch, truncates: bool) -> torch.Tensor:
+    """[B, N] the sampler's log-probs the numerics metrics compare with q: mu itself, or with top-k/top-p truncation
+    on, the log-probs before it (the truncation's own shift is metrics.truncation_metrics')."""
+    return batch.raw if truncates and batch.raw is not None else batch.mu
 
 
 def _per_token(rollouts: list[Rollout], name: str, N: int) -> torch.Tensor | None:

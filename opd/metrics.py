@@ -25,7 +25,12 @@ it, `pi` = under the current learner, `T` = under the teacher; `delta = q - mu`.
   tokens leave); the advantage distortion with the learner's baseline, `A_e = T_e - pi` vs `A = T - pi`:
   `adv_sign_flip` and `nsr = mean |d| / mean |A|`. The tokens come from the student, not from either teacher, so k3
   is a distance on the student's tokens rather than an unbiased KL estimate.
-- `rollout/`: completion lengths and the truncation rate.
+- `sampling/` (only with top-k/top-p on): what the truncation does to `mu`, apart from the numerics. With
+  `u` = the engine's log-prob before truncation (same temperature), `s = mu - u = -log(kept mass) >= 0`:
+  `kept_mass = mean exp(-s)`, `shift_mean = mean s` (the bias a sampler-term advantage `T - mu` gets) and
+  `kl_k3 = mean(exp(-s) + s - 1)`, what it would add to `mismatch/kl_k3` if it were counted there. The `mismatch/`,
+  `is/` and `opd/` sets then compare `u` with `q` (learner.numerics_mu): numerics only.
+- `rollout/`: completion lengths and the truncation rate (completions cut at max_new_tokens).
 """
 import math
 
@@ -126,6 +131,15 @@ def teacher_mismatch_metrics(engine: torch.Tensor, trainer: torch.Tensor, learne
     if tail_mass is not None and tail_mass.numel():
         out["teacher_mismatch/tail_mass"] = tail_mass.double().mean().item()
     return out
+
+
+def truncation_metrics(mu: torch.Tensor, untruncated: torch.Tensor, mask: torch.Tensor) -> dict:
+    """mu, untruncated [B, T]: the sampler's log-probs after and before top-k/top-p (module docstring)."""
+    s = _values(mu - untruncated, mask)
+    if s.numel() == 0:
+        return {}
+    return {"sampling/kept_mass": torch.exp(-s).mean().item(), "sampling/shift_mean": s.mean().item(),
+            "sampling/kl_k3": (torch.expm1(-s) + s).mean().item()}
 
 
 def rollout_metrics(lengths: list[int], truncated: list[bool]) -> dict:

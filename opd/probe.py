@@ -16,10 +16,10 @@ import torch
 from opd.admission import (FLOOR_PLAN, KEEP, METRIC, calibrated, class_limits, decide, decide_teacher,
                            estimator_class, safe_staleness, staleness)
 from opd.devices import autocast_dtype
-from opd.learner import collate, score_batch
+from opd.learner import collate, numerics_mu, score_batch
 from opd.losses import masked_mean
 from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics,
-                         teacher_mismatch_metrics)
+                         teacher_mismatch_metrics, truncation_metrics)
 from opd.plan import Plan, describe_layer
 from opd.rollouts import sampler_seed
 from opd.sampling import SamplingParams
@@ -71,8 +71,12 @@ def measure(setup: ProbeSetup, plan: Plan, teacher_side: bool = False) -> dict:
     finally:
         engine.close()
     q, t_y, mask = scores.pi, scores.teacher, batch.mask
-    out = {**mismatch_metrics(batch.mu, q, mask), **importance_metrics(batch.mu, q, mask, cfg.loss.cap),
-           **distortion_metrics(t_y, batch.mu, q, mask)}
+    mu = numerics_mu(batch, params.truncates)  # the numerics only: a truncation's own shift is reported apart
+    out = {**mismatch_metrics(mu, q, mask), **importance_metrics(mu, q, mask, cfg.loss.cap),
+           **distortion_metrics(t_y, mu, q, mask)}
+    if params.truncates:
+        out |= {k.replace("sampling/", "truncation_"): v for k, v in truncation_metrics(batch.mu, batch.raw,
+                                                                                       mask).items()}
     if scores.kl_exact is not None:
         out |= exact_kl_metric(scores.kl_exact, mask)
     if scores.rkl is not None:  # the student's distance to its teacher: exact KL(q || T) per token, the probe's mean

@@ -1,8 +1,11 @@
-"""From logits to a sampled token: temperature, top-k, top-p, and the two log-probs vLLM distinguishes.
+"""From logits to a sampled token: temperature, top-k, top-p, and the two log-probs a rollout records.
 
-`raw` log-probs are log_softmax of the model's logits; `processed` ones are log_softmax of the logits after
-temperature scaling and top-k/top-p masking, i.e. the distribution the token was actually drawn from. OPD wants
-the processed one as `mu` when temperature != 1 or truncation is on (vLLM: `logprobs_mode="processed_logprobs"`).
+`processed` log-probs are log_softmax of the logits after temperature scaling and top-k/top-p masking, i.e. the
+distribution the token was actually drawn from: OPD's `mu` (vLLM: `logprobs_mode="processed_logprobs"`). `raw` ones
+are the same before the truncation: log_softmax(logits / temperature), the distribution the trainer's `q` is computed
+under (the learner differentiates the tempered, untruncated policy). At temperature 1 they are vLLM's raw log-probs.
+Truncation moves `mu` away from `q` by -log(kept mass) at every token, whatever the numerics: the mismatch metrics
+use `raw` when it is on, and report the truncation apart (metrics.truncation_metrics).
 
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1), as vLLM's sampler does): it draws a fixed
 amount of randomness per step whatever the probabilities are, so two loops that make the same calls on the same
@@ -33,9 +36,23 @@ class SamplingParams:
         require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}", "1 turns it off")
 
     @property
+    def truncates(self) -> bool:
+        """True when top-k or top-p cut the distribution: processed log-probs differ from the raw ones."""
+        return self.top_k > 0 or self.top_p < 1
+
+    @property
     def reshapes_distribution(self) -> bool:
-        """False when processed log-probs equal the raw ones (temperature 0 or 1, no truncation)."""
-        return self.temperature not in (0.0, 1.0) or self.top_k > 0 or self.top_p < 1
+        """False when processed log-probs equal log_softmax of the logits (temperature 0 or 1, no truncation)."""
+        return self.temperature not in (0.0, 1.0) or self.truncates
+
+
+def raw_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [B, V] -> log_softmax(logits / temperature) [B, V] (temperature 0: of the logits themselves); the same
+    operations as process_logits up to the truncation, so without one the two are equal to the bit."""
+    logits = logits.float()
+    if params.temperature not in (0.0, 1.0):
+        logits = logits / params.temperature
+    return logits.log_softmax(-1)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

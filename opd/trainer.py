@@ -35,10 +35,10 @@ from opd.checkpoint import MANIFEST, load_checkpoint, read_manifest, recover_che
 from opd.config import TrainConfig
 from opd.errors import OpdError, require
 from opd.evaluate import greedy_accuracy, sampled_quality
-from opd.learner import Scores, collate, score_batch
+from opd.learner import Scores, collate, numerics_mu, score_batch
 from opd.losses import masked_mean
 from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics, noise_to_signal,
-                         rollout_metrics, staleness_metrics, teacher_mismatch_metrics)
+                         rollout_metrics, staleness_metrics, teacher_mismatch_metrics, truncation_metrics)
 from opd.model import Transformer
 from opd.plan import Plan
 from opd.runlog import RunLock, RunLog, check_run_dir, check_same_run, clear_run_dir, read_guard_events, \
@@ -207,7 +207,8 @@ def step_metrics(batch, scores: Scores, cfg: TrainConfig, version: int) -> dict:
     with the rows that carry it (async); a row sampled by the current weights has q = pi; the q-based metrics cover
     the rows where q is known (all of them, unless async recomputes only a fraction)."""
     pi, t_y = scores.pi, scores.teacher
-    mu, mask = batch.mu, batch.mask
+    truncates = cfg.sampling.truncates
+    mu, mask = numerics_mu(batch, truncates), batch.mask
     current = torch.tensor([v == version for v in batch.versions])
     carried = batch.has_q if batch.has_q is not None else torch.zeros_like(current)
     q = torch.where(carried[:, None], batch.q, pi) if batch.q is not None else pi
@@ -220,6 +221,8 @@ def step_metrics(batch, scores: Scores, cfg: TrainConfig, version: int) -> dict:
         out["mismatch/kl_exact"] = masked_mean(batch.kl_exact.double(), mask & carried[:, None]).item()
     elif scores.kl_exact is not None and (known & ~carried[:, None]).any():
         out |= exact_kl_metric(scores.kl_exact, known)
+    if truncates:
+        out |= truncation_metrics(batch.mu, batch.raw, mask)
     lengths = batch.mask.sum(1).tolist()
     return out | rollout_metrics(lengths, [n >= cfg.new_tokens for n in lengths])
 

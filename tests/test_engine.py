@@ -62,12 +62,14 @@ def teacher_forced_logprobs(model, prompt, completion):
 
 
 def test_raw_logprobs_equal_trainer_recomputation_and_processed_differ(model):
-    """With an fp32 cache the sampler's raw log-probs are the trainer's q (the mismatch floor is float noise)."""
+    """With an fp32 cache the sampler's raw log-probs (tempered, before top-k) are the trainer's q at the same
+    temperature (the mismatch floor is float noise); the processed ones are the truncated distribution's."""
     engine = Engine(model, stop_ids=-1, pad_id=PAD)
     for r in engine.generate(PROMPTS, SamplingParams(20, temperature=0.6, top_k=20), torch.Generator().manual_seed(2)):
         logits = teacher_forced_logits(model, r.prompt_ids, r.completion_ids)
         tok = torch.tensor(r.completion_ids)[:, None]
-        assert torch.allclose(torch.tensor(r.raw_logprobs), logits.log_softmax(-1).gather(1, tok)[:, 0], atol=1e-5)
+        q = (logits / 0.6).log_softmax(-1).gather(1, tok)[:, 0]
+        assert torch.allclose(torch.tensor(r.raw_logprobs), q, atol=1e-5)
         # processed, computed independently: temperature, then renormalise over the 20 largest logits
         scaled = logits / 0.6
         top = scaled.topk(20, dim=-1)

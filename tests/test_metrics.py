@@ -6,7 +6,7 @@ import torch
 
 from opd.losses import kl
 from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics, noise_to_signal,
-                         rollout_metrics, staleness_metrics)
+                         rollout_metrics, staleness_metrics, truncation_metrics)
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
 
@@ -102,3 +102,16 @@ def test_staleness_and_rollout_metrics():
     assert m["stale/upd_kl_k3"] == pytest.approx((math.exp(0.2) - 1.2 + math.exp(-0.2) - 0.8) / 2)
     r = rollout_metrics([10, 20, 30], [False, False, True])
     assert r == {"rollout/length_mean": 20, "rollout/length_max": 30, "rollout/truncated": pytest.approx(1 / 3)}
+
+
+def test_truncation_metrics_by_hand():
+    """s = mu - u = -log(kept mass): a top-p that kept half the mass raises the sampler's log-prob by log 2."""
+    mu = torch.tensor([[-0.2, -1.0, 0.0]])
+    u = torch.tensor([[-0.2 - math.log(2), -1.0 - math.log(4), -5.0]])  # the last token is masked out below
+    mask = torch.tensor([[True, True, False]])
+    m = truncation_metrics(mu, u, mask)
+    assert m["sampling/kept_mass"] == pytest.approx((0.5 + 0.25) / 2)
+    assert m["sampling/shift_mean"] == pytest.approx((math.log(2) + math.log(4)) / 2)
+    assert m["sampling/kl_k3"] == pytest.approx(((0.5 - 1 + math.log(2)) + (0.25 - 1 + math.log(4))) / 2)
+    assert truncation_metrics(mu, mu, mask) == {"sampling/kept_mass": 1.0, "sampling/shift_mean": 0.0,
+                                                "sampling/kl_k3": 0.0}

@@ -216,3 +216,32 @@ def test_a_top_k_teacher_loss_trains(pair, tmp_path, name):
     rows = read_metrics(tmp_path / "run")
     assert rows[-2]["loss/value"] < rows[0]["loss/value"]
     assert summary["after"]["eval/rkl"] < summary["before"]["eval/rkl"]
+
+
+def test_truncated_sampling_is_reported_apart_from_the_numerics(pair, tmp_path):
+    """A float32 engine has no numerics mismatch; top-p 0.7 still moves mu by -log(kept mass): that goes to
+    sampling/*, not into mismatch/* (which compares the untruncated log-probs with q)."""
+    train(config(pair, steps=2, sampling=dict(top_p=0.7)), tmp_path / "run", progress=False)
+    row = read_metrics(tmp_path / "run")[0]
+    assert row["mismatch/kl_k3"] < 1e-9 and row["mismatch/kl_exact"] < 1e-6 and row["opd/nsr"] < 1e-5  # float noise
+    assert row["sampling/kl_k3"] > 1e-3 and 0 < row["sampling/kept_mass"] < 1 and row["sampling/shift_mean"] > 0
+
+
+def test_a_checkpoints_sampling_defaults_do_not_reach_training(pair, tmp_path, capfd):
+    """generation_config.json's temperature/top-k/top-p are the publisher's inference defaults: training samples
+    the student's own distribution unless the config says otherwise (the note names what was left unused)."""
+    import shutil
+    student = tmp_path / "student"
+    shutil.copytree(pair[0], student)
+    (student / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.8, "top_k": 20}))
+    run = make_run(config((student, pair[1])))
+    assert (run.cfg.sampling.temperature, run.cfg.sampling.top_k, run.cfg.sampling.top_p) == (1.0, 0, 1.0)
+    assert "generation_config.json sets temperature 0.7, top_k 20, top_p 0.8: not used for training" in \
+        capfd.readouterr().err
+    run = make_run(config((student, pair[1]), sampling=dict(top_k=5)))
+    assert (run.cfg.sampling.temperature, run.cfg.sampling.top_k, run.cfg.sampling.top_p) == (1.0, 5, 1.0)
+
+
+def test_vllm_with_truncated_sampling_is_refused(pair):
+    with pytest.raises(OpdError, match="engine vllm with sampling.top_k 0 / top_p 0.9.*use engine builtin"):
+        config(pair, engine=dict(name="vllm"), sampling=dict(top_p=0.9))
