@@ -28,10 +28,12 @@ from pathlib import Path
 import yaml
 
 from opd.errors import OpdError, require
+from opd.real_pairs import PAIRS
 from opd.scoring import check_name as check_scoring
 from opd.task import get_task
 
 FAMILIES = ("llama", "qwen3")  # the built-in pairs' model families (pretrain.py)
+REAL_PAIRS = tuple(PAIRS)  # real pretrained pairs, built from registry packages (real_pairs.py)
 DTYPE_NAMES = ("float32", "bf16")  # the learner's and teacher's dtypes (devices.DTYPES: their torch dtypes)
 DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
 
@@ -145,6 +147,11 @@ class SamplingConfig:
         require(self.top_k is None or self.top_k >= 0, f"config: sampling.top_k must be >= 0, got {self.top_k}",
                 "0 is off")
         require(self.top_p is None or 0 < self.top_p <= 1, f"config: sampling.top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def truncates(self) -> bool:
+        """top-k or top-p cut the rollouts' distributions (sampling.py: a mismatch source of its own)."""
+        return bool(self.top_k) or (self.top_p is not None and self.top_p < 1)
 
     def params(self) -> dict:
         """temperature, top_k, top_p as the rollouts use them (call on a resolved config: resolve_generation)."""
@@ -301,7 +308,7 @@ def attribute(key: str) -> str:
 class TrainConfig:
     """One OPD run. Run-wide settings at the top; the rest in sections (SECTIONS), each checking its own values;
     __post_init__ checks what spans sections."""
-    family: str = "llama"  # built-in pair (pretrained on first use) when student/teacher are empty
+    family: str = "llama"  # a built-in pair (llama, qwen3) or a real one (smollm2, qwen2.5-coder), when student/teacher are empty
     student: str = ""  # HF checkpoint folder of the student
     teacher: str = ""  # HF checkpoint folder of the teacher
     task: str = "chain"  # the built-in task: training prompts and held-out evaluation unless data.prompts is given
@@ -337,7 +344,8 @@ class TrainConfig:
         for key, cls in SECTIONS.items():
             require(isinstance(getattr(self, attribute(key)), cls), f"config: {key} must be a mapping, "
                     f"got {getattr(self, attribute(key))!r:.60}", f"e.g. {key}: {{...}}")
-        require(self.family in FAMILIES, f"unknown family {self.family!r}", f"use one of {', '.join(FAMILIES)}")
+        require(self.family in FAMILIES + REAL_PAIRS, f"unknown family {self.family!r}",
+                f"use one of {', '.join(FAMILIES + REAL_PAIRS)} (a built-in pair or a real one)")
         require(bool(self.student) == bool(self.teacher), "give both student and teacher, or neither",
                 "neither: the built-in pair of `family`")
         get_task(self.task)
@@ -364,6 +372,10 @@ class TrainConfig:
                 "config: async.backend ray is the async schedule's", "set schedule=async")
         require(not self.ray.teacher or self.async_.backend == "ray",
                 "config: ray.teacher needs the Ray backend", "set schedule=async and async.backend=ray")
+        require(not (self.engine.name == "vllm" and self.sampling.truncates), "config: engine vllm with "
+                f"sampling.top_k {self.sampling.top_k or 0} / top_p {self.sampling.top_p or 1}: vLLM returns the truncated "
+                "log-probs only, so the rollouts' numerics mismatch could not be told from the truncation",
+                "sample untruncated (top_k 0, top_p 1: OPD's on-policy default), or use engine builtin")
         self._check_teacher_side()
         require(self.shards <= self.batch_size, f"config: sampling.shards {self.shards} is more than batch_size "
                 f"{self.batch_size}", "each sub-batch needs a prompt; leave sampling.shards at 0 (one per worker)")
@@ -626,20 +638,25 @@ def generation_defaults(generation: dict, **given) -> dict:
 
 
 def resolve_generation(cfg: TrainConfig, generation: dict) -> TrainConfig:
-    """The config with the sampling settings the user left unset taken from the student's generation_config.json
-    (`generation`: its temperature, top_k, top_p, max_new_tokens), else the defaults (1.0, off, off, the task's or
-    FILE_PROMPT_TOKENS): what a run actually uses, and what it saves and compares on resume."""
+    """The config with the sampling settings the user left unset filled in: what a run actually uses, and what it
+    saves and compares on resume. Training rollouts sample the student's own distribution: temperature 1, no top-k,
+    no top-p (OPD is on-policy; truncation makes `mu` another policy's log-prob and enters every mismatch metric,
+    which is why peers require it off, NeMo-RL #3584), whatever the checkpoint's generation_config.json says, so a
+    checkpoint's defaults never change the estimator silently; a note names the settings left unused. Set
+    sampling.temperature / top_k / top_p to sample otherwise (the truncation is then measured apart: metrics.py's
+    sampling/). max_new_tokens: the config's, else generation_config.json's, else the task's or FILE_PROMPT_TOKENS."""
     given = cfg.sampling
-    chosen = generation_defaults(generation, temperature=given.temperature, top_k=given.top_k, top_p=given.top_p)
+    unused = {k: generation[k] for k in ("temperature", "top_k", "top_p") if getattr(given, k) is None and
+              generation.get(k) not in (None, OPTIONAL[k])}
+    if unused:
+        import sys
+        text = ", ".join(f"{k} {v}" for k, v in unused.items())
+        print(f"opd: note: the checkpoint's generation_config.json sets {text}: not used for training rollouts, "
+              "which sample the student's own distribution (set sampling.* to use them)", file=sys.stderr)
+    chosen = {k: OPTIONAL[k] if getattr(given, k) is None else getattr(given, k) for k in OPTIONAL}
     new_tokens = given.max_new_tokens or generation.get("max_new_tokens") or cfg.new_tokens
-    try:
-        sampling = replace(given, max_new_tokens=int(new_tokens), temperature=float(chosen["temperature"]),
-                           top_k=int(chosen["top_k"]), top_p=float(chosen["top_p"]))
-    except OpdError:
-        raise OpdError(f"generation_config.json's sampling settings are out of range (temperature "
-                       f"{chosen['temperature']}, top_k {chosen['top_k']}, top_p {chosen['top_p']})",
-                       "set sampling.temperature, sampling.top_k and sampling.top_p in the config") from None
-    return replace(cfg, sampling=sampling)
+    return replace(cfg, sampling=replace(given, max_new_tokens=int(new_tokens), temperature=float(chosen["temperature"]),
+                                         top_k=int(chosen["top_k"]), top_p=float(chosen["top_p"])))
 
 
 def dump_config(cfg: TrainConfig) -> str:
