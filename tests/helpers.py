@@ -13,7 +13,7 @@ from opd.config import TrainConfig, merge
 from opd.engine import Engine
 from opd.learner import collate
 from opd.model import ModelConfig, Transformer
-from opd.sampling import SamplingParams, process_logits
+from opd.sampling import SamplingParams, process_logits, raw_logprobs
 from opd.tokenizer import TextTokenizer
 
 # ---- the CLI in a subprocess -----------------------------------------------------------------------------------------
@@ -97,13 +97,17 @@ def grads(model: Transformer) -> dict:
 
 
 @contextlib.contextmanager
-def recorded_distributions(engine: Engine):
-    """Record the processed log-probs [B, V] of every step an engine samples from (what it drew each token from).
+def recorded_distributions(engine: Engine, raw: bool = False):
+    """Record the processed log-probs [B, V] of every step an engine samples from (what it drew each token from), or
+    with raw=True the tempered, untruncated ones (sampling.raw_logprobs: what the exact KL compares with the trainer).
     Yields dists(batch) -> [B, N, V] aligned with learner.collate's batch of the records."""
     steps, step = [], engine._step
 
     def record(logits, params, generator, given=None):
-        steps.append(process_logits(logits, params) if params.reshapes_distribution else logits.float().log_softmax(-1))
+        if raw:
+            steps.append(raw_logprobs(logits, params))
+        else:
+            steps.append(process_logits(logits, params) if params.reshapes_distribution else logits.float().log_softmax(-1))
         return step(logits, params, generator, given)
     engine._step = record
     try:

