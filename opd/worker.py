@@ -58,6 +58,7 @@ from opd.errors import OpdError, require
 from opd.kv_cache import KVSpec
 from opd.learner import collate, score_batch
 from opd.model import ModelConfig, Transformer, empty_model
+from opd.kernels import Kernels
 from opd.plan import LayerPrecision, Plan
 from opd.rollouts import by_sizes, generate_shards, make_engine
 from opd.sampling import SamplingParams
@@ -97,12 +98,12 @@ def _fields(obj) -> dict:
 
 def plan_tree(plan: Plan) -> dict:
     """Every field, not `str(plan)`: the canonical string drops settings that do not apply (kv_group off int4)."""
-    return asdict(plan)
+    return {**asdict(plan), "kernels": str(plan.kernels)}
 
 
 def plan_from_tree(tree: dict) -> Plan:
     layers = tuple(LayerPrecision(**{**layer, "kv": KVSpec(**layer["kv"])}) for layer in tree["layers"])
-    return Plan(layers, tree["forward"])
+    return Plan(layers, tree["forward"], Kernels.parse(tree.get("kernels", "fused")))
 
 
 def spec_tree(spec: WorkerSpec) -> dict:
