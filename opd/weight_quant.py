@@ -9,7 +9,8 @@ low-precision kernel would, in float32:
 - `fp8_block` W8A8 in DeepSeek-V3 style: a scale per 128x128 weight block, and a dynamic scale per token and
               group of 128 input channels for the activations.
 - `int8`      weight-only, a symmetric scale per output channel (amax/127).
-- `int4`      weight-only, asymmetric groups of 128 input channels (AWQ-style scale and zero point).
+- `int4`      weight-only, asymmetric groups of 128 input channels (AWQ-style scale and zero point); 64 or 32 where
+              128 does not divide the inputs (SmolLM2's 576), as AWQ/GPTQ checkpoints of such models do.
 - `noise:s`   the continuous dial: W + s * rms(W) * N(0, 1), seeded, per tensor (drawn on the CPU, so the same
               noise on every device).
 Weight-only schemes are applied once (the dequantized weight is what the kernel multiplies by); W8A8 also
@@ -67,6 +68,16 @@ def _tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return F.pad(x2, (0, pad_c, 0, pad_r)).reshape((R + pad_r) // rows, rows, (C + pad_c) // cols, cols)
 
 
+def int4_group(in_features: int) -> int:
+    """The int4 group size for a layer of in_features inputs: 128, else 64 or 32 (the largest that divides it)."""
+    for group in (128, 64, 32):
+        if in_features % group == 0:
+            return group
+    require(in_features < 128 and in_features % 2 == 0, f"int4 weights: in_features {in_features} is not a multiple "
+            "of 32", "use w=int8 or w=fp8 for this model")
+    return in_features
+
+
 def quantize_weight(w: torch.Tensor, scheme: str) -> dict[str, torch.Tensor]:
     """A float weight [out, in] as the scheme stores it: bf16 values, fp8 codes and a scale (per tensor or per
     128x128 block), int8 codes and a scale per output channel, or packed int4 codes with a scale and zero per group
@@ -87,8 +98,7 @@ def quantize_weight(w: torch.Tensor, scheme: str) -> dict[str, torch.Tensor]:
         scale = safe_scale(w.abs().amax(dim=1, keepdim=True), 127.0)
         return {"codes": torch.round(w / scale).clamp(-127, 127).to(torch.int8), "scale": scale}
     if scheme == "int4":
-        group = min(128, w.shape[1])
-        require(w.shape[1] % group == 0, f"int4 weights: in_features {w.shape[1]} not a multiple of group {group}")
+        group = int4_group(w.shape[1])
         codes, scale, zero = quantize_int4(w, group)
         return {"codes": codes, "scale": scale, "zero": zero}
     raise AssertionError(scheme)
@@ -105,7 +115,7 @@ def dequantize_weight(stored: dict[str, torch.Tensor], scheme: str, shape: torch
         return tiles.reshape(tiles.shape[0] * tiles.shape[1], -1)[:shape[0], :shape[1]]
     if scheme == "int8":
         return stored["codes"].float() * stored["scale"]
-    return dequantize_int4(stored["codes"], stored["scale"], stored["zero"], min(128, shape[1]))
+    return dequantize_int4(stored["codes"], stored["scale"], stored["zero"], int4_group(shape[1]))
 
 
 ACT_QUANT = {"bf16": round_bf16, "fp8": fake_quant_fp8_per_tensor,
