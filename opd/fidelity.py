@@ -15,6 +15,10 @@ the real engine's records, a plan):
   pairs); on a real model whose bf16 rounding is chaotic (two engines that compute every op alike still part by
   ~0.15 nats a token: docs/real-pairs.md) it is biased upward, by the two engines' distance.
 
+Which to read: `forced_ratio` is paired (the same tokens) and so has the smaller variance; its bias is about
+E[(log p ours - log p real)^2] / 2 over the real engine's kl_k3 (`bias_scale`). `headline` is forced_ratio where
+that scale is below 5%, else the own-rollout ratio (unbiased, noisier).
+
 kl_k3 is a mean of a heavy-tailed per-token quantity, so a ratio on a few thousand tokens moves: `ratio_lo` and
 `ratio_hi` are a 90% bootstrap interval, the prompts resampled with replacement (both engines' rollouts of a drawn
 prompt drawn together).
@@ -118,6 +122,7 @@ def compare(model: Transformer, stop_ids: list[int], pad_id: int, records: list[
         out[f"{name}/forced_ratio"] = kl_estimates(trainer_first - ours, mask)[1] / first_k3
         out[f"{name}/abs_dlogp_mean"] = distance.mean().item()
         out[f"{name}/abs_dlogp_p99"] = torch.quantile(distance, 0.99).item()
+        out[f"{name}/bias_scale"] = distance.pow(2).mean().item() / 2 / first_k3
         if own is None or name in own:
             mine = own_rollouts(model, stop_ids, pad_id, plan, first)
             exact = per_record(torch.tensor([x for r in mine for x in r["kl_exact"]]), mine, k3=False)
@@ -139,6 +144,16 @@ def per_record(values: torch.Tensor, records: list[dict], k3: bool) -> torch.Ten
     terms = torch.expm1(v) - v if k3 else v
     sums = torch.zeros(len(records), dtype=torch.float64).index_add_(0, owner, terms)
     return torch.stack([sums, torch.bincount(owner, minlength=len(records)).double()], 1)
+
+
+BIAS_LIMIT = 0.05  # forced_ratio is read while its bias scale is below this
+
+
+def headline(cell: dict, name: str) -> tuple[float, str]:
+    """(the ratio to read for plan `name`, which one: "forced" or "own"), module docstring."""
+    if cell[f"{name}/bias_scale"] < BIAS_LIMIT or f"{name}/ratio" not in cell:
+        return cell[f"{name}/forced_ratio"], "forced"
+    return cell[f"{name}/ratio"], "own"
 
 
 def by_prompt(parts: torch.Tensor, records: list[dict], owner: dict) -> torch.Tensor:
