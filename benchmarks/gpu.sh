@@ -23,6 +23,20 @@ else
   RUN=(--set steps=20 --set batch_size=32 --set sampling.max_new_tokens=256 --set eval.examples=64); QUICK=
 fi
 
+# The RESULT line of a training run: steps_result RUN_DIR LABEL METRIC WALL_S (s/step over the steps after the first)
+steps_result() {
+  $PY - "$@" <<'EOF'
+import json, sys
+from pathlib import Path
+run, label, metric, wall = sys.argv[1:5]
+rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+steps = [r for r in rows if "loss/value" in r]
+print(f"RESULT {label} steps={len(steps)} s_per_step={sum(r['time/step'] for r in steps[1:]) / max(1, len(steps) - 1):.3f} "
+      f"loss_first={steps[0]['loss/value']:.4f} loss_last={steps[-1]['loss/value']:.4f} "
+      f"{metric.split('/')[-1]}={steps[-1].get(metric, float('nan')):.3g} wall_s={wall}")
+EOF
+}
+
 $PY - "$DEVICE" <<'EOF'
 import sys, torch, transformers
 device = sys.argv[1]
@@ -47,15 +61,7 @@ for schedule in sync async; do
     "${RUN[@]}" --set optim.lr=1e-4 --set optim.warmup_steps=2 \
     --set eval.every=0 --set save_every=0 --set threads=4 --set async.worker_threads=2 \
     --set async.max_staleness=1 --set compute.dtype=bf16 --set compute.teacher_dtype=bf16 | tail -4
-  $PY - "$OUT/realvocab-$schedule" "$schedule" "$((SECONDS - start))" <<'EOF'
-import json, sys
-from pathlib import Path
-rows = [json.loads(line) for line in (Path(sys.argv[1]) / "metrics.jsonl").read_text().splitlines()]
-steps = [r for r in rows if "loss/value" in r]
-print(f"RESULT schedule={sys.argv[2]} steps={len(steps)} s_per_step={sum(r['time/step'] for r in steps[1:]) / (len(steps) - 1):.3f} "
-      f"loss_first={steps[0]['loss/value']:.4f} loss_last={steps[-1]['loss/value']:.4f} "
-      f"kl_exact={steps[-1].get('mismatch/kl_exact', float('nan')):.3g} wall_s={sys.argv[3]}")
-EOF
+  steps_result "$OUT/realvocab-$schedule" "schedule=$schedule" mismatch/kl_exact "$((SECONDS - start))"
 done
 
 echo "== 3. the engine benchmark on $DEVICE"
@@ -80,15 +86,7 @@ then
   $PY -m opd.cli train --quiet --overwrite --run-dir "$OUT/qwen-coder" --set family=qwen2.5-coder \
     --set compute.device="$DEVICE" "${RUN[@]}" --set eval.every=0 --set save_every=0 --set threads=4 \
     --set compute.dtype=bf16 --set compute.teacher_dtype=bf16 | tail -4
-  $PY - "$OUT/qwen-coder" "$((SECONDS - start))" <<'EOF2'
-import json, sys
-from pathlib import Path
-rows = [json.loads(line) for line in (Path(sys.argv[1]) / "metrics.jsonl").read_text().splitlines()]
-steps = [r for r in rows if "loss/value" in r]
-print(f"RESULT real_pair=qwen2.5-coder steps={len(steps)} s_per_step={sum(r['time/step'] for r in steps[1:]) / max(1, len(steps) - 1):.3f} "
-      f"loss_first={steps[0]['loss/value']:.4f} loss_last={steps[-1]['loss/value']:.4f} "
-      f"kl_k3={steps[-1].get('mismatch/kl_k3', float('nan')):.3g} wall_s={sys.argv[2]}")
-EOF2
+  steps_result "$OUT/qwen-coder" real_pair=qwen2.5-coder mismatch/kl_k3 "$((SECONDS - start))"
 else
   echo "RESULT real_pair=skipped reason=the_qwen2.5-coder_pair_is_not_built_in_OPD_CACHE_(no_internet_here)"
 fi

@@ -8,7 +8,9 @@ for the toys) with 64 tokens the model samples itself at full precision, fixed f
   vLLM on GPUs), the plan `forward=bf16 kv=bf16; i: kv=<fp8>` scores the sequences by one prefill through its KV cache
   (Engine.prefill_hidden: attention reads the stored FP8 keys and values) and the cell is the exact
   KL(engine || float32 trainer) per completion token, minus the BF16 floor's (the same plan without the FP8 layer).
-  Spread: the most sensitive layer's cell over the median layer's.
+  Spread: the most sensitive layer's cell over the median layer's. Not `opd sensitivity` (opd.sensitivity.layer_map):
+  that samples new rollouts under each cell's plan through a student/teacher set-up; here every cell scores the same
+  fixed tokens by one prefill, which any model (a teacher too) allows and which a 30-layer map on 2 cores needs.
 - **Keys and values**: per layer, max |K| (after RoPE, what the cache stores) against e4m3's largest finite value
   (448: beyond it the cache saturates), and the share of |K| and |V| below 2^-6 (e4m3's smallest normal: AMX reads
   those as zero, kernels.py).
@@ -133,10 +135,16 @@ def summary(row: dict) -> str:
                 f", |V| < 2^-6: {statistics.mean(s['v_tiny'] for s in row['stats']):.1%}")
     cells = row["cells"]
     top = sorted(range(len(cells)), key=lambda i: -cells[i])[:3]
+    return (f"{row['model']:22} {row['setting']:9} floor {row['floor']:.3g}  median layer "
+            f"{statistics.median(cells):.3g}  top layers " + ", ".join(f"{i}: {cells[i]:.3g}" for i in top)
+            + f"  spread (top / median) {spread(cells):.3g}")
+
+
+def spread(cells: list[float]) -> float:
+    """The most sensitive layer's cell over the median layer's (not over the least one's, as opd.sensitivity.spread:
+    a cell here is net of the BF16 floor and can be ~0 or below it)."""
     median = statistics.median(cells)
-    return (f"{row['model']:22} {row['setting']:9} floor {row['floor']:.3g}  median layer {median:.3g}  top layers "
-            + ", ".join(f"{i}: {cells[i]:.3g}" for i in top)
-            + f"  spread (top / median) {cells[top[0]] / median if median > 0 else float('inf'):.3g}")
+    return max(cells) / median if median > 0 else float("inf")
 
 
 def main() -> None:
@@ -157,11 +165,7 @@ def main() -> None:
     print("\nall rows:")
     for row in rows:
         print(summary(row))
-    spreads = {}
-    for row in rows:
-        if row["setting"] == "fp8_e4m3":
-            median = statistics.median(row["cells"])
-            spreads[row["model"]] = max(row["cells"]) / median if median > 0 else float("inf")
+    spreads = {row["model"]: spread(row["cells"]) for row in rows if row["setting"] == "fp8_e4m3"}
     print("RESULT " + " ".join(f"spread_e4m3_{m.replace(':', '_')}={v:.3g}" for m, v in spreads.items()))
 
 
