@@ -21,7 +21,7 @@ import torch
 from opd.chunked import Source, Student, log_probs, output_layer, score
 from opd.engine import Rollout
 from opd.losses import LossConfig, loss_metrics
-from opd.model import Transformer
+from opd.model import Segments, Transformer
 
 
 @dataclass
@@ -108,12 +108,38 @@ def completion_index(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, batch.positions[rows, cols]
 
 
+@dataclass
+class Packed:
+    """A batch's sequences without their padding, one after another: ids and positions [1, T] for T = the real
+    tokens, the sequences' lengths (model.Segments), and `index` [M]: where in T the hidden states that predict the
+    completion tokens sit, in packed order."""
+    ids: torch.Tensor
+    positions: torch.Tensor
+    lengths: tuple[int, ...]
+    index: torch.Tensor
+
+
+def pack(batch: Batch) -> Packed:
+    """Row b of the batch is P_b + n_b real tokens (positions[b, 0] = P_b - 1): those rows, concatenated."""
+    lengths = (batch.positions[:, 0] + 1 + batch.mask.sum(1)).tolist()
+    ids = torch.cat([row[:n] for row, n in zip(batch.input_ids, lengths)])
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    rows, cols = completion_index(batch)
+    return Packed(ids[None], positions[None], tuple(lengths), starts[rows] + cols)
+
+
+def packed_hidden(model: Transformer, packed: Packed) -> torch.Tensor:
+    """The model's final hidden states at `packed.index`: [M, d]. Only real tokens are computed (a batch of HumanEval
+    prompts is ~40% padding when right-padded to its longest row), each sequence attending to itself."""
+    device = model.embed_tokens.weight.device
+    h = model.hidden(packed.ids.to(device), packed.positions.to(device), Segments(packed.lengths))  # [1, T, d]
+    return h[0, packed.index.to(device)]
+
+
 def completion_hidden(model: Transformer, batch: Batch) -> torch.Tensor:
     """The model's final hidden states at the positions that predict the completion tokens, packed: [M, d]."""
-    device = model.embed_tokens.weight.device
-    h = model.hidden(batch.input_ids.to(device))  # [B, L, d]
-    rows, positions = completion_index(batch)
-    return h[rows.to(device), positions.to(device)]
+    return packed_hidden(model, pack(batch))
 
 
 def unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

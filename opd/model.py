@@ -15,6 +15,7 @@ The model is a pure function of (tokens, positions, mask, cache): it never store
 object with `update(layer_idx, k, v) -> (k_all, v_all)` and `advance(T)` (see kv_cache.py); keys arrive after
 RoPE (vLLM's convention), so a quantizing cache sees exactly what a real engine would store.
 """
+import itertools
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -146,6 +147,29 @@ def window_mask(mask: torch.Tensor | None, T: int, S: int, window: int, device) 
     return allowed[None, None] if mask is None else mask & allowed
 
 
+@dataclass(frozen=True)
+class Segments:
+    """Sequences packed one after another along a single row (`Transformer.hidden`'s mask argument): each attends
+    causally to itself only, within `window` positions where a layer slides. The learner packs its right-padded
+    batches so (learner.pack): no position of padding is computed, and each sequence's attention is its own causal
+    attention, [n, n] instead of the batch's [L, L]."""
+    lengths: tuple[int, ...]
+    window: int = 0
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+        """q [1, H, T, D], k/v [1, KV, T, D] -> [1, H, T, D]: one causal SDPA per run of equal-length sequences (a
+        batch of g sequences of n tokens: [g, H, n, D]), so a batch without padding costs what the padded one did."""
+        runs = [(n, len(list(group))) for n, group in itertools.groupby(self.lengths)]
+        sizes = [n * g for n, g in runs]
+        out = []  # split, not slices: its backward is one cat, where each slice's would fill a whole [1, H, T, D]
+        for (n, g), q_, k_, v_ in zip(runs, *(x.split(sizes, dim=2) for x in (q, k, v))):
+            q_, k_, v_ = (x[0].unflatten(1, (g, n)).transpose(0, 1) for x in (q_, k_, v_))  # [g, heads, n, D]
+            mask = window_mask(None, n, n, self.window, q.device) if self.window else None
+            y = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+            out.append(y.transpose(1, 2).reshape(1, n * g, *y.shape[1::2]))  # [1, tokens, H, D]: one copy
+        return (out[0] if len(out) == 1 else torch.cat(out, dim=1)).transpose(1, 2)  # the caller transposes back
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
@@ -191,11 +215,14 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)  # [B, KV, S, D]
         dtype = q.dtype  # a bf16 forward: the attention math in float32 (as engines do), its output rounded
         q, k, v = wide(q), wide(k), wide(v)
-        if T == 1 and mask is not None:
+        gqa = self.cfg.num_heads != self.cfg.num_kv_heads
+        if isinstance(mask, Segments):
+            y = mask.attend(q, k, v, gqa)
+        elif T == 1 and mask is not None:
             y = decode_attention(q, k, v, mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
-                                               enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads)
+                                               enable_gqa=gqa)
         return self.o_proj(y.to(dtype).transpose(1, 2).reshape(B, T, -1))
 
 
@@ -246,10 +273,11 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """input_ids, positions: [B, T]; mask: [B, 1, T, S] bool (True = may attend), or None for plain causal
-        attention over input_ids alone. Returns logits [B, T, V]: the output layer at every position, which only
-        the oracles and pretraining want; the engine and the learner call `hidden` and run `lm_head` on the
-        positions they use (at a vocabulary of 150k, [B, T, V] is what does not fit)."""
+        """input_ids, positions: [B, T]; mask: [B, 1, T, S] bool (True = may attend), None for plain causal
+        attention over input_ids alone, or `Segments` (B = 1, no cache) for packed sequences. Returns logits
+        [B, T, V]: the output layer at every position, which only the oracles and pretraining want; the engine and
+        the learner call `hidden` and run `lm_head` on the positions they use (at a vocabulary of 150k, [B, T, V] is
+        what does not fit)."""
         return self.lm_head(self.hidden(input_ids, positions, mask, cache))
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -265,7 +293,9 @@ class Transformer(nn.Module):
         if x.dtype != torch.float32:  # engines keep their RoPE tables in the model's dtype (applied in float32)
             cos, sin = cos.to(x.dtype).float(), sin.to(x.dtype).float()
         windowed = None
-        if "sliding_attention" in self.cfg.layer_types:
+        if "sliding_attention" in self.cfg.layer_types and isinstance(mask, Segments):
+            windowed = Segments(mask.lengths, self.cfg.sliding_window)
+        elif "sliding_attention" in self.cfg.layer_types:
             S = T + (cache.length if cache is not None else 0)
             windowed = window_mask(mask, T, S, self.cfg.sliding_window, input_ids.device)
         for i, layer in enumerate(self.layers):

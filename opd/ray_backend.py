@@ -46,7 +46,7 @@ import torch
 from opd import wire
 from opd.config import RayConfig
 from opd.errors import OpdError, first_line, require
-from opd.learner import TeacherElsewhere, completion_index
+from opd.learner import Packed, TeacherElsewhere, pack, packed_hidden
 from opd.model import ModelConfig, empty_model
 from opd.rollouts import by_sizes
 from opd.worker import (COMPILE_GRACE, FROM_WORKER, POLL, WorkerCore, WorkerLost, WorkerSpec, error_message, read,
@@ -139,10 +139,11 @@ class TeacherActor:
         return True
 
     def hidden(self, data: bytes) -> bytes:
-        """{"input_ids" [B, L], "rows" [M], "cols" [M]} -> {"hidden" [M, d]} at those (row, position) pairs."""
+        """{"ids", "positions" [1, T], "lengths" [S], "index" [M]} (a learner.Packed) -> {"hidden" [M, d]}."""
         tree = wire.decode(data, self.device, "a request to the teacher actor")
+        packed = Packed(tree["ids"], tree["positions"], tuple(tree["lengths"].tolist()), tree["index"])
         with torch.no_grad():
-            hidden = self.model.hidden(tree["input_ids"])[tree["rows"], tree["cols"]]
+            hidden = packed_hidden(self.model, packed)
         return wire.encode({"hidden": hidden.cpu().contiguous()})
 
 
@@ -161,8 +162,9 @@ class RemoteTeacher(TeacherElsewhere):
         self._call(self.actor.ready.remote(), settings.connect_timeout + timeout, "to start")
 
     def completion_hidden(self, batch) -> torch.Tensor:
-        rows, cols = completion_index(batch)
-        data = wire.encode({"input_ids": batch.input_ids, "rows": rows, "cols": cols})
+        packed = pack(batch)
+        data = wire.encode({"ids": packed.ids, "positions": packed.positions, "lengths": torch.tensor(packed.lengths),
+                            "index": packed.index})
         out = self._call(self.actor.hidden.remote(data), self.timeout, "for a batch")
         return wire.decode(out, self.lm_head.weight.device, "the teacher actor's hidden states")["hidden"]
 

@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from opd.chunked import Source, Student, chunk_size, log_probs, output_layer, score
 from opd.engine import Engine
 from opd.evaluate import sampled_quality
-from opd.learner import collate, completion_logprobs, score_batch
+from opd.learner import collate, completion_index, completion_logprobs, pack, packed_hidden, score_batch
 from opd.losses import LossConfig, kl, opd_loss
 from opd.sampling import SamplingParams
 from opd.task import Example
@@ -71,6 +71,24 @@ def test_chunked_terms_equal_whole_distribution_formulas():
 
 def test_default_chunk_is_a_fixed_number_of_floats():
     assert chunk_size(151_936) == 110 and chunk_size(100) == 167_772 and chunk_size(100, 7) == 7
+
+
+@pytest.mark.parametrize("overrides", [{}, {"layer_types": ("sliding_attention", "full_attention"),
+                                              "sliding_window": 3}], ids=["full", "sliding"])
+def test_packed_batch_equals_each_row_run_alone(overrides):
+    """learner.pack drops the padding and runs the rows one after another (model.Segments): every completion
+    position's hidden state equals that row's own forward, sliding-window layers included."""
+    model = tiny(0, **overrides)
+    batch, _ = batch_of(model)
+    packed = pack(batch)
+    assert sum(packed.lengths) < batch.input_ids.numel()  # the rows differ in length: padding was dropped
+    rows, positions = completion_index(batch)
+    lengths = dict(enumerate(packed.lengths))
+    with torch.no_grad():
+        want = torch.stack([model.hidden(batch.input_ids[r, :lengths[r]][None])[0, p]
+                            for r, p in zip(rows.tolist(), positions.tolist())])
+        got = packed_hidden(model, packed)
+    assert torch.allclose(got, want, atol=TOL, rtol=0)
 
 
 # ---- score_batch on a model: against the unchunked oracle path, and micro-batches against one batch -----------------
