@@ -24,6 +24,11 @@ from opd.plan import Plan, describe_layer
 from opd.rollouts import sampler_seed
 from opd.sampling import SamplingParams
 
+# The probe's completions are the run's max_new_tokens long, at most this: its statistics are per-token means, and at
+# real size sampling is most of its cost (benchmarks/realspeed.py: 16 x 128 tokens on the smollm2 pair, the candidate
+# and the BF16 floor, in about a minute: under 2% of an hour's run). The statistical error this leaves is the
+# benchmark's bootstrap over rollouts.
+PROBE_TOKENS = 128
 
 @dataclass
 class ProbeSetup:
@@ -73,7 +78,7 @@ def measure(setup: ProbeSetup, plan: Plan, teacher_side: bool = False) -> dict:
     q, t_y, mask = scores.pi, scores.teacher, batch.mask
     mu = numerics_mu(batch, params.truncates)  # the numerics only: a truncation's own shift is reported apart
     out = {**mismatch_metrics(mu, q, mask), **importance_metrics(mu, q, mask, cfg.loss.cap),
-           **distortion_metrics(t_y, mu, q, mask)}
+           **distortion_metrics(t_y, mu, q, mask), "nsr_se": nsr_standard_error(t_y, mu, q, mask)}
     if params.truncates:
         out |= {k.replace("sampling/", "truncation_"): v for k, v in truncation_metrics(batch.mu, batch.raw,
                                                                                        mask).items()}
@@ -85,6 +90,16 @@ def measure(setup: ProbeSetup, plan: Plan, teacher_side: bool = False) -> dict:
     if teacher_side and setup.teacher_engine is not None:
         out |= teacher_side_numbers(setup, batch, scores)
     return {k.replace("teacher_mismatch/", "teacher_").split("/")[-1]: v for k, v in out.items()}
+
+
+def nsr_standard_error(teacher: torch.Tensor, mu: torch.Tensor, q: torch.Tensor, mask: torch.Tensor,
+                       draws: int = 1000) -> float:
+    """The probe's statistical error: the bootstrap standard error of nsr = sum |q - mu| / sum |T - q| over the
+    probe's tokens, its rollouts resampled with replacement (tokens of one rollout are not independent)."""
+    m = mask.to(q.dtype)
+    noise, signal = ((q - mu).abs() * m).sum(1), ((teacher - q).abs() * m).sum(1)
+    rows = torch.randint(0, len(noise), (draws, len(noise)), generator=torch.Generator().manual_seed(0))
+    return (noise[rows].sum(1) / signal[rows].sum(1).clamp(min=1e-30)).std().item() if len(noise) > 1 else math.inf
 
 
 def teacher_side_numbers(setup: ProbeSetup, batch, scores) -> dict:
@@ -109,7 +124,7 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, p
     numbers = probe(setup, plan)
     decision = decide(numbers, thresholds, cls, staleness(setup.cfg), limit, setup.cfg.optim.lr)
     out = {**decision.to_dict(), "plan": str(plan), "estimator_class": cls, "staleness": staleness(setup.cfg),
-           "probe": numbers, "probe_rollouts": len(setup.prompts)}
+           "probe": numbers, "probe_rollouts": len(setup.prompts), "probe_new_tokens": setup.cfg.new_tokens}
     teacher = decide_teacher(numbers, thresholds, cls, limit) if "teacher_nsr" in numbers else None
     if not decision.admit and propose and math.isfinite(decision.value):
         if teacher is not None and not teacher.admit and decision.value <= decision.limit:

@@ -21,7 +21,7 @@ from opd.guard import Guard
 from opd.model import Transformer
 from opd.plan import Plan
 from opd.pretrain import PretrainConfig, pretrain
-from opd.probe import ProbeSetup
+from opd.probe import PROBE_TOKENS, ProbeSetup
 from opd.real_pairs import build_pair
 from opd.prompts import PromptSet
 from opd.rollouts import Rollouts, SyncRollouts, make_engine
@@ -190,15 +190,18 @@ def worker_spec(cfg: TrainConfig, model: Transformer, tok, plan: Plan, params: S
 
 
 def probe_setup(cfg: TrainConfig, n: int) -> tuple[ProbeSetup, Plan]:
-    """The admission probe of a training config: its pair, an engine factory, its first n training prompts."""
+    """The admission probe of a training config: its pair, an engine factory, its first n training prompts, sampled to
+    the run's max_new_tokens, at most PROBE_TOKENS (probe.py)."""
     torch.set_num_threads(cfg.threads)
     cfg = with_pair_defaults(cfg)
     student, teacher, tok, student_dir = load_pair(cfg)
     cfg = resolve_generation(cfg, tok.generation)
     context = min(student.cfg.context, teacher.cfg.context)
+    run_tokens = cfg.new_tokens
+    cfg = replace(cfg, sampling=replace(cfg.sampling, max_new_tokens=min(run_tokens, PROBE_TOKENS)))
     probe_cfg = replace(cfg, batch_size=n, sampling=replace(cfg.sampling, shards=1),
                         engine=replace(cfg.engine, compile=False))  # 16 rollouts: compiling costs more than it saves
-    prompt_set = PromptSet(probe_cfg, tok, context, cfg.new_tokens)
+    prompt_set = PromptSet(probe_cfg, tok, context, run_tokens)  # the prompts the run fits beside its completions
     return ProbeSetup(cfg, student, teacher, tok, engine_builder(probe_cfg, student, tok, student_dir, prompt_set),
                       prompt_set.batch(0), make_teacher_engine(cfg, teacher, tok.pad_id, teacher_folder(cfg),
                                                                **engine_size(probe_cfg, prompt_set))), \

@@ -148,6 +148,27 @@ def test_probe_measures_mismatch_above_the_floor(pair):
     assert measure(exact, Plan.parse("", 2))["kl_k3"] < 1e-9
 
 
+def test_the_probe_samples_at_most_probe_tokens_and_states_its_error(pair, monkeypatch):
+    """A run's long completions are probed PROBE_TOKENS long (its statistics are per-token means: sampling is what
+    costs); its nsr comes with a bootstrap standard error over rollouts, which shrinks with more rollouts."""
+    import opd.probe
+    import opd.setup
+    monkeypatch.setattr(opd.setup, "PROBE_TOKENS", 6)
+    setup, plan = probe_setup(config(pair, plan="kv=fp8_e5m2", sampling=dict(max_new_tokens=12)), 8)
+    assert setup.cfg.new_tokens == 6
+    numbers = measure(setup, plan)
+    assert 0 < numbers["nsr_se"] < numbers["nsr"]
+    setup, _ = probe_setup(config(pair, plan="kv=fp8_e5m2", sampling=dict(max_new_tokens=4)), 8)
+    assert setup.cfg.new_tokens == 4  # shorter runs are probed as they are
+    import torch
+    g = torch.Generator().manual_seed(0)
+    t, q = torch.randn(64, 5, generator=g), torch.randn(64, 5, generator=g)
+    mu, mask = q + 0.1 * torch.randn(64, 5, generator=g), torch.ones(64, 5, dtype=torch.bool)
+    se_all, se_few = opd.probe.nsr_standard_error(t, mu, q, mask), opd.probe.nsr_standard_error(t[:8], mu[:8], q[:8],
+                                                                                               mask[:8])
+    assert 0 < se_all < se_few and opd.probe.nsr_standard_error(t, q, q, mask) == 0
+
+
 def test_rejection_proposes_a_plan_that_passes(pair):
     setup, plan = probe_setup(config(pair, plan="kv=fp8_e5m2 w=int4", sampling=dict(max_new_tokens=12)), 8)
     numbers = probe(setup, plan)
