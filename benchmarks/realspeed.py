@@ -5,8 +5,9 @@ in this one run, with the same thread count throughout.
 1. learner: one learner step (the student's forward, the chunked full-vocabulary loss, backward, AdamW) on a batch of
    the engine's rollouts, with the teacher's log-probs computed beforehand (its time is the teacher's, not the
    learner's). Its FLOPs are counted by torch's FlopCounterMode on that same pass; the machine's matmul rate is
-   measured by replaying the pass's own matmuls (every (m, n, k) it ran, same dtype) on random tensors. Arithmetic =
-   FLOPs / that rate; `learner_arith_ratio` = learner seconds / arithmetic (1.0: nothing but matmuls at the
+   measured by replaying the pass's own matmuls (every (m, n, k) it ran, same dtype) on random tensors, after each
+   timed step (this machine's rate moves 140-220 GFLOP/s from minute to minute). Arithmetic = FLOPs / that rate;
+   `learner_arith_ratio` = the median over steps of learner seconds / arithmetic (1.0: nothing but matmuls at the
    machine's rate). Full mode also times the padded layout this learner replaced (learner.pack).
 2. step vs TRL: one whole OPD step (sampling, teacher, learner, optimizer, metrics) of `opd` against TRL's
    DistillationTrainer (beta 1: full-vocabulary reverse KL), same pair, prompts, batch, max new tokens, float32
@@ -21,7 +22,7 @@ in this one run, with the same thread count throughout.
    as a fraction of an hour's run; and its statistical error: the bootstrap spread of nsr over the probe's rollouts.
 
     pip install -e '.[bench,vllm,real]'
-    python benchmarks/realspeed.py --quick    # ~6 minutes on 2 cores, smaller shapes (the probe as it is)
+    python benchmarks/realspeed.py --quick    # ~9 minutes on 2 cores: smaller shapes, the probe as it is
     python benchmarks/realspeed.py            # docs/benchmarks.md's numbers
 
 The last line is `RESULT key=value ...`.
@@ -96,19 +97,21 @@ def learner(args) -> dict:
         run.opt.step()
 
     step()  # warm-up
-    times = []
-    for _ in range(args.learner_steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
     with FlopCounterMode(display=False) as counter:
         step()
     flops = counter.get_total_flops()
     recorder = MatmulRecorder()
     with recorder:
         step()
-    mm_flops, mm_seconds = replay(recorder.calls)
-    rate = mm_flops / mm_seconds
+    times, rates = [], []
+    for _ in range(args.learner_steps):  # interleaved, so that the machine's noise falls on both alike
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        mm_flops, mm_seconds = replay(recorder.calls)
+        rates.append(mm_flops / mm_seconds)
+    ratios = [t * r / flops for t, r in zip(times, rates)]
+    rate = statistics.median(rates)
     square = torch.randn(2048, 2048)
     square @ square
     start = time.perf_counter()
@@ -124,8 +127,9 @@ def learner(args) -> dict:
           f"-> {flops / seconds / 1e9:.0f} GFLOP/s achieved")
     print(f"   the machine: its own {len(recorder.calls)} matmuls replayed at {rate / 1e9:.0f} GFLOP/s "
           f"(float32 2048^3: {square_rate / 1e9:.0f}); arithmetic {flops / rate:.2f} s "
-          f"-> learner_arith_ratio {seconds * rate / flops:.2f}")
-    out = {"learner_arith_ratio": seconds * rate / flops, "learner_s": seconds, "learner_gflops": flops / seconds / 1e9,
+          f"-> learner_arith_ratio {statistics.median(ratios):.2f} (each step over the replay after it: "
+          f"{', '.join(f'{r:.2f}' for r in ratios)})")
+    out = {"learner_arith_ratio": statistics.median(ratios), "learner_s": seconds, "learner_gflops": flops / seconds / 1e9,
            "matmul_gflops": rate / 1e9}
     if not args.quick:  # the padded layout the learner used before packing, timed in the same run
         def padded_hidden(model, b):
@@ -361,7 +365,7 @@ def main():
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(args.threads)
     if args.quick:  # smaller shapes; the probe is the default one (its cost is the point)
-        args.batch, args.new_tokens, args.learner_steps = 8, 64, 1
+        args.batch, args.new_tokens, args.learner_steps = 8, 64, 2
         args.trl_batch, args.trl_tokens, args.warmup, args.steps = 4, 32, 1, 1
         args.shapes, args.fp8_shape = [(8, 32)], (8, 512, 64)
     else:
