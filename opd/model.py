@@ -166,7 +166,7 @@ class Segments:
             q_, k_, v_ = (x[0].unflatten(1, (g, n)).transpose(0, 1) for x in (q_, k_, v_))  # [g, heads, n, D]
             mask = window_mask(None, n, n, self.window, q.device) if self.window else None
             y = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
-            out.append(y.transpose(1, 2).reshape(1, n * g, *y.shape[1::2]))  # [1, tokens, H, D]: one copy
+            out.append(y.transpose(1, 2).reshape(1, n * g, y.shape[1], y.shape[3]))  # [1, tokens, H, D]: one copy
         return (out[0] if len(out) == 1 else torch.cat(out, dim=1)).transpose(1, 2)  # the caller transposes back
 
 
@@ -293,11 +293,10 @@ class Transformer(nn.Module):
         if x.dtype != torch.float32:  # engines keep their RoPE tables in the model's dtype (applied in float32)
             cos, sin = cos.to(x.dtype).float(), sin.to(x.dtype).float()
         windowed = None
-        if "sliding_attention" in self.cfg.layer_types and isinstance(mask, Segments):
-            windowed = Segments(mask.lengths, self.cfg.sliding_window)
-        elif "sliding_attention" in self.cfg.layer_types:
+        if "sliding_attention" in self.cfg.layer_types:
             S = T + (cache.length if cache is not None else 0)
-            windowed = window_mask(mask, T, S, self.cfg.sliding_window, input_ids.device)
+            windowed = Segments(mask.lengths, self.cfg.sliding_window) if isinstance(mask, Segments) else \
+                window_mask(mask, T, S, self.cfg.sliding_window, input_ids.device)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, windowed if self.cfg.sliding(i) else mask, cache)
         if cache is not None:

@@ -26,9 +26,10 @@ from opd.sampling import SamplingParams
 
 # The probe's completions are the run's max_new_tokens long, at most this: its statistics are per-token means, and at
 # real size sampling is most of its cost (benchmarks/realspeed.py: 16 x 128 tokens on the smollm2 pair, the candidate
-# and the BF16 floor, in about a minute: under 2% of an hour's run). The statistical error this leaves is the
-# benchmark's bootstrap over rollouts.
+# and the BF16 floor, 94-111 s, where the run's 512 would take ~4x that). The statistical error this leaves is
+# nsr_se, a bootstrap over the rollouts (5% there).
 PROBE_TOKENS = 128
+
 
 @dataclass
 class ProbeSetup:
