@@ -156,6 +156,20 @@ def test_sampler_frequencies_match_probabilities():
     assert ((freq - p).abs() <= 4 * (p * (1 - p) / 20000).sqrt()).all(), freq
 
 
+def test_sampler_never_draws_a_token_of_zero_mass(monkeypatch):
+    """Top-k/top-p leave tokens at -inf, inside the vocabulary and at its end: over 20,000 draws none is drawn, the
+    rest at their frequencies; a uniform draw that rounds up to the total mass takes the last token with mass, not
+    one past the vocabulary."""
+    p = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0, 0.0])
+    logprobs = p.log().expand(20000, 7)
+    draws = sample(logprobs, SamplingParams(), torch.Generator().manual_seed(1))
+    freq = torch.bincount(draws, minlength=7).float() / 20000
+    assert (freq[p == 0] == 0).all(), freq
+    assert ((freq - p).abs() <= 4 * (p * (1 - p) / 20000).sqrt()).all(), freq
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.ones(*shape, dtype=kw["dtype"]))
+    assert sample(p.log().expand(3, 7), SamplingParams(), torch.Generator()).tolist() == [4, 4, 4]
+
+
 def test_engine_rejects_bad_requests(model):
     engine = Engine(model, stop_ids=EOS, pad_id=PAD)
     with pytest.raises(OpdError, match="exceeds the model's context"):

@@ -146,7 +146,9 @@ def test_report_writes_plots_from_the_results_alone(tmp_path):
 def test_sensitivity_puts_the_mismatch_on_one_layer_at_a_time(pair):
     setup, _ = probe_setup(config(pair, sampling=dict(max_new_tokens=12)), 8)
     maps = layer_map(setup, ("kv=fp32", "noise=0.3"))
-    assert all(v < 1e-9 for v in maps["kv=fp32"])  # full precision on the "quantized" layer: no mismatch
+    # full precision on the "quantized" layer: no mismatch beyond the float32 rounding of the KL itself (seen:
+    # 3.7e-9; under 1e-9 with the sampler before 2026-12, whose tokens happened to round smaller)
+    assert all(v < 1e-7 for v in maps["kv=fp32"])
     assert all(v > 1e-4 for v in maps["noise=0.3"]) and len(maps["noise=0.3"]) == 2
     assert spread([1e-3, 4e-3, 2e-3]) == {"most": 1, "least": 0, "ratio": 4.0}
 
