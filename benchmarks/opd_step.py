@@ -31,7 +31,9 @@ from opd.setup import setup
 from opd.trainer import run_step
 
 
-def opd_block(run, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+def opd_block(run, steps: int, warmup: int, phases: list | None = None) -> tuple[list[float], list[float]]:
+    """(seconds, mean completion length) of each timed step; phases, if given, gets each timed step's time/*
+    metrics (generate, teacher, train)."""
     times, lengths = [], []
     for i in range(warmup + steps):
         start = time.perf_counter()
@@ -39,6 +41,8 @@ def opd_block(run, steps: int, warmup: int) -> tuple[list[float], list[float]]:
         if i >= warmup:
             times.append(time.perf_counter() - start)
             lengths.append(metrics["rollout/length_mean"])
+            if phases is not None:
+                phases.append({k[5:]: v for k, v in metrics.items() if k.startswith("time/")})
     return times, lengths
 
 

