@@ -24,7 +24,7 @@ in this one run, with the same thread count throughout.
    Full mode also probes with 12 and 8 rollouts (`opd admit --rollouts N`): the cost against the error.
 
     pip install -e '.[bench,vllm,real]'
-    python benchmarks/realspeed.py --quick    # ~9 minutes on 2 cores: smaller shapes, the probe as it is
+    python benchmarks/realspeed.py --quick    # 7-9 minutes on 2 cores: smaller shapes, the probe as it is
     python benchmarks/realspeed.py            # docs/benchmarks.md's numbers
 
 The last line is `RESULT key=value ...`.
