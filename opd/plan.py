@@ -132,7 +132,8 @@ def _layer_indices(selector: str, num_layers: int) -> list[int]:
             first, last = int(lo), int(hi or lo)
         except ValueError:
             raise OpdError(f"plan: bad layer selector {selector!r}", "use indices and ranges like 0,3 or 0-2") from None
-        require(0 <= first <= last < num_layers, f"plan: layer {last if first >= 0 else first} is out of range",
+        require(first <= last, f"plan: layer range {part} runs backwards", f"write it low to high, e.g. {last}-{first}")
+        require(0 <= first and last < num_layers, f"plan: layer {last if first >= 0 else first} is out of range",
                 f"the model has layers 0-{num_layers - 1}")
         out.extend(range(first, last + 1))
     return out

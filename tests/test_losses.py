@@ -195,3 +195,14 @@ def test_a_top_k_teacher_loss_grows_with_k_to_the_full_vocabulary_loss(name, ful
     assert all(a <= b * (1 + 1e-9) for a, b in zip(values, values[1:])) and values[-2] <= exact.item() * (1 + 1e-9)
     assert values[-1] == pytest.approx(exact.item(), rel=1e-12)
     assert values[0] < 0.9 * exact.item()  # k = 1 sees much less than the whole distribution
+
+
+def test_an_unknown_loss_name_is_refused_not_computed_as_jsd():
+    """LossConfig refuses unknown names; token_losses refuses one that reaches it anyway instead of falling through
+    to the last formula."""
+    from opd.losses import token_losses
+    cfg = LossConfig()
+    object.__setattr__(cfg, "name", "jsdd")  # past LossConfig's own check
+    s = torch.randn(3, 5).log_softmax(-1)
+    with pytest.raises(OpdError, match="unknown loss 'jsdd'"):
+        token_losses(cfg, s, torch.randn(3, 5).log_softmax(-1), torch.tensor([0, 1, 2]), s[:, 0])

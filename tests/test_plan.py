@@ -51,6 +51,7 @@ def test_forward_and_kv_round_parse_and_round_trip():
 @pytest.mark.parametrize("text, message", [
     ("kv=fp9", "unknown KV cache dtype"),
     ("4: kv=bf16", "layer 4 is out of range"),
+    ("1-0: kv=bf16", "layer range 1-0 runs backwards"),
     ("a-b: kv=bf16", "bad layer selector"),
     ("kv fp8", "bad setting"),
     ("w=int3", "unknown weight scheme"),
