@@ -88,9 +88,7 @@ class AsyncRollouts:
         self.ready.clear()
         self.scales = {}
         if started:
-            self._call(lambda: self.worker.start(self.weights, self.scales))
-            for key in self.order:
-                self._call(lambda: self._send_generate(key))
+            self._call(self._start_and_resend)
 
     def state_dict(self, wait: bool) -> dict:
         """What a checkpoint needs to continue exactly, as a wire tree: counters and finished batches. wait: first
@@ -205,26 +203,32 @@ class AsyncRollouts:
                 self.ready[key] = Result(rollouts, tuple(message["seconds"]), message["finished_at"])
 
     def _call(self, fn):
-        """Run fn; if the worker is lost, restart it (re-sending weights and outstanding work) and report None."""
+        """Run fn; if the worker is lost, restart it and report None. The restart re-sends the weights and every
+        outstanding request, so a call that was sending one needs no retry, and a receive that got nothing is one."""
         try:
             return fn()
         except WorkerLost as e:
             self._restart(str(e))
             return None
 
-    def _restart(self, reason: str) -> None:
-        self.worker.stop(grace=0)
-        if self.counts["worker_restarts"] >= self.max_worker_restarts:
-            raise OpdError(f"rollout worker {self.worker.address} {reason}; it was restarted "
-                           f"{self.counts['worker_restarts']} times already",
-                           "check memory and the worker's threads; raise async.max_worker_restarts or async.worker_timeout; "
-                           "the run can be resumed with --resume")
-        self.counts["worker_restarts"] += 1
-        try:
-            self.worker.start(self.weights, self.scales)
-        except WorkerLost as e:
-            return self._restart(f"{e} while restarting")
+    def _start_and_resend(self) -> None:
+        """Start the worker with the newest weights and send it every outstanding request that has no result."""
+        self.worker.start(self.weights, self.scales)
         for key in self.order:
             if key not in self.ready:
                 self._send_generate(key)
 
+    def _restart(self, reason: str) -> None:
+        """Restart the lost worker, up to max_worker_restarts times in the run (a restart that is lost too counts)."""
+        while True:
+            self.worker.stop(grace=0)
+            if self.counts["worker_restarts"] >= self.max_worker_restarts:
+                raise OpdError(f"rollout worker {self.worker.address} {reason}; it was restarted "
+                               f"{self.counts['worker_restarts']} times already",
+                               "check memory and the worker's threads; raise async.max_worker_restarts or "
+                               "async.worker_timeout; the run can be resumed with --resume")
+            self.counts["worker_restarts"] += 1
+            try:
+                return self._start_and_resend()
+            except WorkerLost as e:
+                reason = f"{e} while restarting"

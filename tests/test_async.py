@@ -8,7 +8,7 @@ import os
 import pickle
 import signal
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from functools import partial
 
 import pytest
@@ -16,8 +16,8 @@ import torch
 
 from opd import wire
 from opd.async_rollouts import AsyncRollouts, Result
-from opd.worker import (Channel, RolloutWorker, WorkerSpec, plan_from_tree, plan_tree, recompute, rollout_from_tree,
-                        rollout_tree, spec_from_tree, spec_tree)
+from opd.worker import (Channel, RolloutWorker, WorkerLost, WorkerSpec, plan_from_tree, plan_tree, recompute,
+                        rollout_from_tree, rollout_tree, spec_from_tree, spec_tree)
 from opd.checkpoint import load_checkpoint
 from opd.config import AsyncConfig
 from opd.engine import Engine, Rollout
@@ -311,3 +311,64 @@ def test_the_async_state_round_trips_through_wire():
     (back,) = other.ready[(2, 0)].rollouts
     assert torch.equal(back.hidden, batch[0].hidden) and {**vars(back), "hidden": 0} == {**vars(batch[0]), "hidden": 0}
     assert other.state_dict(wait=False)["async"]["order"] == state["order"]
+
+
+@dataclass
+class _Spec:  # what AsyncRollouts reads of a WorkerSpec when it does not sample
+    plan: object = None
+    return_hidden: bool = False
+
+
+class _FlakyWorker:
+    """A worker handle whose start() and send() raise WorkerLost as scripted; it records what reaches a started
+    worker."""
+    script: dict = {}  # "start" / "send": how many of those calls are lost, across every handle made
+    sent: list = []
+
+    def __init__(self, address, spec, timeout):
+        self.address, self.process = address, None
+
+    def start(self, weights, scales):
+        if _FlakyWorker.script.get("start", 0):
+            _FlakyWorker.script["start"] -= 1
+            raise WorkerLost("exited")
+        self.process = object()
+        _FlakyWorker.sent.clear()  # a new process: what the old one was sent is gone
+
+    def send(self, message):
+        if _FlakyWorker.script.get("send", 0):
+            _FlakyWorker.script["send"] -= 1
+            raise WorkerLost("exited")
+        _FlakyWorker.sent.append(tuple(message["key"]))
+
+    def receive(self, block):
+        return None
+
+    def stop(self, grace=0):
+        self.process = None
+
+
+@pytest.mark.parametrize("lost", [{"start": 1}, {"send": 1}, {"start": 2, "send": 1}])
+def test_a_worker_lost_while_restarting_gets_each_outstanding_request_once(lost):
+    """set_plan restarts the worker; a loss during that start, or while re-sending the outstanding requests, costs
+    one restart each, and the worker that stays up is sent every outstanding request exactly once."""
+    prompts = type("Prompts", (), {"batch": lambda self, i: [[1, 2, 3]]})()
+    schedule = AsyncRollouts(_Spec(), prompts, seed=0, max_staleness=2, lookahead=2, stale_policy="requeue",
+                             worker_timeout=5.0, max_worker_restarts=5, new_worker=_FlakyWorker)
+    _FlakyWorker.script = {}
+    schedule.worker.start(b"", {})
+    schedule.order.extend([(0, 0), (1, 0), (2, 0)])
+    _FlakyWorker.script = dict(lost)
+    schedule.set_plan(None)
+    assert sorted(_FlakyWorker.sent) == [(0, 0), (1, 0), (2, 0)]
+    assert schedule.counts["worker_restarts"] == sum(lost.values())
+
+
+def test_a_worker_that_never_starts_stops_the_run_after_its_restarts_without_recursing():
+    """Each failed restart is counted in a loop, not a recursion: thousands of allowed restarts end in one line."""
+    schedule = AsyncRollouts(_Spec(), None, seed=0, max_staleness=0, lookahead=0, stale_policy="requeue",
+                             worker_timeout=5.0, max_worker_restarts=3000, new_worker=_FlakyWorker)
+    _FlakyWorker.script = {"start": 10 ** 6}
+    with pytest.raises(OpdError, match="restarted 3000 times already"):
+        schedule._call(lambda: (_ for _ in ()).throw(WorkerLost("stopped answering")))
+    _FlakyWorker.script = {}
