@@ -14,7 +14,7 @@ ESS, gradient-space ratios, per-kind (KV / weights) cuts and nsr divided by the 
 (`rkl`, the probe's mean exact KL(q || T) per token, which the probe reports beside it; dev/LOG.md has the numbers).
 The runtime guard compares the trainer's live `opd/nsr` and `is/ess_frac` (the same numbers on each training
 batch: q vs mu, the numerics alone) with the class's band and the same ESS floor (below); the staleness drift it
-reports beside them decides nothing (trainer.guard). Staleness cannot be probed before training: an optimizer step
+reports beside them decides nothing (guard.py). Staleness cannot be probed before training: an optimizer step
 on a probe batch from a fresh optimizer is a sign step of size lr on every weight, and overstated the real per-step
 drift 20-100x (dev/LOG.md). It is judged by its drift budget `max_staleness x lr` (Adam moves every weight by about
 lr a step, so that is about how far behind the policy of a stale rollout can be), against the largest budget the

@@ -4,7 +4,7 @@ Token ids in, `Rollout` records out; no tokenizer, loss or optimizer here. One `
 left-pad the prompts, prefill them in one forward, then decode one token per step for every sequence until
 each has stopped (one of the stop ids, kept in the completion) or hit `max_new_tokens`. Finished sequences keep
 being decoded with their outputs discarded, so the randomness drawn per step does not depend on which rows
-finished: that is what lets the naive loop in generate.py reproduce the engine token for token. The output layer
+finished: that is what lets the naive loop in naive.py reproduce the engine token for token. The output layer
 runs only where a token is drawn: at each prompt's last position in the prefill, and at the new position of each
 decode step, so the engine's memory grows with batch x vocabulary, never with prompt or completion length x vocabulary.
 

@@ -250,7 +250,7 @@ class MetricsRow(Schema):
 
 
 class GuardEvent(Schema):
-    """A guard.jsonl line (trainer.guard)."""
+    """A guard.jsonl line (guard.py)."""
     step: conint(strict=True, ge=0)
     action: StrictStr
 
