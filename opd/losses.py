@@ -45,8 +45,8 @@ import math
 
 import torch
 
-from opd.errors import require
 from opd.config import LossConfig  # the loss section of the training config (its names and checks)
+from opd.errors import require
 
 CLOSED_FORM = ("full_rkl", "fkl", "sampled_rkl")  # losses whose logit gradient logit_gradient() computes
 
@@ -126,7 +126,7 @@ def token_losses(cfg: LossConfig, student_logp: torch.Tensor, teacher_logp: torc
         return out | {"loss": kl(teacher_logp, student_logp)}
     if cfg.name in ("topk_fkl", "topk_rkl_tail"):
         return out | {"loss": topk_tail_kl(student_logp, teacher_logp, cfg.topk, cfg.name == "topk_fkl")}
-    require(cfg.name == "jsd", f"unknown loss {cfg.name!r}", "use a loss config.py names")  # never fall through
+    require(cfg.name == "jsd", f"unknown loss {cfg.name!r}", "use one of the losses LossConfig names")  # never fall through
     return out | {"loss": jsd(student_logp, teacher_logp, cfg.jsd_beta)}
 
 

@@ -89,6 +89,7 @@ def sample(logprobs: torch.Tensor, params: SamplingParams, generator: torch.Gene
     if params.temperature == 0:
         return logprobs.argmax(-1)
     cdf = logprobs.double().exp().cumsum(-1)  # [B, V]; float64: a 150k-term sum's rounding stays ~1e-12
-    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, u, right=True)[:, 0]  # a token of zero mass has an empty interval: never drawn
-    return torch.minimum(tokens, cdf.argmax(-1))  # u rounded up to the total: the last token with mass
+    total = cdf[:, -1:]
+    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device) * total
+    u = torch.minimum(u, total.nextafter(total.new_zeros(())))  # rounded up to the total: the last token with mass
+    return torch.searchsorted(cdf, u, right=True)[:, 0]  # a token of zero mass has an empty interval: never drawn

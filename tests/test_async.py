@@ -369,6 +369,9 @@ def test_a_worker_that_never_starts_stops_the_run_after_its_restarts_without_rec
     schedule = AsyncRollouts(_Spec(), None, seed=0, max_staleness=0, lookahead=0, stale_policy="requeue",
                              worker_timeout=5.0, max_worker_restarts=3000, new_worker=_FlakyWorker)
     _FlakyWorker.script = {"start": 10 ** 6}
+
+    def lost():
+        raise WorkerLost("stopped answering")
     with pytest.raises(OpdError, match="restarted 3000 times already"):
-        schedule._call(lambda: (_ for _ in ()).throw(WorkerLost("stopped answering")))
+        schedule._call(lost)
     _FlakyWorker.script = {}
