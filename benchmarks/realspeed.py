@@ -261,7 +261,7 @@ def hf_generate(folder, tok):
 
 
 def vllm_generate(net, folder, tok, plan: str, batch: int, context: int):
-    from opd.rollouts import make_engine
+    from opd.engines import make_engine
     from opd.sampling import SamplingParams
     engine = make_engine("vllm", net, tok.stop_ids, tok.pad_id, plan, model_dir=folder, seed=0, context=context,
                          max_seqs=batch)

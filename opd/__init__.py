@@ -71,9 +71,8 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
             "\"\" uses the shipped thresholds")
     cfg = _checked(cfg)
     limits = load_thresholds(thresholds)
-    if cfg.engine.name == "vllm":
-        from opd.vllm_engine import import_vllm
-        import_vllm()
+    from opd.engines import require_installed
+    require_installed(cfg.engine.name)
     setup, plan = probe_setup(cfg, rollouts)
     return check(setup, plan, limits, limit, propose)
 
@@ -90,27 +89,25 @@ def generate(model: str | Path, prompts: list, max_new_tokens: int = 64, plan: s
     from opd.checkpoint import load_checkpoint
     from opd.config import generation_defaults
     from opd.errors import require
-    from opd.rollouts import make_engine
+    from opd.engines import NAMES, kind, make_engine, require_installed
     from opd.sampling import SamplingParams
     require(isinstance(prompts, list) and prompts, "prompts must be a non-empty list", "e.g. [\"3 + 4 =\"]")
     require(all(isinstance(p, str) or (isinstance(p, list) and all(isinstance(m, dict) for m in p)) for p in prompts),
             "each prompt must be a string or a list of chat messages", 'e.g. ["3 + 4 ="] or '
             '[[{"role": "user", "content": "3 + 4 ="}]]')
     require(isinstance(seed, int) and 0 <= seed < 2 ** 32, f"seed must be an integer in [0, 2**32), got {seed!r}")
-    require(engine in ("builtin", "vllm"), f"unknown engine {engine!r}", "use builtin or vllm")
+    require(engine in NAMES, f"unknown engine {engine!r}", f"use one of {', '.join(NAMES)}")
     require(isinstance(model, (str, Path)), f"model must be a checkpoint folder's path, got {model!r}")
     require(isinstance(plan, str), f"plan must be a plan string, got {plan!r}", "e.g. \"kv=fp8_e4m3; 0: kv=bf16\"")
     require(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool),
             f"max_new_tokens must be an integer, got {max_new_tokens!r}")
     for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
         require(value is None or _number(value), f"{name} must be a number or None, got {value!r}")
-    net, tok = load_checkpoint(Path(model), device=devices.resolve(device) if engine == "builtin" else "cpu")
+    net, tok = load_checkpoint(Path(model), device="cpu" if kind(engine).own_copy else devices.resolve(device))
     texts = [[{"role": "user", "content": p}] if chat and isinstance(p, str) else p for p in prompts]
     params = SamplingParams(max_new_tokens, **generation_defaults(tok.generation, temperature=temperature,
                                                                   top_k=top_k, top_p=top_p))
-    if engine == "vllm":
-        from opd.vllm_engine import import_vllm
-        import_vllm()
+    require_installed(engine)
     ids = [tok.encode_prompt(t) for t in texts]
     rollout_engine = make_engine(engine, net, tok.stop_ids, tok.pad_id, plan, model_dir=Path(model), seed=seed,
                                  context=max(map(len, ids)) + params.max_new_tokens, max_seqs=len(ids))

@@ -19,7 +19,7 @@ from opd.config import REAL_PAIRS, generation_defaults
 from opd.prompts import PromptFormat, read_prompts
 from opd.scoring import SCORERS
 from opd.scoring import check_name as check_scoring
-from opd.rollouts import make_engine
+from opd.engines import NAMES as ENGINE_KINDS, kind, make_engine, require_installed
 from opd.errors import OpdError, from_os_error, require
 from opd.evaluate import greedy_accuracy
 from opd.pretrain import FAMILIES, ROLES, PretrainConfig, check_cache_dir, pretrain
@@ -27,7 +27,6 @@ from opd.plan import Plan
 from opd.sampling import SamplingParams
 from opd.sensitivity import SETTINGS
 from opd.task import TASKS, get_task, held_out_examples
-from opd.vllm_engine import import_vllm
 
 
 def int_in(low: int, high: int | None = None, high_text: str = ""):
@@ -222,8 +221,9 @@ def generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: the task's default")
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--json", dest="as_json", action="store_true", help="one JSON record per completion")
-    p.add_argument("--engine", dest="engine_name", choices=["builtin", "vllm"], default="builtin",
-                   help="vllm: real vLLM (pip install -e '.[vllm]'); whole-model plans only")
+    p.add_argument("--engine", dest="engine_name", choices=list(ENGINE_KINDS), default="builtin",
+                   help="vllm: real vLLM (pip install -e '.[vllm]'), hf: transformers' generate; "
+                   "both whole-model plans only (opd/engines.py)")
     p.add_argument("--device", default="auto", help="builtin engine: auto (CUDA when present), cpu, cuda or cuda:N")
 
 
@@ -233,10 +233,9 @@ def cmd_generate(model: str, prompt: list[str] | None, prompts: Path | None, pro
                  max_new_tokens: int, seed: int, as_json: bool, engine_name: str, device: str) -> None:
     """Sample completions from a checkpoint under a precision plan; print them with their log-probs. Sampling
     settings not given come from the checkpoint's generation_config.json (else temperature 1, no top-k/top-p)."""
-    if engine_name == "vllm":
-        import_vllm()
+    require_installed(engine_name)
     model = model_path(model)
-    net, tok = load_checkpoint(model, device=devices.resolve(device) if engine_name == "builtin" else "cpu")
+    net, tok = load_checkpoint(model, device="cpu" if kind(engine_name).own_copy else devices.resolve(device))
     fmt = PromptFormat(prompt_key, chat=chat)
     texts = [[{"role": "user", "content": p}] if chat else p for p in prompt] if prompt else \
         [ex.prompt for ex in (read_prompts(prompts, fmt, tok)[:n] if prompts else held_out_examples(get_task(task), n))]
@@ -245,7 +244,7 @@ def cmd_generate(model: str, prompt: list[str] | None, prompts: Path | None, pro
     ids = [tok.encode_prompt(t) for t in texts]
     engine = make_engine(engine_name, net, tok.stop_ids, tok.pad_id, plan, model_dir=model, seed=seed,
                          context=max(map(len, ids)) + params.max_new_tokens, max_seqs=len(ids))
-    kv_bytes = engine.new_cache(1, 1).bytes_per_token() if engine.hidden_states else None  # vLLM's: not read here
+    kv_bytes = engine.new_cache(1, 1).bytes_per_token() if engine.hidden_states else None  # others': not read here
     try:
         rollouts = engine.generate(ids, params, seed)
     finally:
@@ -261,7 +260,7 @@ def cmd_generate(model: str, prompt: list[str] | None, prompts: Path | None, pro
         print("    " + " ".join(f"{tok.decode([t])!r}:{lp:.3f}" for t, lp in zip(r.completion_ids, r.logprobs)))
     if not as_json:
         print(f"engine: {engine_name}  |  plan: {engine.plan}  |  KV cache: "
-              + (f"{kv_bytes} bytes/token" if kv_bytes else "vLLM's"))
+              + (f"{kv_bytes} bytes/token" if kv_bytes else "the engine's own"))
 
 
 def train_arguments(p: argparse.ArgumentParser) -> None:
@@ -281,8 +280,7 @@ def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, r
     from opd.config import load_config
     from opd.trainer import train
     cfg = load_config(config, overrides or [])
-    if cfg.engine.name == "vllm":
-        import_vllm()  # before anything else: an uninstalled engine is a one-line error, not a late one
+    require_installed(cfg.engine.name)  # before anything else: an uninstalled engine is a one-line error, not a late one
     if run_dir is None:
         require(not resume, "--resume needs --run-dir", "name the run directory to continue")
         run_dir = Path("runs") / f"{cfg.family if not cfg.student else 'opd'}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from opd import engines
 from opd.errors import OpdError, require
 from opd.real_pairs import PAIRS
 from opd.scoring import check_name as check_scoring
@@ -39,7 +40,7 @@ DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
 
 SCHEDULES = ("sync", "async")
 BACKENDS = ("process", "ray")
-ENGINES = ("builtin", "vllm")
+ENGINES = engines.NAMES  # the rollout engines' kinds (engines.KINDS)
 TEACHER_ENGINES = ("trainer", "builtin", "vllm")  # who scores the student's tokens for the teacher (teacher.py)
 TOPK_TEACHER_LOSSES = ("sampled_rkl", "topk_fkl", "topk_rkl_tail", "topk_rkl")  # what a top-k teacher can drive
 STALE_POLICIES = ("requeue", "drop")
@@ -197,13 +198,13 @@ class EvalConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     """The rollout engine (the precision it runs at is the top-level `plan`)."""
-    name: str = "builtin"  # "builtin" (emulated precisions) or "vllm" (vllm_engine.py)
+    name: str = "builtin"  # "builtin" (emulated precisions), "vllm" (vllm_engine.py), "hf" (hf_engine.py): engines.py
     compile: bool = False  # builtin engine: torch.compile its forward (faster decoding, ~1 min to compile)
 
     def __post_init__(self):
         _one_of(self, "engine", "name", ENGINES)
-        require(not (self.compile and self.name == "vllm"), "engine.compile applies to the builtin engine",
-                "vLLM compiles its own model; drop engine.compile")
+        require(not self.compile or engines.kind(self.name).compiles, f"engine.compile applies to the builtin engine, "
+                f"not {self.name}", "drop engine.compile")
 
 
 @dataclass(frozen=True)
@@ -372,9 +373,10 @@ class TrainConfig:
                 "config: async.backend ray is the async schedule's", "set schedule=async")
         require(not self.ray.teacher or self.async_.backend == "ray",
                 "config: ray.teacher needs the Ray backend", "set schedule=async and async.backend=ray")
-        require(not (self.engine.name == "vllm" and self.sampling.truncates), "config: engine vllm with "
-                f"sampling.top_k {self.sampling.top_k or 0} / top_p {self.sampling.top_p or 1}: vLLM returns the truncated "
-                "log-probs only, so the rollouts' numerics mismatch could not be told from the truncation",
+        require(engines.kind(self.engine.name).truncated_raw or not self.sampling.truncates, f"config: engine "
+                f"{self.engine.name} with sampling.top_k {self.sampling.top_k or 0} / top_p {self.sampling.top_p or 1}: "
+                "it returns the truncated log-probs only, so the rollouts' numerics mismatch could not be told from "
+                "the truncation",
                 "sample untruncated (top_k 0, top_p 1: OPD's on-policy default), or use engine builtin")
         self._check_teacher_side()
         require(self.shards <= self.batch_size, f"config: sampling.shards {self.shards} is more than batch_size "

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from opd.admission import (FLOOR_PLAN, METRIC, MIN_ESS_FRAC, calibrated, decide, decide_teacher, estimator_class,
                            load_thresholds)
+from opd.engines import kind
 from opd.errors import OpdError
 from opd.plan import Plan
 from opd.runlog import read_guard_events, read_metrics, write_atomic
@@ -35,10 +36,10 @@ GUARD_KEYS = (GUARD_NSR, GUARD_ESS, GUARD_TOTAL, GUARD_TEACHER)
 
 def safer_plan(plan: Plan, engine: str = "builtin") -> Plan | None:
     """The guard's next rung down from plan: its fixed-scale FP8 KV layers calibrated (they keep all of the memory
-    saving, and fix saturated outlier keys: docs/tolerance.md, "Outlier keys"; the vllm engine has fixed scales
-    only), else BF16 rollouts; None when already at BF16."""
+    saving, and fix saturated outlier keys: docs/tolerance.md, "Outlier keys"; only an engine kind that calibrates
+    scales, engines.Kind), else BF16 rollouts; None when already at BF16."""
     floor = Plan.parse(FLOOR_PLAN, len(plan.layers))
-    return None if plan == floor else (calibrated(plan) if engine == "builtin" else None) or floor
+    return None if plan == floor else (calibrated(plan) if kind(engine).calibrates_scales else None) or floor
 
 
 def window_mean(window: list[dict], key: str, finite_only: bool) -> float | None:

@@ -12,7 +12,7 @@ The trainer holds one `Rollouts` and never asks which schedule it is:
 `SyncRollouts` (here) samples in the trainer's process between optimizer steps, so its rollouts are never stale;
 `AsyncRollouts` (async_rollouts.py) samples ahead in a worker process, within `max_staleness`. Batch i is sampled with
 seed `sampler_seed(seed, i)` by both, so the async schedule at staleness 0 reproduces the synchronous run exactly.
-`too_stale` is the one rule for how old a batch may be; `make_engine` the one place an engine is built.
+`too_stale` is the one rule for how old a batch may be (engines.make_engine is the one place an engine is built).
 """
 import functools
 import time
@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from opd.engine import Engine, Rollout, drawn_logprobs
+from opd.engine import Rollout, drawn_logprobs
 from opd.errors import require
 from opd.plan import Plan
 from opd.sampling import SamplingParams
@@ -67,23 +67,6 @@ def too_stale(sampled_version: int, learner_version: int, max_staleness: int) ->
            f"(max_staleness {max_staleness})"
 
 
-def make_engine(kind: str, model, stop_ids: int | list[int], pad_id: int, plan: Plan | str, *, model_dir: str = "",
-                version: int = 0, seed: int = 0, noise_seed: int = 0, compile: bool = False,
-                in_process: bool = False, context: int = 0, max_seqs: int = 1):
-    """The rollout engine `kind` ("builtin" or "vllm") for `model` under `plan`. The built-in one runs `model`'s own
-    tensors where the plan keeps full precision and its own copy of the layers the plan changes (engine.py); vLLM loads
-    the checkpoint in model_dir, to be sent `model`'s weights by `update_weights`, sized for `max_seqs` sequences of
-    `context` tokens at once (the longest prompt + max_new_tokens; 0: the model's whole context). Both have the same
-    methods (generate, update_weights, logprobs where `hidden_states`, close, scales, plan)."""
-    if isinstance(plan, str):
-        plan = Plan.parse(plan, model.cfg.num_layers)
-    if kind == "vllm":
-        from opd.vllm_engine import EngineSize, VllmEngine
-        return VllmEngine(model_dir, stop_ids, pad_id, plan, EngineSize.of(model.cfg, context, max_seqs), version,
-                          seed=seed, tied=model.cfg.tie_word_embeddings, in_process=in_process)
-    return Engine(model, stop_ids, pad_id, plan, version, noise_seed, compile)
-
-
 @dataclass
 class Batch:
     """One step's rollouts, the sampling side's metrics, and (for the exact KL) a function from the sampling engine's
@@ -113,7 +96,7 @@ class SyncRollouts:
 
     def __init__(self, build: Callable[[Plan], object], plan: Plan, prompts, params: SamplingParams, seed: int,
                  exact_kl: bool, n_shards: int = 1):
-        """build(plan) -> an engine (make_engine with the run's settings); exact_kl: keep the hidden states;
+        """build(plan) -> an engine (engines.make_engine with the run's settings); exact_kl: keep the hidden states;
         n_shards: sub-batches per batch (shards())."""
         self.build, self.prompts, self.params, self.seed, self.exact_kl = build, prompts, params, seed, exact_kl
         self.n_shards = n_shards

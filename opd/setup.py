@@ -24,7 +24,8 @@ from opd.pretrain import PretrainConfig, pretrain
 from opd.probe import PROBE_TOKENS, ProbeSetup
 from opd.real_pairs import build_pair
 from opd.prompts import PromptSet
-from opd.rollouts import Rollouts, SyncRollouts, make_engine
+from opd.engines import kind, make_engine
+from opd.rollouts import Rollouts, SyncRollouts
 from opd.sampling import SamplingParams
 from opd.teacher import TeacherEngine, make_teacher_engine
 from opd.scoring import check_scorer
@@ -95,7 +96,7 @@ def parse_plan(cfg: TrainConfig, num_layers: int) -> Plan:
 
 
 def engine_builder(cfg: TrainConfig, student: Transformer, tok: TextTokenizer, student_dir: Path, prompts: PromptSet):
-    """plan -> the config's rollout engine for the student (rollouts.make_engine), sized for the run's sequences."""
+    """plan -> the config's rollout engine for the student (engines.make_engine), sized for the run's sequences."""
     return lambda plan: make_engine(cfg.engine.name, student, tok.stop_ids, tok.pad_id, plan, model_dir=student_dir,
                                     seed=cfg.seed, noise_seed=cfg.noise_seed, compile=cfg.engine.compile,
                                     **engine_size(cfg, prompts))
@@ -160,10 +161,10 @@ def setup(cfg: TrainConfig) -> Run:
               file=sys.stderr)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.95),
                             weight_decay=cfg.optim.weight_decay)
-    exact_kl = cfg.exact_kl and cfg.engine.name == "builtin"  # needs the engine's distributions
-    if cfg.exact_kl and cfg.engine.name == "vllm":
-        print("opd: exact_kl off: vllm returns the sampled tokens' log-probs only; mismatch/kl_k3 estimates the "
-              "same KL", file=sys.stderr)
+    exact_kl = cfg.exact_kl and kind(cfg.engine.name).hidden_states  # needs the engine's distributions
+    if cfg.exact_kl and not exact_kl:
+        print(f"opd: exact_kl off: engine {cfg.engine.name} returns the sampled tokens' log-probs only; mismatch/kl_k3 "
+              "estimates the same KL", file=sys.stderr)
     params = SamplingParams(cfg.new_tokens, **cfg.sampling.params())
     if asynchronous:
         settings = cfg.async_
@@ -184,7 +185,7 @@ def worker_spec(cfg: TrainConfig, model: Transformer, tok, plan: Plan, params: S
     settings = cfg.async_
     return WorkerSpec(asdict(model.cfg), tok.stop_ids, tok.pad_id, plan, cfg.noise_seed, params, settings.worker_threads,
                       return_hidden, recompute=settings.lookahead > 0, recompute_fraction=settings.recompute_fraction,
-                      vllm_model_dir=str(model_dir) if cfg.engine.name == "vllm" else "", compile=cfg.engine.compile,
+                      engine=cfg.engine.name, model_dir=str(model_dir), compile=cfg.engine.compile,
                       device=str(model.embed_tokens.weight.device), chunk_tokens=cfg.compute.chunk_tokens,
                       dtype=cfg.compute.dtype, **engine_size(cfg, prompts))
 

@@ -173,11 +173,21 @@ class VllmEngine:
                            "see vLLM's log above; if it is memory, lower batch_size, sampling.max_new_tokens or "
                            "data.max_prompt_tokens") from None
 
+    @classmethod
+    def for_model(cls, model, model_dir: str, stop_ids: int | list[int], pad_id: int, plan: Plan, *, version: int = 0,
+                  seed: int = 0, in_process: bool = False, context: int = 0, max_seqs: int = 1) -> "VllmEngine":
+        """engines.make_engine's constructor: sized for max_seqs sequences of context tokens of `model`'s shape."""
+        return cls(model_dir, stop_ids, pad_id, plan, EngineSize.of(model.cfg, context, max_seqs), version, seed=seed,
+                   tied=model.cfg.tie_word_embeddings, in_process=in_process)
+
     def update_weights(self, state_dict: dict, version: int) -> None:
         from safetensors.torch import save
         self.llm.collective_rpc("opd_load_weights", args=(save(hf_state_dict(state_dict, self.tied)),))
         self.llm.reset_prefix_cache()
         self.version = version
+
+    def logprobs(self, hidden: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        require(False, "the vllm engine returns the sampled tokens' log-probs, not hidden states", "turn exact_kl off")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | int,
                  return_hidden: bool = False, stats: dict | None = None) -> list[Rollout]:

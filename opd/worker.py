@@ -60,7 +60,8 @@ from opd.learner import collate, score_batch
 from opd.model import ModelConfig, Transformer, empty_model
 from opd.kernels import Kernels
 from opd.plan import LayerPrecision, Plan
-from opd.rollouts import by_sizes, generate_shards, make_engine
+from opd.engines import kind, make_engine, worker_env
+from opd.rollouts import by_sizes, generate_shards
 from opd.sampling import SamplingParams
 
 POLL = 0.2  # seconds between liveness checks while waiting
@@ -82,12 +83,13 @@ class WorkerSpec:
     return_hidden: bool  # the engine's hidden states (for the exact KL)
     recompute: bool  # staleness is possible: compute q (and the exact KL) under the sampling weights
     recompute_fraction: float  # of each batch, the share (first rollouts) to recompute
-    vllm_model_dir: str = ""  # set: the worker samples with vLLM (in-process) from this checkpoint folder
+    engine: str = "builtin"  # the rollout engine's kind (engines.KINDS)
+    model_dir: str = ""  # the checkpoint folder an engine with its own copy loads (engines.Kind.own_copy)
     compile: bool = False  # the built-in engine's torch.compile (engine.py)
     device: str = "cpu"  # where the worker's model, engine and recompute run
     chunk_tokens: int = 0  # the recompute's chunk of full-vocabulary work (chunked.py)
     dtype: str = "float32"  # the learner's compute dtype: q is recomputed as the learner computes
-    context: int = 0  # vLLM's size: the longest prompt + max_new_tokens (rollouts.make_engine)
+    context: int = 0  # an own-copy engine's size: the longest prompt + max_new_tokens (engines.make_engine)
     max_seqs: int = 1  # and the most sequences one generate call holds
 
 
@@ -239,13 +241,12 @@ class WorkerCore:
         if model.cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.requires_grad_(False)
-        # vLLM runs in this process (env set at spawn) and is sent the published weights; the built-in engine's
-        # base is `model`
-        engine = make_engine("vllm" if spec.vllm_model_dir else "builtin", model, spec.stop_ids, spec.pad_id,
-                             spec.plan, model_dir=spec.vllm_model_dir, version=first["version"],
-                             noise_seed=spec.noise_seed, compile=spec.compile, in_process=True,
-                             context=spec.context, max_seqs=spec.max_seqs)
-        if spec.vllm_model_dir:
+        # an engine with its own copy (vLLM: in this process, its environment set at spawn) is sent the published
+        # weights; the built-in engine's base is `model`
+        engine = make_engine(spec.engine, model, spec.stop_ids, spec.pad_id, spec.plan, model_dir=spec.model_dir,
+                             version=first["version"], noise_seed=spec.noise_seed, compile=spec.compile,
+                             in_process=True, context=spec.context, max_seqs=spec.max_seqs)
+        if kind(spec.engine).own_copy:
             engine.update_weights(model.state_dict(), first["version"])
         engine.scales.update(scales)
         self.spec, self.model, self.engine = spec, model, engine
@@ -257,7 +258,7 @@ class WorkerCore:
         """A "weights" or "generate" message -> None, or the "rollouts" message to send back."""
         if message["kind"] == "weights":
             self.engine.update_weights(message["state"], message["version"])
-            if self.spec.vllm_model_dir:  # the built-in engine's base *is* `model`; vLLM keeps its own copy
+            if kind(self.spec.engine).own_copy:  # the built-in engine's base *is* `model`; others keep their own
                 self.model.load_state_dict(message["state"])
             return None
         return rollouts_message(self.engine, self.model, self.spec, message)
@@ -340,10 +341,8 @@ class RolloutWorker:
         # whose read end this process also holds, so a child that exits before reading them (a script without the
         # `__main__` guard, which the child imports) would block that write forever.
         self.process = ctx.Process(target=worker_main, args=(self.address, child), name=self.address, daemon=True)
-        # vLLM runs inside the worker (a daemon process may not start its own engine processes); its OpenMP pool
-        # must be sized before torch is imported there, and a spawned child reads the environment at start
-        extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(self.spec.threads)} \
-            if self.spec.vllm_model_dir else {}
+        # what the engine needs in the worker's environment (engines.Kind.worker_env), read by a spawned child at start
+        extra = worker_env(self.spec.engine, self.spec.threads)
         saved = {k: os.environ.get(k) for k in extra}
         os.environ.update(extra)
         try:
