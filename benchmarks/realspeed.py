@@ -82,7 +82,7 @@ def replay(calls) -> tuple[float, float]:
 def learner(args) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
     from opd.chunked import Source
-    from opd.learner import collate, completion_hidden, score_batch
+    from opd.learner import Scoring, collate, completion_hidden, score_batch
     from opd.setup import setup
     import opd.learner
     cfg = pair_config(args.batch, args.new_tokens, args.threads)
@@ -90,12 +90,12 @@ def learner(args) -> dict:
     sampled = run.rollouts.next_batch(0, 0)
     batch = collate(sampled.rollouts, run.tok.pad_id)
     with torch.no_grad():
-        t_logp = torch.log_softmax(run.teacher.lm_head(completion_hidden(run.teacher, batch)), -1)
+        t_logp = torch.log_softmax(run.teacher.lm_head(completion_hidden(run.teacher.model, batch)), -1)
     teacher = type("Precomputed", (), {"source": lambda self, mb: Source(t_logp, lambda rows: rows)})()
 
     def step():
         run.opt.zero_grad(set_to_none=True)
-        score_batch(run.student, batch, teacher, run.cfg.loss, 1.0, 0, 0, backward=True)
+        score_batch(run.student, batch, teacher, Scoring(run.cfg.loss), backward=True)
         run.opt.step()
 
     step()  # warm-up

@@ -8,7 +8,7 @@ import torch
 
 from opd.chunked import chunk_size
 from opd.engine import Engine
-from opd.learner import collate, score_batch
+from opd.learner import Scoring, collate, score_batch
 from opd.losses import masked_mean
 from opd.model import Transformer
 from opd.plan import Plan
@@ -50,11 +50,11 @@ def greedy_accuracy(model: Transformer, tok: TextTokenizer, examples: list[Examp
 
 
 @torch.no_grad()
-def sampled_quality(student: Transformer, teacher: Transformer, tok: TextTokenizer, examples: list[Example],
+def sampled_quality(student: Transformer, teacher, tok: TextTokenizer, examples: list[Example],
                     max_new_tokens: int, seed: int, params: SamplingParams | None = None, batch_size: int = 0,
                     micro_batch_size: int = 0, chunk_tokens: int = 0, scoring: str = "last_hash") -> dict:
     """Sampled-completion accuracy (absent under scoring "none") and the mean per-token reverse KL(student || teacher)
-    on the student's own samples at full precision, sampled as the rollouts are (params: temperature, top-k, top-p):
+    on the student's own samples at full precision (teacher: a teacher.Teacher with whole rows), sampled as the rollouts are (params: temperature, top-k, top-p):
     {"eval/sampled_accuracy", "eval/rkl"}."""
     scorer, params = get_scorer(scoring), replace(params or SamplingParams(), max_new_tokens=max_new_tokens)
     engine = Engine(student, tok.stop_ids, tok.pad_id)
@@ -65,8 +65,9 @@ def sampled_quality(student: Transformer, teacher: Transformer, tok: TextTokeniz
         chunk = examples[i:i + batch_size]
         rollouts = engine.generate([tok.encode_prompt(ex.prompt) for ex in chunk], params, generator)
         batch = collate(rollouts, tok.pad_id)
-        rkl = score_batch(student, batch, teacher, temperature=params.temperature or 1.0,
-                          micro_batch_size=micro_batch_size, chunk_tokens=chunk_tokens).rkl
+        rkl = score_batch(student, batch, teacher, Scoring(temperature=params.temperature or 1.0,
+                                                           micro_batch_size=micro_batch_size,
+                                                           chunk_tokens=chunk_tokens)).rkl
         rkl_sum += masked_mean(rkl.double(), batch.mask).item() * batch.num_tokens
         tokens += batch.num_tokens
         for ex, r in zip(chunk, rollouts):

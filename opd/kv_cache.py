@@ -205,3 +205,10 @@ class KVCache:
     def shadow_bytes_per_token(self) -> int:
         """Bytes per token of one sequence of the dequantized shadow (0 without one)."""
         return sum(layer.shadow_bytes_per_token() for layer in self.layers)
+
+
+def is_scale(x, kv_heads: int) -> bool:
+    """A calibrated KV scale as a checkpoint holds it (calibrate_scale): a positive finite float tensor, scalar or one
+    per KV head."""
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.shape in ((), (kv_heads, 1, 1)) and \
+        bool(torch.isfinite(x).all() and (x > 0).all())

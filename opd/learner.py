@@ -12,13 +12,12 @@ Micro-batches (`compute.micro_batch_size` rows) run the teacher's and the studen
 slice of the rows at a time, with every token weighted by 1 / (tokens in the whole batch): the accumulated gradient
 is the whole batch's. `completion_logprobs` is the unchunked oracle ([B, N, V]); tests and nothing else use it.
 """
-import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from opd.chunked import Source, Student, log_probs, output_layer, score
+from opd.chunked import Source, Student, log_probs, score
 from opd.engine import Rollout
 from opd.losses import LossConfig, loss_metrics
 from opd.model import Segments, Transformer
@@ -162,63 +161,52 @@ class Scores:
     teacher_tails: torch.Tensor | None = None  # [M] a top-k teacher's tail mass per token (teacher.py)
 
 
-def score_batch(student: Transformer, batch: Batch, teacher: Transformer | None = None, loss: LossConfig | None = None,
-                temperature: float = 1.0, micro_batch_size: int = 0, chunk_tokens: int = 0,
-                rollout: Callable[[torch.Tensor], torch.Tensor] | None = None, autocast: torch.dtype | None = None,
-                backward: bool = False, on_teacher_source: Callable | None = None) -> Scores:
-    """Score every sampled token of the batch with the student (at `temperature`), the teacher and, when the batch
-    has the engine's hidden states, the rollout distributions (`rollout`: hidden rows -> the engine's log-probs).
-    With a loss and backward=True, the loss's gradient is accumulated into the student's .grad, micro-batch by
-    micro-batch. autocast: the student's compute dtype (bf16) under float32 master weights. on_teacher_source(mb,
-    source), if given, is called with each micro-batch and its teacher's distributions once they are scored
-    (teacher.TeacherCheck compares a teacher engine's with the trainer's teacher there)."""
+@dataclass(frozen=True)
+class Scoring:
+    """How a batch is scored, wherever it is (the learner's step, the probe, evaluation, the async worker's
+    recompute): the loss (None: scores only), the training temperature, rollouts per forward (0: all) and tokens per
+    chunk of full-vocabulary work (0: chunked.py's default), and the student's compute dtype (autocast; None:
+    float32)."""
+    loss: LossConfig | None = None
+    temperature: float = 1.0
+    micro_batch_size: int = 0
+    chunk_tokens: int = 0
+    autocast: torch.dtype | None = None
+
+    @classmethod
+    def of(cls, cfg, loss: bool = True) -> "Scoring":
+        """A run config's (config.TrainConfig, resolved: its temperature set); loss=False: scores only."""
+        from opd.devices import autocast_dtype
+        return cls(cfg.loss if loss else None, cfg.sampling.temperature, cfg.compute.micro_batch_size,
+                   cfg.compute.chunk_tokens, autocast_dtype(cfg.compute.dtype))
+
+
+def score_batch(student: Transformer, batch: Batch, teacher=None, how: Scoring = Scoring(),
+                rollout: Callable[[torch.Tensor], torch.Tensor] | None = None, backward: bool = False) -> Scores:
+    """Score every sampled token of the batch with the student (at how.temperature), the teacher (teacher.Teacher:
+    its `source` of each micro-batch) and, when the batch has the engine's hidden states, the rollout distributions
+    (`rollout`: hidden rows -> the engine's log-probs). With a loss and backward=True, the loss's gradient is
+    accumulated into the student's .grad, micro-batch by micro-batch."""
     weight = 1 / max(batch.num_tokens, 1)  # every token's share of the whole batch's mean
     value, parts, seconds, tails = 0.0, [], 0.0, []
-    for mb in batch.micro_batches(micro_batch_size):
-        teacher_source = _teacher_source(teacher, mb)
+    autocast = how.autocast
+    for mb in batch.micro_batches(how.micro_batch_size):
+        teacher_source = None if teacher is None else teacher.source(mb)
         with torch.set_grad_enabled(backward), torch.autocast(student.embed_tokens.weight.device.type,
                                                                autocast or torch.bfloat16, enabled=bool(autocast)):
-            loss_value, terms = _score_rows(student, mb, teacher_source, loss, temperature, chunk_tokens, rollout,
-                                            weight)
+            loss_value, terms = _score_rows(student, mb, teacher_source, how.loss, how.temperature, how.chunk_tokens,
+                                            rollout, weight)
         if backward and loss_value.requires_grad:
             loss_value.backward()
         value += loss_value.item()
         seconds += teacher_source.seconds if teacher_source else 0.0
         tails += getattr(teacher_source, "tails", [])
-        if on_teacher_source is not None and teacher_source is not None:
-            on_teacher_source(mb, teacher_source)
         parts.append(terms)
     terms = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
     field = lambda name: unpack(terms[name], batch.mask) if name in terms else None  # noqa: E731
-    metrics = loss_metrics(terms, torch.ones_like(terms["s_y"], dtype=torch.bool)) if loss is not None else None
+    metrics = loss_metrics(terms, torch.ones_like(terms["s_y"], dtype=torch.bool)) if how.loss is not None else None
     return Scores(field("s_y"), field("t_y"), field("kl_exact"), field("rkl"), value, metrics, seconds,
                   torch.cat(tails).cpu() if tails else None)
-
-
-class TeacherElsewhere:
-    """A teacher whose body runs elsewhere (ray_backend.RemoteTeacher: a Ray actor): it returns the final hidden
-    states at the completion positions, [M, d], and its output layer (`lm_head`) is applied here, chunk by chunk, so
-    no [tokens, vocabulary] tensor travels."""
-    lm_head: torch.nn.Module
-
-    def completion_hidden(self, batch: Batch) -> torch.Tensor:
-        raise NotImplementedError
-
-
-def _teacher_source(teacher: "Transformer | TeacherElsewhere | None", mb: Batch) -> Source | None:
-    """The teacher's distributions of a micro-batch: its hidden states now, its output layer chunk by chunk (or what
-    a teacher engine returns: teacher.py)."""
-    if teacher is None:
-        return None
-    if hasattr(teacher, "source"):  # a teacher.TeacherEngine
-        return teacher.source(mb)
-    start = time.perf_counter()
-    with torch.no_grad():
-        hidden = teacher.completion_hidden(mb) if isinstance(teacher, TeacherElsewhere) else \
-            completion_hidden(teacher, mb)
-        source = Source(hidden, output_layer(teacher))
-    source.seconds = time.perf_counter() - start
-    return source
 
 
 def _score_rows(student: Transformer, mb: Batch, teacher: Source | None, loss: LossConfig | None, temperature: float,

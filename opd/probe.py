@@ -15,8 +15,7 @@ import torch
 
 from opd.admission import (FLOOR_PLAN, KEEP, METRIC, calibrated, class_limits, decide, decide_teacher,
                            estimator_class, safe_staleness, staleness)
-from opd.devices import autocast_dtype
-from opd.learner import collate, numerics_mu, score_batch
+from opd.learner import Scoring, collate, numerics_mu, score_batch
 from opd.losses import masked_mean
 from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics,
                          teacher_mismatch_metrics, truncation_metrics)
@@ -33,14 +32,13 @@ PROBE_TOKENS = 128
 
 @dataclass
 class ProbeSetup:
-    """What a probe needs from a training run: the config, the models and an engine factory."""
+    """What a probe needs from a training run: the config, the student, the run's teacher and an engine factory."""
     cfg: object  # TrainConfig
     student: torch.nn.Module
-    teacher: torch.nn.Module
+    teacher: object  # teacher.Teacher: the run's (a served one is checked against its `trainer`)
     tok: object
     make_engine: object  # (plan) -> engine
     prompts: list[list[int]] = field(default_factory=list)
-    teacher_engine: object = None  # teacher.TeacherEngine when the run's teacher is not the trainer's own
 
 
 def probe(setup: ProbeSetup, plan: Plan, floor: dict | None = None) -> dict:
@@ -70,9 +68,7 @@ def measure(setup: ProbeSetup, plan: Plan, teacher_side: bool = False) -> dict:
         rollouts = engine.generate(setup.prompts, params, sampler_seed(cfg.seed, 0), return_hidden=full,
                                    stats=clipped)
         batch = collate(rollouts, setup.tok.pad_id)
-        scores = score_batch(setup.student, batch, setup.teacher, temperature=cfg.sampling.temperature,
-                             micro_batch_size=cfg.compute.micro_batch_size, chunk_tokens=cfg.compute.chunk_tokens,
-                             autocast=autocast_dtype(cfg.compute.dtype),
+        scores = score_batch(setup.student, batch, setup.teacher.trainer, Scoring.of(cfg, loss=False),
                              rollout=functools.partial(engine.logprobs, params=params) if full else None)
     finally:
         engine.close()
@@ -88,7 +84,7 @@ def measure(setup: ProbeSetup, plan: Plan, teacher_side: bool = False) -> dict:
     if scores.rkl is not None:  # the student's distance to its teacher: exact KL(q || T) per token, the probe's mean
         out["rkl"] = masked_mean(scores.rkl.double(), mask).item()
     out |= clipped  # kv_clipped_k, kv_clipped_v (the built-in engine)
-    if teacher_side and setup.teacher_engine is not None:
+    if teacher_side and setup.teacher is not setup.teacher.trainer:  # a served teacher
         out |= teacher_side_numbers(setup, batch, scores)
     return {k.replace("teacher_mismatch/", "teacher_").split("/")[-1]: v for k, v in out.items()}
 
@@ -106,12 +102,8 @@ def nsr_standard_error(teacher: torch.Tensor, mu: torch.Tensor, q: torch.Tensor,
 def teacher_side_numbers(setup: ProbeSetup, batch, scores) -> dict:
     """The teacher engine on the probe's tokens against the trainer's teacher (scores.teacher): teacher_mismatch/*
     over the whole probe batch."""
-    from opd.teacher import TeacherCheck
-    cfg = setup.cfg
-    check = TeacherCheck(setup.teacher, len(batch.versions), setup.teacher_engine.whole_rows, cfg.compute.chunk_tokens)
-    engine_scores = score_batch(setup.student, batch, setup.teacher_engine, temperature=cfg.sampling.temperature,
-                                micro_batch_size=cfg.compute.micro_batch_size, chunk_tokens=cfg.compute.chunk_tokens,
-                                autocast=autocast_dtype(cfg.compute.dtype), on_teacher_source=check)
+    check = setup.teacher.begin(len(batch.versions), rows=len(batch.versions))  # every rollout of the probe
+    engine_scores = score_batch(setup.student, batch, setup.teacher, Scoring.of(setup.cfg, loss=False))
     return teacher_mismatch_metrics(engine_scores.teacher, scores.teacher, scores.pi, batch.mask, check.result()[1],
                                     engine_scores.teacher_tails)
 

@@ -26,7 +26,7 @@ state are the async schedule's, unchanged.
   loads. A Ray cluster is a remote-code-execution service for whoever reaches its ports: keep it on a private
   network. opd opens no port of its own.
 - **The teacher** (`ray.teacher: true`) can run on a scoring actor of its own (`ray.teacher_cpus/gpus`): its body
-  there, its output layer here, applied chunk by chunk (learner.TeacherElsewhere), so what travels per micro-batch
+  there, its output layer here, applied chunk by chunk (a teacher.Teacher), so what travels per micro-batch
   is token ids one way and [tokens, hidden] back, never [tokens, vocabulary]. The teacher is still loaded here once
   (to check it against the student) and shipped through the object store; then only its output layer stays. A dead
   or silent teacher actor stops the run with one line (`--resume` continues).
@@ -46,9 +46,11 @@ import torch
 from opd import wire
 from opd.config import RayConfig
 from opd.errors import OpdError, first_line, require
-from opd.learner import Packed, TeacherElsewhere, pack, packed_hidden
+from opd.chunked import Source
+from opd.learner import Packed, pack, packed_hidden
 from opd.model import ModelConfig, empty_model
 from opd.rollouts import by_sizes
+from opd.teacher import timed_source
 from opd.worker import (COMPILE_GRACE, FROM_WORKER, POLL, WorkerCore, WorkerLost, WorkerSpec, error_message, read,
                         spec_tree)
 
@@ -147,9 +149,10 @@ class TeacherActor:
         return wire.encode({"hidden": hidden.cpu().contiguous()})
 
 
-class RemoteTeacher(TeacherElsewhere):
-    """The learner's handle on the teacher actor: the teacher's body runs there, its output layer here (learner.py
-    applies it chunk by chunk), so what travels per micro-batch is token ids one way and [tokens, hidden] back."""
+class RemoteTeacher:
+    """The trainer's teacher on a Ray actor (a teacher.Teacher): its body runs there, its output layer here, applied
+    chunk by chunk, so what travels per micro-batch is token ids one way and [tokens, hidden] back."""
+    whole_rows = True
 
     def __init__(self, model, settings: RayConfig, threads: int, timeout: float):
         ray = _ray()
@@ -167,6 +170,19 @@ class RemoteTeacher(TeacherElsewhere):
                             "index": packed.index})
         out = self._call(self.actor.hidden.remote(data), self.timeout, "for a batch")
         return wire.decode(out, self.lm_head.weight.device, "the teacher actor's hidden states")["hidden"]
+
+    @property
+    def trainer(self) -> "RemoteTeacher":
+        return self
+
+    def source(self, mb) -> Source:
+        return timed_source(self.completion_hidden, self, mb)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        pass
 
     def close(self) -> None:
         _ray().kill(self.actor, no_restart=True)

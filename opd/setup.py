@@ -27,7 +27,7 @@ from opd.prompts import PromptSet
 from opd.engines import kind, make_engine
 from opd.rollouts import Rollouts, SyncRollouts
 from opd.sampling import SamplingParams
-from opd.teacher import TeacherEngine, make_teacher_engine
+from opd.teacher import LocalTeacher, Teacher, make_teacher
 from opd.scoring import check_scorer
 from opd.tokenizer import TextTokenizer, first_difference
 from opd.worker import RolloutWorker, WorkerSpec
@@ -122,7 +122,7 @@ class Run:
     """Everything one step needs; trainer.save_state/load_state persist what changes between steps."""
     cfg: TrainConfig
     student: Transformer
-    teacher: Transformer
+    teacher: Teacher  # who scores for the teacher (teacher.py); its `trainer` is the full-precision one (evaluation)
     tok: TextTokenizer
     rollouts: Rollouts  # sync (an engine here) or async (a worker process): the same methods
     plan: Plan
@@ -132,7 +132,6 @@ class Run:
     state: State
     student_dir: Path
     guard: Guard  # the runtime admission check (cfg.guard.every > 0)
-    teacher_engine: TeacherEngine | None = None  # who scores for the teacher when not `teacher` itself (teacher.py)
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -151,10 +150,11 @@ def setup(cfg: TrainConfig) -> Run:
     context = min(student.cfg.context, teacher.cfg.context)
     prompts = PromptSet(cfg, tok, context, cfg.new_tokens)
     check_scorer(cfg.data.scoring, prompts.held_out)
-    teacher_engine = make_teacher_engine(cfg, teacher, tok.pad_id, teacher_folder(cfg), **engine_size(cfg, prompts))
+    trainer_teacher = LocalTeacher(teacher)
     if asynchronous and cfg.ray.teacher and cfg.async_.backend == "ray":  # its body to an actor, its head stays
         from opd.ray_backend import RemoteTeacher
-        teacher = RemoteTeacher(teacher, cfg.ray, cfg.async_.worker_threads, cfg.async_.worker_timeout)
+        trainer_teacher = RemoteTeacher(teacher, cfg.ray, cfg.async_.worker_threads, cfg.async_.worker_timeout)
+    scorer = make_teacher(cfg, trainer_teacher, teacher, tok.pad_id, teacher_folder(cfg), **engine_size(cfg, prompts))
     plan = parse_plan(cfg, student.cfg.num_layers)
     if cfg.engine.compile:
         print("opd: engine.compile: the rollout engine compiles before step 0 (about a minute on a cold cache)",
@@ -175,8 +175,7 @@ def setup(cfg: TrainConfig) -> Run:
     else:
         rollouts = SyncRollouts(engine_builder(cfg, student, tok, student_dir, prompts), plan, prompts, params, cfg.seed,
                                 exact_kl, cfg.shards)
-    return Run(cfg, student, teacher, tok, rollouts, plan, opt, prompts, params, State(), student_dir, Guard(cfg),
-               teacher_engine)
+    return Run(cfg, student, scorer, tok, rollouts, plan, opt, prompts, params, State(), student_dir, Guard(cfg))
 
 
 def worker_spec(cfg: TrainConfig, model: Transformer, tok, plan: Plan, params: SamplingParams, return_hidden: bool,
@@ -203,7 +202,7 @@ def probe_setup(cfg: TrainConfig, n: int) -> tuple[ProbeSetup, Plan]:
     probe_cfg = replace(cfg, batch_size=n, sampling=replace(cfg.sampling, shards=1),
                         engine=replace(cfg.engine, compile=False))  # 16 rollouts: compiling costs more than it saves
     prompt_set = PromptSet(probe_cfg, tok, context, run_tokens)  # the prompts the run fits beside its completions
-    return ProbeSetup(cfg, student, teacher, tok, engine_builder(probe_cfg, student, tok, student_dir, prompt_set),
-                      prompt_set.batch(0), make_teacher_engine(cfg, teacher, tok.pad_id, teacher_folder(cfg),
-                                                               **engine_size(probe_cfg, prompt_set))), \
-        parse_plan(cfg, student.cfg.num_layers)
+    scorer = make_teacher(cfg, LocalTeacher(teacher), teacher, tok.pad_id, teacher_folder(cfg),
+                          **engine_size(probe_cfg, prompt_set))
+    return ProbeSetup(cfg, student, scorer, tok, engine_builder(probe_cfg, student, tok, student_dir, prompt_set),
+                      prompt_set.batch(0)), parse_plan(cfg, student.cfg.num_layers)

@@ -343,8 +343,7 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
             continue
         setup, plan = probe_setup(cfg, PROBE_ROLLOUTS)
         numbers = probe(setup, plan)
-        if setup.teacher_engine is not None:
-            setup.teacher_engine.close()
+        setup.teacher.close()
         del setup
         run_dir = out / "runs" / spec["id"].replace("/", "__")
         try:

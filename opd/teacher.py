@@ -1,30 +1,39 @@
-"""The teacher's side of the mismatch: who scores the student's tokens for the teacher, and how far that is from the
-trainer's full-precision teacher.
+"""The teacher's side of the mismatch: one interface for whoever scores the student's tokens for the teacher, and the
+check of a served teacher against the trainer's full-precision one.
 
 In most OPD systems the teacher runs in an inference server, not in the trainer: it scores the student's sequences
-by prefill (vLLM's prompt log-probs), often returns only its top-k log-probs, often at lower precision. The config's
-`teacher_engine` picks who scores:
-- `trainer`: the teacher's own forward in the learner (learner.py), whole distributions: no object here, unless
-  `teacher_topk` asks for the top-k alone (`TrainerTeacher`, which isolates what top-k costs from any precision).
-- `builtin`: the built-in engine (engine.py) on the teacher's weights under `teacher_plan` (the plan grammar: KV
-  cache and weight precision, noise): each micro-batch's sequences prefilled through its KV cache
-  (`Engine.prefill_hidden`), the output layer of the engine's copy applied a chunk of tokens at a time.
-- `vllm`: vLLM's prompt log-probs (`VllmEngine.score`): per position the top-k and the sampled token's log-prob; with
-  `teacher_topk` 0, every token's (k = V; only sensible at a small vocabulary).
+by prefill (vLLM's prompt log-probs), often returns only its top-k log-probs, often at lower precision. A `Teacher`
+scores a micro-batch (`source`: its distributions over the packed completion tokens, computed a chunk at a time),
+names the trainer's full-precision teacher behind it (`trainer`: evaluation and the check use it), and has a state
+for a resume. The implementations, by the config's `teacher_engine`:
+- `trainer`: `LocalTeacher`, the teacher's own forward in the learner, whole distributions; or, with `ray.teacher`,
+  ray_backend.RemoteTeacher (its body on a Ray actor, its output layer here).
+- `builtin`: `BuiltinTeacher`, the built-in engine (engine.py) on the teacher's weights under `teacher_plan` (the
+  plan grammar: KV cache and weight precision, noise): each micro-batch's sequences prefilled through its KV cache
+  (`Engine.prefill_hidden`), the output layer of the engine's copy applied a chunk of tokens at a time. Its state:
+  the calibrated KV scales.
+- `vllm`: `VllmTeacher`, vLLM's prompt log-probs (`VllmEngine.score`): per position the top-k and the sampled
+  token's log-prob; with `teacher_topk` 0, every token's (k = V; only sensible at a small vocabulary).
+Two wrappers: `TopKTeacher` cuts a whole-rows teacher to its top k (`teacher_topk` on the trainer's or the built-in
+teacher; which isolates what top-k costs from any precision), and `CheckedTeacher` checks any teacher that is not the
+trainer's own against it. `make_teacher` builds the run's teacher from the config; nothing else asks which kind a
+teacher is.
 
 A top-k teacher is a distribution known on its k most likely tokens and the sampled one. It is handed to the losses
 as log-probs [c, V] that are -inf elsewhere, built one chunk at a time (chunked.py never holds [tokens, V]):
 losses.py's top-k losses read only the top k (the tail bucket's mass is what their k log-probs leave) and the
 sampled-token loss only the sampled token's; config.py refuses the losses that need whole rows.
 
-**Teacher-side metrics** (`teacher_mismatch/`, metrics.teacher_mismatch_metrics) compare the engine's log-prob of each
-sampled token with the trainer's teacher's on the first ceil(teacher_check x B) rollouts of every batch, which the
-trainer's teacher also scores (the rest of the batch never runs it). With whole rows from the engine they include the
-exact per-position KL(p_engine || p_trainer); with top-k, the tail mass the engine's k tokens leave. The check runs
-micro-batch by micro-batch inside the learner's pass (`TeacherCheck`), on the engine's own answer.
+**Teacher-side metrics** (`teacher_mismatch/`, metrics.teacher_mismatch_metrics) compare the served teacher's log-prob
+of each sampled token with the trainer's teacher's on the first ceil(teacher_check x B) rollouts of every batch, which
+the trainer's teacher also scores (the rest of the batch never runs it). With whole rows from the engine they include
+the exact per-position KL(p_engine || p_trainer); with top-k, the tail mass the engine's k tokens leave. The check
+runs micro-batch by micro-batch as the served teacher answers (`CheckedTeacher.source`, `TeacherCheck`), on that
+answer.
 """
 import math
 import time
+from typing import Callable, Protocol
 
 import torch
 
@@ -32,6 +41,7 @@ from opd.chunked import Source, Student, output_layer, score
 from opd.errors import require
 from opd.learner import Batch, completion_hidden, unpack
 from opd.model import Transformer
+from opd.kv_cache import is_scale
 from opd.plan import Plan
 
 
@@ -86,71 +96,134 @@ class Sparse:
         return torch.full((idx.shape[0], self.vocab), -math.inf, device=device).scatter_(-1, idx, val)
 
 
-class TeacherEngine:
-    """Scores a micro-batch for the teacher: `source(batch)` -> its distributions (a chunked.Source or the same
-    interface). whole_rows: they are whole distributions (teacher_topk 0)."""
-    name = "trainer"
+class Teacher(Protocol):
+    """Who scores the student's tokens for the teacher. `source(mb)` -> the micro-batch's teacher distributions over
+    its packed completion tokens: a chunked.Source (whole rows), or the same interface (`rows`, `seconds`, and for a
+    top-k answer `tails`). `trainer`: the full-precision teacher of the trainer behind it (itself when it is that one),
+    which evaluation and the teacher-side check use. state_dict: what must survive a resume."""
+    whole_rows: bool  # source() gives whole distributions (not only the top k)
 
-    def __init__(self, topk: int):
-        self.topk = topk
-        self.whole_rows = topk == 0
+    @property
+    def trainer(self) -> "Teacher": ...
+    def source(self, mb: Batch): ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict, where: str) -> None: ...
+    def close(self) -> None: ...
 
-    def source(self, batch: Batch):
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = self._source(batch)
-        out.seconds += time.perf_counter() - start
-        return TopK(out, batch.tokens[batch.mask], self.topk) if self.topk and isinstance(out, Source) else out
 
-    def _source(self, batch: Batch):
-        """The engine's answer: a Source of whole rows (cut to the top k by `source`), or a Sparse one."""
-        raise NotImplementedError
+def timed_source(hidden_of: Callable[[Batch], torch.Tensor], lm_head_owner, mb: Batch) -> Source:
+    """A whole-rows Source of a micro-batch: the final hidden states at its completion positions now (hidden_of), the
+    output layer of `lm_head_owner` chunk by chunk later; the time in both is the source's `seconds`."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        source = Source(hidden_of(mb), output_layer(lm_head_owner))
+    source.seconds = time.perf_counter() - start
+    return source
+
+
+class LocalTeacher:
+    """The trainer's teacher: its forward in this process, whole distributions (teacher.engine trainer)."""
+    whole_rows = True
+
+    def __init__(self, model: Transformer):
+        self.model = model
+
+    @property
+    def trainer(self) -> "LocalTeacher":
+        return self
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.lm_head
+
+    def source(self, mb: Batch) -> Source:
+        return timed_source(lambda b: completion_hidden(self.model, b), self.model, mb)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        pass
 
     def close(self) -> None:
         pass
 
 
-class TrainerTeacher(TeacherEngine):
-    """The trainer's teacher, cut to its top k (teacher_engine trainer with teacher_topk)."""
+class EngineTeacher:
+    """A teacher scored by an inference engine (`_source`), timed; `trainer` is the trainer's own teacher, which the
+    check (CheckedTeacher) and evaluation use."""
+    whole_rows = True
 
-    def __init__(self, model: Transformer, topk: int):
-        super().__init__(topk)
-        self.model = model
+    def __init__(self, trainer: "Teacher"):
+        self._trainer = trainer
 
-    def _source(self, batch: Batch):
-        return Source(completion_hidden(self.model, batch), output_layer(self.model))
+    @property
+    def trainer(self) -> "Teacher":
+        return self._trainer
+
+    def source(self, mb: Batch):
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self._source(mb)
+        out.seconds += time.perf_counter() - start
+        return out
+
+    def _source(self, mb: Batch):
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
-class BuiltinTeacher(TeacherEngine):
-    """The teacher's weights in the built-in engine under a precision plan, scoring by prefill."""
-    name = "builtin"
+class BuiltinTeacher(EngineTeacher):
+    """The teacher's weights in the built-in engine under a precision plan, scoring by prefill; its calibrated KV
+    scales (kept for the engine's lifetime, as vLLM keeps them) are its state."""
 
-    def __init__(self, model: Transformer, plan: Plan, pad_id: int, topk: int = 0, noise_seed: int = 0):
+    def __init__(self, trainer: "Teacher", model: Transformer, plan: Plan, pad_id: int, noise_seed: int = 0):
         from opd.engine import Engine
-        super().__init__(topk)
+        super().__init__(trainer)
         self.engine = Engine(model, [-1], pad_id, plan, noise_seed=noise_seed)
 
-    def _source(self, batch: Batch):
-        hidden = torch.cat(self.engine.prefill_hidden(*sequences(batch)))  # [M, d], the mask's (row-major) order
+    def _source(self, mb: Batch):
+        hidden = torch.cat(self.engine.prefill_hidden(*sequences(mb)))  # [M, d], the mask's (row-major) order
         return Source(hidden, output_layer(self.engine.model))
 
+    def state_dict(self) -> dict:
+        return {"teacher_scales": dict(self.engine.scales)}
 
-class VllmTeacher(TeacherEngine):
-    """The teacher in vLLM, scoring by its prompt log-probs."""
-    name = "vllm"
+    def load_state_dict(self, state: dict, where: str) -> None:
+        scales, t = state.get("teacher_scales", {}), self.engine.model.cfg
+        require(isinstance(scales, dict) and all(
+            isinstance(k, int) and 0 <= k < t.num_layers and isinstance(v, list) and len(v) == 2 and
+            all(x is None or is_scale(x, t.num_kv_heads) for x in v) for k, v in scales.items()),
+            f"{where}: its teacher engine's KV scales do not fit the teacher",
+            "the checkpoint is damaged or was not written by opd: start the run again with --overwrite")
+        self.engine.scales.update(scales)
 
-    def __init__(self, model_dir, plan: Plan, pad_id: int, vocab: int, size, topk: int = 0, seed: int = 0,
-                 tied: bool = True):
+
+class VllmTeacher(EngineTeacher):
+    """The teacher in vLLM, scoring by its prompt log-probs: per position the sampled token's and the top k's (k = V
+    for whole rows)."""
+
+    def __init__(self, trainer: "Teacher", model_dir, plan: Plan, pad_id: int, vocab: int, size, topk: int = 0,
+                 seed: int = 0, tied: bool = True):
         """size: vllm_engine.EngineSize, the sequences it scores at once."""
         from opd.vllm_engine import VllmEngine
-        super().__init__(topk)
-        self.vocab, self.k = vocab, topk or vocab
+        super().__init__(trainer)
+        self.vocab, self.topk, self.k = vocab, topk, topk or vocab
+        self.whole_rows = topk == 0
         self.engine = VllmEngine(model_dir, [-1], pad_id, plan, size, seed=seed, tied=tied, max_logprobs=self.k)
 
-    def _source(self, batch: Batch):
+    def _source(self, mb: Batch):
         # per sequence: the sampled tokens' log-probs [n], the top-k ids and log-probs [n, k]
-        scored = self.engine.score(*sequences(batch), self.k)
-        tokens = batch.tokens[batch.mask]
+        scored = self.engine.score(*sequences(mb), self.k)
+        tokens = mb.tokens[mb.mask]
         sampled = torch.cat([s for s, _, _ in scored])
         top_ids, top = torch.cat([i for _, i, _ in scored]), torch.cat([v for _, _, v in scored])
         # the sampled token first: where it is also in the top k, both entries hold vLLM's one number for it
@@ -161,26 +234,97 @@ class VllmTeacher(TeacherEngine):
         self.engine.close()
 
 
-def make_teacher_engine(cfg, teacher: Transformer, pad_id: int, teacher_dir=None, context: int = 0,
-                        max_seqs: int = 1) -> TeacherEngine | None:
-    """The config's teacher engine; None for the trainer's teacher with whole rows (learner.py's own path). A vLLM
-    teacher is sized for max_seqs sequences of context tokens (rollouts.make_engine)."""
-    n = teacher.cfg.num_layers
+class TopKTeacher:
+    """A whole-rows teacher cut to its k most likely tokens and the sampled one, a chunk at a time (teacher.topk on a
+    teacher that returns whole rows)."""
+    whole_rows = False
+
+    def __init__(self, base: "Teacher", k: int):
+        self.base, self.k = base, k
+
+    @property
+    def trainer(self) -> "Teacher":
+        return self.base.trainer
+
+    def source(self, mb: Batch) -> TopK:
+        return TopK(self.base.source(mb), mb.tokens[mb.mask], self.k)
+
+    def state_dict(self) -> dict:
+        return self.base.state_dict()
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        self.base.load_state_dict(state, where)
+
+    def close(self) -> None:
+        self.base.close()
+
+
+class CheckedTeacher:
+    """A served teacher (an engine, or top-k) checked against the trainer's full-precision one: on the first
+    ceil(share x B) rollouts of every batch the trainer's teacher also scores the tokens (TeacherCheck), for
+    teacher_mismatch/*. `begin(B)` before each batch, `check` after it."""
+
+    def __init__(self, served: "Teacher", share: float, chunk_tokens: int = 0):
+        self.served, self.share, self.chunk_tokens = served, share, chunk_tokens
+        self.whole_rows = served.whole_rows
+        self.check: TeacherCheck | None = None
+
+    @property
+    def trainer(self) -> "Teacher":
+        return self.served.trainer
+
+    def begin(self, batch_size: int, rows: int | None = None) -> "TeacherCheck":
+        """A new check for a batch of batch_size rollouts (rows: how many to check; default the share's)."""
+        rows = check_rows(batch_size, self.share) if rows is None else rows
+        self.check = TeacherCheck(self.trainer, rows, self.whole_rows, self.chunk_tokens)
+        return self.check
+
+    def source(self, mb: Batch):
+        answer = self.served.source(mb)
+        if self.check is not None:
+            spent = answer.seconds
+            self.check(mb, answer)
+            if self.whole_rows:  # the check read the answer's rows: that is the check's time (time/teacher_check)
+                answer.seconds = spent
+        return answer
+
+    def state_dict(self) -> dict:
+        return self.served.state_dict()
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        self.served.load_state_dict(state, where)
+
+    def close(self) -> None:
+        self.served.close()
+
+
+def make_teacher(cfg, trainer: "Teacher", model: Transformer, pad_id: int, teacher_dir=None, context: int = 0,
+                 max_seqs: int = 1) -> "Teacher":
+    """The run's teacher: `trainer` (the trainer's teacher: LocalTeacher, or ray_backend.RemoteTeacher) itself, or
+    the config's engine / top-k teacher checked against it (CheckedTeacher). A vLLM teacher is sized for max_seqs
+    sequences of context tokens (engines.make_engine)."""
+    n = model.cfg.num_layers
     plan = Plan.from_mapping(cfg.teacher_plan, n) if isinstance(cfg.teacher_plan, dict) else \
         Plan.parse(cfg.teacher_plan, n)
     if cfg.teacher_engine == "builtin":
-        return BuiltinTeacher(teacher, plan, pad_id, cfg.teacher_topk, cfg.noise_seed)
-    if cfg.teacher_engine == "vllm":
+        served = BuiltinTeacher(trainer, model, plan, pad_id, cfg.noise_seed)
+    elif cfg.teacher_engine == "vllm":
         require(teacher_dir is not None, "teacher_engine vllm needs the teacher's checkpoint folder")
-        V = teacher.cfg.vocab_size
+        V = model.cfg.vocab_size
         require(cfg.teacher_topk or V <= VLLM_WHOLE_ROWS, f"teacher_engine vllm with teacher_topk 0 would ask vLLM for "
                 f"all {V} log-probs of every position", "set teacher_topk (e.g. 20) with loss.name sampled_rkl, "
                 "topk_fkl or topk_rkl_tail, or teacher_engine builtin for whole distributions")
         from opd.vllm_engine import EngineSize
-        return VllmTeacher(teacher_dir, plan, pad_id, teacher.cfg.vocab_size,
-                           EngineSize.of(teacher.cfg, context, max_seqs), cfg.teacher_topk, cfg.seed,
-                           teacher.cfg.tie_word_embeddings)
-    return TrainerTeacher(teacher, cfg.teacher_topk) if cfg.teacher_topk else None
+        return CheckedTeacher(VllmTeacher(trainer, teacher_dir, plan, pad_id, V, EngineSize.of(model.cfg, context,
+                                                                                               max_seqs),
+                                          cfg.teacher_topk, cfg.seed, model.cfg.tie_word_embeddings),
+                              cfg.teacher_check, cfg.compute.chunk_tokens)
+    elif cfg.teacher_topk:
+        served = trainer
+    else:
+        return trainer
+    return CheckedTeacher(TopKTeacher(served, cfg.teacher_topk) if cfg.teacher_topk else served, cfg.teacher_check,
+                          cfg.compute.chunk_tokens)
 
 
 def check_rows(batch_size: int, share: float) -> int:
@@ -189,12 +333,13 @@ def check_rows(batch_size: int, share: float) -> int:
 
 
 class TeacherCheck:
-    """The trainer's teacher on the first `rows` rollouts of a batch, for teacher_mismatch/*: score_batch hands it each
-    micro-batch with the teacher engine's source (`on_teacher_source`), whose first packed rows are those rollouts'
-    tokens, so the exact KL(p_engine || p_trainer) (whole rows only) reuses the engine's answer: the engine never
-    scores a rollout twice, and nothing outlives its micro-batch but [rows, N] results."""
+    """The trainer's teacher on the first `rows` rollouts of a batch, for teacher_mismatch/*: CheckedTeacher hands it
+    each micro-batch with the served teacher's answer, whose first packed rows are those rollouts' tokens, so the
+    exact KL(p_engine || p_trainer) (whole rows only) reuses the served answer: the engine never scores a rollout
+    twice, and nothing outlives its micro-batch but [rows, N] results. teacher: the trainer's (a Teacher with whole
+    rows and an `lm_head`)."""
 
-    def __init__(self, teacher: Transformer, rows: int, whole_rows: bool, chunk_tokens: int = 0):
+    def __init__(self, teacher, rows: int, whole_rows: bool, chunk_tokens: int = 0):
         self.teacher, self.rows, self.whole_rows, self.chunk_tokens = teacher, rows, whole_rows, chunk_tokens
         self.seen, self.seconds, self.trainer, self.kl = 0, 0.0, [], []
 
@@ -206,7 +351,7 @@ class TeacherCheck:
         start = time.perf_counter()
         checked = mb.rows(slice(0, k))
         with torch.no_grad():
-            hidden = completion_hidden(self.teacher, checked)
+            hidden = self.teacher.source(checked).hidden
             _, terms = score(Student(hidden, self.teacher.lm_head.weight), checked.tokens[checked.mask].to(hidden.device),
                              rollout=source if self.whole_rows else None, chunk_tokens=self.chunk_tokens)
         self.trainer.append(unpack(terms["s_y"], checked.mask))

@@ -29,13 +29,13 @@ import torch
 from pydantic import ConfigDict, StrictBool, StrictStr, conint
 from tqdm import tqdm
 
-from opd import devices, wire
+from opd import wire
 from opd.admission import FLOOR_PLAN
 from opd.checkpoint import MANIFEST, load_checkpoint, read_manifest, recover_checkpoint, save_checkpoint
 from opd.config import TrainConfig
 from opd.errors import OpdError, require
 from opd.evaluate import greedy_accuracy, sampled_quality
-from opd.learner import Scores, collate, numerics_mu, score_batch
+from opd.learner import Scores, Scoring, collate, numerics_mu, score_batch
 from opd.losses import masked_mean
 from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics, noise_to_signal,
                          rollout_metrics, staleness_metrics, teacher_mismatch_metrics, truncation_metrics)
@@ -45,7 +45,7 @@ from opd.runlog import RunLock, RunLog, check_run_dir, check_same_run, clear_run
     read_metrics, save_config, write_atomic
 from opd.schema import Schema, check, read_json
 from opd.setup import Run, State, setup
-from opd.teacher import BuiltinTeacher, TeacherCheck, check_rows
+from opd.kv_cache import is_scale
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -62,7 +62,7 @@ def evaluate(run: Run, cfg: TrainConfig) -> dict:
     """Held-out quality of the learner at full precision (the rollout plan is not used here) on the run's held-out
     examples (prompts.py): greedy and sampled accuracy under `scoring` (none: no accuracy), and the reverse KL to the
     teacher on the student's own samples."""
-    student, teacher, tok, start = run.student, run.teacher, run.tok, time.perf_counter()
+    student, teacher, tok, start = run.student, run.teacher.trainer, run.tok, time.perf_counter()
     examples = run.prompts.held_out
     batch_size = cfg.eval.batch_size  # 0: chunked.chunk_size (all 500 prompts at once at the built-in vocabulary)
     greedy = greedy_accuracy(student, tok, examples, cfg.new_tokens, batch_size, scoring=cfg.data.scoring)
@@ -91,8 +91,7 @@ def save_state(run_dir: Path, run: Run, wait: bool = True) -> None:
     """wait (async): collect the batches in flight first, so that a resume continues exactly. Everything is tensors +
     JSON: a checkpoint someone hands you cannot run code when it is resumed (wire.py)."""
     blob = {"optimizer": run.opt.state_dict(), **run.rollouts.state_dict(wait)}
-    if isinstance(run.teacher_engine, BuiltinTeacher):  # its calibrated KV scales, kept for its lifetime
-        blob["teacher_scales"] = dict(run.teacher_engine.engine.scales)
+    blob |= run.teacher.state_dict()  # a teacher engine's calibrated KV scales, kept for its lifetime
     save_checkpoint(run_dir / "checkpoint", run.student, run.tok, extra_json={"trainer_state.json": vars(run.state)},
                     extra_files={STATE_FILE: wire.encode(blob)})
 
@@ -128,16 +127,9 @@ def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
     scales = blob.get("engine_scales", {}) if isinstance(blob, dict) else None
     require(isinstance(blob, dict) and isinstance(blob.get("optimizer"), dict) and isinstance(scales, dict) and all(
         isinstance(k, int) and 0 <= k < run.student.cfg.num_layers and isinstance(v, list) and len(v) == 2 and
-        all(x is None or _is_scale(x, run.student.cfg.num_kv_heads) for x in v) for k, v in scales.items()),
+        all(x is None or is_scale(x, run.student.cfg.num_kv_heads) for x in v) for k, v in scales.items()),
         f"{folder / STATE_FILE}: not a trainer state of this model (its optimizer or KV scales)", fix)
-    teacher_scales = blob.get("teacher_scales", {})
-    if isinstance(run.teacher_engine, BuiltinTeacher):
-        t = run.teacher_engine.engine.model.cfg
-        require(isinstance(teacher_scales, dict) and all(
-            isinstance(k, int) and 0 <= k < t.num_layers and isinstance(v, list) and len(v) == 2 and
-            all(x is None or _is_scale(x, t.num_kv_heads) for x in v) for k, v in teacher_scales.items()),
-            f"{folder / STATE_FILE}: its teacher engine's KV scales do not fit the teacher", fix)
-        run.teacher_engine.engine.scales.update(teacher_scales)
+    run.teacher.load_state_dict(blob, str(folder / STATE_FILE))
     check_optimizer_state(run.opt, blob["optimizer"], state.version, str(folder / STATE_FILE), fix)
     run.student.load_state_dict(saved.state_dict())
     run.opt.load_state_dict(blob["optimizer"])
@@ -145,12 +137,6 @@ def load_state(run_dir: Path, run: Run) -> tuple[State, dict]:
     if state.fallback:
         use_plan(run, Plan.parse(state.fallback_plan or FLOOR_PLAN, run.student.cfg.num_layers))
     return state, blob
-
-
-def _is_scale(x, kv_heads: int) -> bool:
-    """A calibrated KV scale (kv_cache.calibrate_scale): a positive finite float tensor, scalar or one per KV head."""
-    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.shape in ((), (kv_heads, 1, 1)) and \
-        bool(torch.isfinite(x).all() and (x > 0).all())
 
 
 def check_optimizer_state(opt: torch.optim.Optimizer, saved: dict, version: int, where: str, fix: str) -> None:
@@ -227,7 +213,7 @@ def step_metrics(batch, scores: Scores, cfg: TrainConfig, version: int) -> dict:
     return out | rollout_metrics(lengths, [n >= cfg.new_tokens for n in lengths])
 
 
-def teacher_side_metrics(check: TeacherCheck, batch, scores: Scores) -> dict:
+def teacher_side_metrics(check, batch, scores: Scores) -> dict:
     """teacher_mismatch/* (metrics.py) on the rollouts the trainer's teacher checked; the engine's tail mass over the
     whole batch."""
     tails = {"teacher_mismatch/tail_mass": scores.teacher_tails.double().mean().item()} \
@@ -240,18 +226,16 @@ def teacher_side_metrics(check: TeacherCheck, batch, scores: Scores) -> dict:
         {"time/teacher_check": check.seconds}
 
 
-def train_step(student: Transformer, teacher: Transformer, opt: torch.optim.Optimizer, batch, cfg: TrainConfig,
-               lr: float, version: int, rollout=None, teacher_engine=None) -> tuple[dict, bool]:
-    """One learner update on a batch of rollouts -> (metrics, whether the update was applied). rollout: hidden rows ->
-    the engine's log-probs, for the exact KL (sync, builtin engine). teacher_engine: who scores for the teacher
-    (teacher.py), when not the trainer's teacher itself; `teacher` then only scores the checked rows."""
+def train_step(student: Transformer, teacher, opt: torch.optim.Optimizer, batch, cfg: TrainConfig,
+               lr: float, version: int, rollout=None) -> tuple[dict, bool]:
+    """One learner update on a batch of rollouts -> (metrics, whether the update was applied). teacher: who scores
+    for the teacher (teacher.Teacher; a served one is checked against the trainer's on the batch's first rows).
+    rollout: hidden rows -> the engine's log-probs, for the exact KL (sync, builtin engine)."""
     start = time.perf_counter()
     opt.zero_grad(set_to_none=True)
-    check = None if teacher_engine is None else TeacherCheck(
-        teacher, check_rows(batch.tokens.shape[0], cfg.teacher_check), teacher_engine.whole_rows, cfg.compute.chunk_tokens)
-    scores = score_batch(student, batch, teacher_engine or teacher, cfg.loss, cfg.sampling.temperature, cfg.compute.micro_batch_size,
-                         cfg.compute.chunk_tokens, rollout, devices.autocast_dtype(cfg.compute.dtype), backward=True,
-                         on_teacher_source=check)
+    served = teacher is not teacher.trainer
+    check = teacher.begin(batch.tokens.shape[0]) if served else None
+    scores = score_batch(student, batch, teacher, Scoring.of(cfg), rollout, backward=True)
     metrics = dict(scores.metrics)
     ok = math.isfinite(scores.loss)
     if ok:
@@ -279,7 +263,7 @@ def run_step(run: Run) -> dict:
     rollouts, sample_metrics, rollout = sampled.rollouts, sampled.metrics, sampled.engine_logprobs
     batch = collate(rollouts, run.tok.pad_id)
     metrics, ok = train_step(run.student, run.teacher, run.opt, batch, cfg, lr_at(state.version, cfg), state.version,
-                             rollout, run.teacher_engine)
+                             rollout)
     state.step += 1
     if ok:
         state.version += 1
@@ -321,8 +305,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
             return _train(run, cfg, run_dir, progress, on_step)
         finally:
             run.rollouts.close()
-            if run.teacher_engine is not None:
-                run.teacher_engine.close()
+            run.teacher.close()
 
 
 class Interrupted(KeyboardInterrupt):

@@ -56,7 +56,7 @@ from opd.devices import autocast_dtype
 from opd.engine import Rollout
 from opd.errors import OpdError, require
 from opd.kv_cache import KVSpec
-from opd.learner import collate, score_batch
+from opd.learner import Scoring, collate, score_batch
 from opd.model import ModelConfig, Transformer, empty_model
 from opd.kernels import Kernels
 from opd.plan import LayerPrecision, Plan
@@ -209,8 +209,8 @@ def recompute(model: Transformer, rollouts: list[Rollout], pad_id: int, params: 
     if not rollouts:
         return
     batch = collate(rollouts, pad_id)
-    scores = score_batch(model, batch, temperature=params.temperature, chunk_tokens=chunk_tokens, rollout=rollout,
-                         autocast=autocast_dtype(dtype))
+    scores = score_batch(model, batch, how=Scoring(temperature=params.temperature, chunk_tokens=chunk_tokens,
+                                                   autocast=autocast_dtype(dtype)), rollout=rollout)
     for b, r in enumerate(rollouts):
         n = len(r.completion_ids)
         r.q = scores.pi[b, :n].tolist()

@@ -8,9 +8,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from opd.chunked import Source, Student, chunk_size, log_probs, output_layer, score
 from opd.engine import Engine
 from opd.evaluate import sampled_quality
-from opd.learner import collate, completion_index, completion_logprobs, pack, packed_hidden, score_batch
+from opd.learner import Scoring, collate, completion_index, completion_logprobs, pack, packed_hidden, score_batch
 from opd.losses import LossConfig, kl, opd_loss
 from opd.sampling import SamplingParams
+from opd.teacher import LocalTeacher
 from opd.task import Example
 from opd.tokenizer import TextTokenizer
 
@@ -109,7 +110,7 @@ def test_score_batch_equals_the_unchunked_oracle_path(cfg, tied):
     want = grads(student)
     for micro, chunk in ((0, 0), (2, 5), (3, 1)):
         student.zero_grad(set_to_none=True)
-        scores = score_batch(student, batch, teacher, cfg, 0.9, micro, chunk, backward=True)
+        scores = score_batch(student, batch, LocalTeacher(teacher), Scoring(cfg, 0.9, micro, chunk), backward=True)
         assert scores.loss == pytest.approx(ref.item(), abs=TOL)
         assert scores.metrics == pytest.approx(ref_metrics, abs=TOL)
         got = grads(student)
@@ -128,7 +129,7 @@ def test_exact_kl_from_hidden_states_equals_the_kl_of_the_engines_untruncated_di
     params = SamplingParams(9, temperature=0.8, top_k=20)
     with recorded_distributions(engine, raw=True) as dists:
         batch = collate(engine.generate([[1, 5, 6], [1, 7]], params, 0, return_hidden=True), 0)
-    scores = score_batch(student, batch, temperature=0.8, chunk_tokens=3,
+    scores = score_batch(student, batch, how=Scoring(temperature=0.8, chunk_tokens=3),
                          rollout=lambda h: engine.logprobs(h, params))
     want = kl(dists(batch).double(), completion_logprobs(student, batch, 0.8).double())
     assert want[batch.mask].mean() > 1e-4
@@ -169,12 +170,13 @@ def test_no_path_materialises_batch_by_tokens_by_vocab():
     assert mode.largest <= bound, mode.largest
     batch = collate(engine.generate(prompts, SamplingParams(N), 0, return_hidden=True), 0)
     with LargestTensor() as mode:
-        score_batch(student, batch, teacher, LossConfig("jsd"), micro_batch_size=2, chunk_tokens=chunk,
+        score_batch(student, batch, LocalTeacher(teacher), Scoring(LossConfig("jsd"), micro_batch_size=2,
+                                                                   chunk_tokens=chunk),
                     rollout=lambda h: engine.logprobs(h, SamplingParams(N)), backward=True)
     assert mode.largest <= bound, mode.largest
     tok = TextTokenizer.builtin()
     with LargestTensor() as mode:
-        sampled_quality(student, teacher, tok, [Example("1+1=", "", "2")] * 6, N, seed=0, batch_size=2,
+        sampled_quality(student, LocalTeacher(teacher), tok, [Example("1+1=", "", "2")] * 6, N, seed=0, batch_size=2,
                         chunk_tokens=chunk)
     assert mode.largest <= bound, mode.largest
 

@@ -7,8 +7,9 @@ import torch
 from opd.checkpoint import load_checkpoint, save_checkpoint
 from opd.engine import Engine
 from opd.naive import naive_sample
-from opd.learner import collate, completion_logprobs, score_batch
+from opd.learner import Scoring, collate, completion_logprobs, score_batch
 from opd.losses import LossConfig, opd_loss
+from opd.teacher import LocalTeacher
 from opd.runlog import read_metrics
 from opd.sampling import SamplingParams
 from opd.tokenizer import TextTokenizer
@@ -90,7 +91,8 @@ def test_chunks_and_micro_batches_equal_the_oracle_on_the_device(device):
     ref.backward()
     want = grads(student)
     student.zero_grad(set_to_none=True)
-    scores = score_batch(student, batch, teacher, cfg, micro_batch_size=2, chunk_tokens=5, backward=True)
+    scores = score_batch(student, batch, LocalTeacher(teacher), Scoring(cfg, micro_batch_size=2, chunk_tokens=5),
+                         backward=True)
     assert scores.loss == pytest.approx(ref.item(), abs=1e-12)
     for name, g in grads(student).items():
         assert torch.allclose(g, want[name], atol=1e-12, rtol=0), name
@@ -105,10 +107,10 @@ def test_bf16_compute_stays_within_bf16_error_of_float32():
     batch.mu = batch.mu.float()
     for cfg in (LossConfig("full_rkl"), LossConfig("sampled_rkl")):
         student.zero_grad(set_to_none=True)
-        full = score_batch(student, batch, teacher, cfg, backward=True)
+        full = score_batch(student, batch, LocalTeacher(teacher), Scoring(cfg), backward=True)
         want = grads(student)
         student.zero_grad(set_to_none=True)
-        mixed = score_batch(student, batch, teacher, cfg, autocast=torch.bfloat16, backward=True)
+        mixed = score_batch(student, batch, LocalTeacher(teacher), Scoring(cfg, autocast=torch.bfloat16), backward=True)
         assert mixed.loss == pytest.approx(full.loss, rel=1e-2)
         for name, g in grads(student).items():
             assert g.dtype == torch.float32
@@ -127,7 +129,8 @@ def test_the_async_worker_recomputes_q_as_the_learner_computes():
     batch = collate(rollouts, 0)
     recompute(student, rollouts, 0, params, 0, partial(engine.logprobs, params=params), "bf16")
     got = collate(rollouts, 0)
-    learner = score_batch(student, batch, autocast=torch.bfloat16, rollout=partial(engine.logprobs, params=params))
+    learner = score_batch(student, batch, how=Scoring(autocast=torch.bfloat16), rollout=partial(engine.logprobs,
+                                                                                           params=params))
     full = score_batch(student, batch)
     assert torch.equal(got.q[got.mask], learner.pi[batch.mask])
     assert torch.allclose(got.kl_exact[got.mask], learner.kl_exact[batch.mask])
@@ -149,7 +152,7 @@ def test_a_run_on_the_device_with_bf16_learner_and_teacher(pair, tmp_path, devic
     assert summary["after"]["eval/rkl"] < summary["before"]["eval/rkl"]
     run = setup(cfg)
     assert {p.dtype for p in run.student.parameters()} == {torch.float32}
-    assert {p.dtype for p in run.teacher.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in run.teacher.model.parameters()} == {torch.bfloat16}
     assert run.student.embed_tokens.weight.device.type == device
     run.rollouts.close()
 

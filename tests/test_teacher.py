@@ -9,13 +9,14 @@ import torch
 from opd.chunked import Source, output_layer
 from opd.config import LossConfig
 from opd.errors import OpdError
-from opd.learner import completion_hidden, completion_logprobs, score_batch
+from opd.learner import Scoring, completion_hidden, completion_logprobs, score_batch
 from opd.losses import opd_loss
 from opd.metrics import teacher_mismatch_metrics
 from opd.plan import Plan
 from opd.runlog import read_metrics
 from opd.sampling import SamplingParams
-from opd.teacher import BuiltinTeacher, Sparse, TeacherCheck, TopK, TrainerTeacher, check_rows, keep_topk, sequences
+from opd.teacher import (BuiltinTeacher, CheckedTeacher, LocalTeacher, Sparse, TopK, TopKTeacher, check_rows, keep_topk,
+                         make_teacher, sequences)
 from opd.trainer import train
 
 from helpers import assert_one_line_error, batch_of, config, opd, tiny
@@ -43,7 +44,7 @@ def test_prefill_scoring_against_decoding_and_the_trainer(plan, same):
     model = tiny(1).float()
     batch, _ = batch_of(tiny(0))
     prompts, completions = sequences(batch)
-    engine = BuiltinTeacher(model, Plan.parse(plan, 2), pad_id=0).engine
+    engine = BuiltinTeacher(LocalTeacher(model), model, Plan.parse(plan, 2), pad_id=0).engine
     prefill = engine.prefill_hidden(prompts, completions)
     decode = engine.teacher_force(prompts, completions, SamplingParams(7), return_hidden=True)
     head = output_layer(engine.model)
@@ -60,11 +61,11 @@ def test_fp8_teacher_plan_moves_the_teacher_and_the_full_plan_does_not():
     an FP8 KV plan its log-probs move by a measurable amount, and the teacher-side metrics see it."""
     teacher, student = tiny(1).float(), tiny(0).float()
     batch, _ = batch_of(tiny(0))
-    trainer = score_batch(student, batch, teacher)
+    trainer = score_batch(student, batch, LocalTeacher(teacher))
     for plan, moved in (("", False), ("kv=fp8_e5m2", True)):
-        engine = BuiltinTeacher(teacher, Plan.parse(plan, 2), pad_id=0)
-        check = TeacherCheck(teacher, len(batch.versions), engine.whole_rows)
-        scores = score_batch(student, batch, engine, micro_batch_size=2, on_teacher_source=check)
+        engine = CheckedTeacher(BuiltinTeacher(LocalTeacher(teacher), teacher, Plan.parse(plan, 2), pad_id=0), 1.0)
+        check = engine.begin(len(batch.versions))
+        scores = score_batch(student, batch, engine, Scoring(micro_batch_size=2))
         gap = (scores.teacher - trainer.teacher)[batch.mask].abs()
         assert (gap.mean() > 1e-3) == moved, (plan, gap.mean())
         assert gap.max() < (1.0 if moved else 1e-5)
@@ -90,8 +91,8 @@ def test_a_topk_teacher_drives_its_losses_exactly(name, k):
     want.backward()
     want_grad = student.lm_head.weight.grad.clone()
     student.zero_grad()
-    engine = TrainerTeacher(teacher, k)
-    got = score_batch(student, batch, engine, loss, chunk_tokens=7, backward=True)
+    engine = TopKTeacher(LocalTeacher(teacher), k)
+    got = score_batch(student, batch, engine, Scoring(loss, chunk_tokens=7), backward=True)
     assert math.isclose(got.loss, want.item(), rel_tol=1e-9, abs_tol=1e-12)
     assert torch.allclose(student.lm_head.weight.grad, want_grad, rtol=1e-7, atol=1e-12)
 
@@ -174,11 +175,10 @@ def test_teacher_side_settings_are_checked(pair, values, message):
 
 def test_a_vllm_teacher_is_not_asked_for_whole_rows_of_a_large_vocabulary(tmp_path):
     """A 150k vocabulary's whole rows from vLLM would be V log-probs per position: refused before vLLM starts."""
-    from opd.teacher import make_teacher_engine
     big = tiny(0, vocab=5000).float()
     cfg = config((tmp_path, tmp_path), teacher_engine="vllm")
     with pytest.raises(OpdError, match="all 5000 log-probs"):
-        make_teacher_engine(cfg, big, 0, tmp_path)
+        make_teacher(cfg, LocalTeacher(big), big, 0, tmp_path)
 
 
 def test_cli_refuses_a_topk_teacher_under_a_full_loss(pair, tmp_path):

@@ -207,15 +207,15 @@ def test_vllm_teacher_prompt_logprobs_match_the_trainers_teacher(pair):
     within 1e-3, the top-8 ids the trainer's (values within 1e-3); and a top-8 teacher drives the top-k forward KL to
     the value the trainer's teacher gives it (5e-4 relative)."""
     from opd.config import LossConfig
-    from opd.learner import score_batch
-    from opd.teacher import VllmTeacher, sequences
+    from opd.learner import Scoring, score_batch
+    from opd.teacher import LocalTeacher, VllmTeacher, sequences
     (student, tok), (teacher, _) = load_checkpoint(pair[0]), load_checkpoint(pair[1])
     batch = sampled_batch(pair[0], tok)
-    engine = VllmTeacher(pair[1], Plan.parse("", 2), tok.pad_id, 100, SIZE, topk=8)
+    engine = VllmTeacher(LocalTeacher(teacher), pair[1], Plan.parse("", 2), tok.pad_id, 100, SIZE, topk=8)
     try:
         scored = engine.engine.score(*sequences(batch), 8)
         loss = LossConfig(name="topk_fkl", topk=8)
-        via_vllm = score_batch(student, batch, engine, loss)
+        via_vllm = score_batch(student, batch, engine, Scoring(loss))
     finally:
         engine.close()
     with torch.no_grad():
@@ -227,7 +227,7 @@ def test_vllm_teacher_prompt_logprobs_match_the_trainers_teacher(pair):
     top = want.topk(8, dim=-1)
     assert (ids == top.indices).float().mean() > 0.99  # (a near-tie may swap two neighbours)
     assert (values - top.values).abs().max() < 1e-3
-    trainer = score_batch(student, batch, teacher, loss)
+    trainer = score_batch(student, batch, LocalTeacher(teacher), Scoring(loss))
     assert math.isclose(via_vllm.loss, trainer.loss, rel_tol=5e-4)
 
 
