@@ -1,7 +1,7 @@
 """The teacher's side of the mismatch: how much of it OPD tolerates, against the student's side at the same KL.
 
 Two grids on both built-in pairs, the study's recipe (60 steps of batch 32, BF16 rollouts for the student):
-- benchmarks/data/teacher_grid.yaml: the teacher scored by the built-in engine under a teacher_plan (FP8 KV e4m3 and
+- benchmarks/data/teacher_grid.yaml: the teacher scored by the built-in engine under a teacher.plan (FP8 KV e4m3 and
   e5m2, FP8 weights, relative weight noise 0.3 and 1.0) for the full-vocabulary reverse KL and the sampled-token
   estimator, and beside them the same kinds of mismatch on the student's side (FP8 e5m2 KV, noise 0.3 and 1.0);
 - benchmarks/data/teacher_topk_grid.yaml: a teacher that returns only its top k = 1, 8, 64 log-probs, for the top-k
@@ -36,6 +36,7 @@ from pathlib import Path
 import yaml
 
 from opd.admission import best_cut, calibrate_teacher, decide_teacher, is_teacher_side
+from opd.config import stored_teacher
 from opd.runlog import write_atomic
 from opd.sweep import read_results, run_sweep
 from opd.tolerance import QUALITY, band, groups, knees, label, latest, pivot, teacher_thresholds
@@ -107,7 +108,7 @@ def fmt(x: float | None) -> str:
 def leave_source_out(rows: list[dict]) -> tuple[list[str], int, int]:
     """Each teacher-side source decided by teacher limits calibrated on the other teacher-side sources."""
     labelled = [r for r in label(rows) if r["degraded"] is not None and is_teacher_side(r)
-                and not r["config"].get("teacher_topk")]
+                and not stored_teacher(r["config"]).topk]
     lines, right = [], 0
     for source in sorted({r["source"] for r in labelled}):
         entry = calibrate_teacher([r for r in labelled if r["source"] != source])

@@ -31,13 +31,13 @@ def make_config(path: str | Path | None = None, /, **values):
     given as the file's keys, a section as a dict (`loss={"name": "full_rkl"}`; the async section as `async_=`, since
     `async` is a Python keyword). Unknown keys, wrong types and values out of range raise OpdError naming the key, as
     in a config file. (Not `opd.config`: that name is the module opd/config.py.)"""
-    from opd.config import build_config, load_config, merge
+    from opd.config import build_config, expand_shorthand, load_config, merge
     if path is not None and not isinstance(path, (str, Path)):
         raise OpdError(f"the config path must be a str or Path, got {type(path).__name__}", "e.g. \"configs/demo.yaml\"")
     base = load_config(Path(path)).to_dict() if path is not None else {}
     if "async_" in values:
         values = {("async" if key == "async_" else key): value for key, value in values.items()}
-    return build_config(merge(base, values))
+    return build_config(merge(base, expand_shorthand(values)))
 
 
 def train(cfg, run_dir: str | Path, resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict:

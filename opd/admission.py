@@ -274,8 +274,8 @@ def decide_teacher(numbers: dict, thresholds: dict | None, cls: str, limit: floa
 
 def is_teacher_side(row: dict) -> bool:
     """A sweep result whose teacher was scored by an engine or cut to its top k (the teacher study's rows)."""
-    cfg = row.get("config", {})
-    return cfg.get("teacher_engine", "trainer") != "trainer" or bool(cfg.get("teacher_topk", 0))
+    from opd.config import stored_teacher
+    return stored_teacher(row.get("config", {})).served
 
 
 def safe_staleness(budget: float, lr: float) -> int:
@@ -339,11 +339,12 @@ def calibrate_teacher(rows: list[dict]) -> dict | None:
     """The teacher side's limits, per estimator class, from the teacher study's rows (teacher engines under a plan;
     not top-k alone, whose sampled tokens' log-probs are exact: its teacher_nsr is 0): the same best cut on the
     probe's teacher_nsr and the band above it (cut_and_band). None without such rows."""
+    from opd.config import stored_teacher
     classes = {}
     for cls in CLASSES:
         points = sorted((r["probe"]["teacher_nsr"], r["degraded"]) for r in rows if r["class"] == cls and
                         math.isfinite(r["probe"].get("teacher_nsr", math.nan)) and not r["staleness"] and
-                        not r["config"].get("teacher_topk", 0))
+                        not stored_teacher(r["config"]).topk)
         if not points:
             continue
         classes[cls] = cut_and_band(points) | {"runs": len(points)}

@@ -342,7 +342,7 @@ def sensitivity_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_sensitivity(family: list[str] | None, student: Path | None, teacher: Path | None, task: str,
                     setting: list[str] | None, base: str, rollouts: int, out: Path, threads: int) -> None:
     """Per-layer sensitivity: the mismatch when only one layer's KV cache or weights run at lower precision."""
-    from opd.config import TrainConfig
+    from opd.config import TeacherConfig, TrainConfig
     from opd.runlog import check_writable
     from opd.sensitivity import SETTINGS, layer_map, write
     from opd.setup import probe_setup
@@ -350,7 +350,7 @@ def cmd_sensitivity(family: list[str] | None, student: Path | None, teacher: Pat
     require(bool(student) == bool(teacher), "give both --student and --teacher, or neither",
             "neither: the built-in pairs")
     common = dict(task=task, plan="", threads=threads)
-    targets = {"model": TrainConfig(student=str(student), teacher=str(teacher), **common)} if student \
+    targets = {"model": TrainConfig(student=str(student), teacher=TeacherConfig(str(teacher)), **common)} if student \
         else {f: TrainConfig(family=f, **common) for f in family or FAMILIES}
     maps = {}
     for name, cfg in targets.items():

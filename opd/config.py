@@ -295,7 +295,37 @@ class ComputeConfig:
         _at_least(self, "compute", ["micro_batch_size", "chunk_tokens"], 0, "0 chooses it automatically")
 
 
-SECTIONS = {"data": DataConfig, "sampling": SamplingConfig, "loss": LossConfig, "optim": OptimConfig,
+@dataclass(frozen=True)
+class TeacherConfig:
+    """The teacher: its checkpoint, and who scores the student's tokens for it (teacher.py). `teacher: DIR` in a file
+    (or --set teacher=DIR) is short for `teacher: {path: DIR}`."""
+    path: str = ""  # HF checkpoint folder of the teacher ("": the pair of `family`; give student with it)
+    # who scores: "trainer" = its full-precision forward here; "builtin" = the built-in engine under `plan`, scoring
+    # by prefill; "vllm" = vLLM's prompt log-probs
+    engine: str = "trainer"
+    plan: str | dict = ""  # the teacher engine's precision plan (plan.py); "" = float32
+    topk: int = 0  # the teacher returns only its k most likely tokens (and the sampled one); 0 = whole rows
+    check: float = 0.25  # share of each batch the trainer's teacher also scores, for teacher_mismatch/*
+
+    def __post_init__(self):
+        check_numbers(self, "teacher.")
+        _one_of(self, "teacher", "engine", TEACHER_ENGINES)
+        require(isinstance(self.plan, (str, dict)),
+                f"config: teacher.plan must be a string or a mapping, got {self.plan!r:.60}")
+        require(self.engine != "trainer" or not self.plan,
+                f"config: teacher.plan {self.plan!r:.60} needs an inference engine for the teacher",
+                "set teacher.engine=builtin (or vllm), or drop teacher.plan")
+        require(self.topk >= 0, f"config: teacher.topk must be >= 0, got {self.topk}",
+                "0 = the teacher's whole distributions")
+        require(0 <= self.check <= 1, f"config: teacher.check must be in [0, 1], got {self.check}")
+
+    @property
+    def served(self) -> bool:
+        """Someone other than the trainer's own teacher scores (an engine, or a top-k cut): checked against it."""
+        return self.engine != "trainer" or self.topk > 0
+
+
+SECTIONS = {"teacher": TeacherConfig, "data": DataConfig, "sampling": SamplingConfig, "loss": LossConfig, "optim": OptimConfig,
             "eval": EvalConfig, "engine": EngineConfig, "async": AsyncConfig, "ray": RayConfig, "guard": GuardConfig,
             "compute": ComputeConfig}  # a config file's sections (their YAML keys) and their types
 
@@ -310,8 +340,7 @@ class TrainConfig:
     """One OPD run. Run-wide settings at the top; the rest in sections (SECTIONS), each checking its own values;
     __post_init__ checks what spans sections."""
     family: str = "llama"  # a built-in pair (llama, qwen3) or a real one (smollm2, qwen2.5-coder), when student/teacher are empty
-    student: str = ""  # HF checkpoint folder of the student
-    teacher: str = ""  # HF checkpoint folder of the teacher
+    student: str = ""  # HF checkpoint folder of the student (and teacher.path the teacher's)
     task: str = "chain"  # the built-in task: training prompts and held-out evaluation unless data.prompts is given
     steps: int = 150
     batch_size: int = 64  # prompts (= rollouts) per optimizer step
@@ -323,12 +352,7 @@ class TrainConfig:
     exact_kl: bool = True  # also log the exact per-position KL(p_rollout || p_train) (needs the engine's distributions)
     save_every: int = 50  # 0: only at the end (and on Ctrl-C)
     max_bad_steps: int = 5  # stop after this many non-finite losses/gradients in a row
-    # the teacher's side (teacher.py): "trainer" = its full-precision forward here; "builtin" = the built-in engine
-    # under teacher_plan, scoring by prefill; "vllm" = vLLM's prompt log-probs
-    teacher_engine: str = "trainer"
-    teacher_plan: str | dict = ""  # the teacher engine's precision plan (plan.py); "" = float32
-    teacher_topk: int = 0  # the teacher returns only its k most likely tokens (and the sampled one); 0 = whole rows
-    teacher_check: float = 0.25  # share of each batch the trainer's teacher also scores, for teacher_mismatch/*
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -347,7 +371,7 @@ class TrainConfig:
                     f"got {getattr(self, attribute(key))!r:.60}", f"e.g. {key}: {{...}}")
         require(self.family in FAMILIES + REAL_PAIRS, f"unknown family {self.family!r}",
                 f"use one of {', '.join(FAMILIES + REAL_PAIRS)} (a built-in pair or a real one)")
-        require(bool(self.student) == bool(self.teacher), "give both student and teacher, or neither",
+        require(bool(self.student) == bool(self.teacher.path), "give both student and teacher, or neither",
                 "neither: the built-in pair of `family`")
         get_task(self.task)
         for name in ("steps", "batch_size", "threads", "max_bad_steps"):
@@ -383,29 +407,20 @@ class TrainConfig:
                 f"{self.batch_size}", "each sub-batch needs a prompt; leave sampling.shards at 0 (one per worker)")
 
     def _check_teacher_side(self) -> None:
-        _one_of(self, "", "teacher_engine", TEACHER_ENGINES)
-        require(isinstance(self.teacher_plan, (str, dict)),
-                f"config: teacher_plan must be a string or a mapping, got {self.teacher_plan!r:.60}")
-        require(self.teacher_engine != "trainer" or not self.teacher_plan,
-                f"config: teacher_plan {self.teacher_plan!r:.60} needs an inference engine for the teacher",
-                "set teacher_engine=builtin (or vllm), or drop teacher_plan")
-        require(self.teacher_topk >= 0, f"config: teacher_topk must be >= 0, got {self.teacher_topk}",
-                "0 = the teacher's whole distributions")
-        require(0 <= self.teacher_check <= 1, f"config: teacher_check must be in [0, 1], got {self.teacher_check}")
-        require(not self.ray.teacher or (self.teacher_engine == "trainer" and not self.teacher_topk),
-                "config: ray.teacher runs the trainer's teacher, whole, on an actor, not teacher_engine "
-                f"{self.teacher_engine} or a top-k teacher", "drop ray.teacher, or teacher_engine / teacher_topk")
-        k, loss = self.teacher_topk, self.loss
+        require(not self.ray.teacher or not self.teacher.served,
+                "config: ray.teacher runs the trainer's teacher, whole, on an actor, not teacher.engine "
+                f"{self.teacher.engine} or a top-k teacher", "drop ray.teacher, or teacher.engine / teacher.topk")
+        k, loss = self.teacher.topk, self.loss
         if not k:
             return
         require(loss.name in TOPK_TEACHER_LOSSES, f"config: loss.name {loss.name} needs the teacher's whole "
-                f"distribution, but teacher_topk={k} gives only its top {k} log-probs", "use loss.name sampled_rkl, "
-                "topk_fkl or topk_rkl_tail (and loss.topk <= teacher_topk), or teacher_topk=0")
+                f"distribution, but teacher.topk={k} gives only its top {k} log-probs", "use loss.name sampled_rkl, "
+                "topk_fkl or topk_rkl_tail (and loss.topk <= teacher.topk), or teacher.topk=0")
         require(loss.name != "topk_rkl" or loss.topk_support == "teacher", "config: loss topk_rkl on the student's "
-                f"top-k needs the teacher's log-probs there, but teacher_topk={k} gives only the teacher's top {k}",
+                f"top-k needs the teacher's log-probs there, but teacher.topk={k} gives only the teacher's top {k}",
                 "set loss.topk_support=teacher, or use topk_fkl / topk_rkl_tail")
         require(not loss.name.startswith("topk") or loss.topk <= k, f"config: loss.topk {loss.topk} is more than "
-                f"the teacher returns (teacher_topk={k})", f"set loss.topk <= {k}, or raise teacher_topk")
+                f"the teacher returns (teacher.topk={k})", f"set loss.topk <= {k}, or raise teacher.topk")
 
     @property
     def rollout_workers(self) -> int:
@@ -459,6 +474,7 @@ MOVED = {old: f"{section}.{new}" for section, names in {
     "async": "max_staleness prefetch stale_policy recompute_fraction worker_threads worker_timeout max_worker_restarts",
     "guard": "guard_every:every guard_action:action guard_thresholds:thresholds guard_limit:limit",
     "compute": "device teacher_device dtype teacher_dtype micro_batch_size chunk_tokens",
+    "teacher": "teacher_engine:engine teacher_plan:plan teacher_topk:topk teacher_check:check",
 }.items() for old, _, new in (name.partition(":") for name in names.split()) for new in [new or old]}
 
 
@@ -484,6 +500,7 @@ def _checked_keys(values: dict, cls, prefix: str = "") -> dict:
     return values
 
 
+PLAN_KEYS = ("plan", "teacher.plan")  # precision plans: a string, or a mapping of layers to settings strings
 OPTIONAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # settings whose default is None: a value of this type
 
 
@@ -500,7 +517,7 @@ def _typed(key: str, value, default):
         value = float(value) if ok else value
     elif isinstance(default, int):
         ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, str) and key == "plan":
+    elif isinstance(default, str) and key in PLAN_KEYS:
         ok = isinstance(value, str) or (isinstance(value, dict) and all(
             isinstance(k, (str, int)) and not isinstance(k, bool) and isinstance(v, str) for k, v in value.items()))
     elif isinstance(default, str):
@@ -508,9 +525,9 @@ def _typed(key: str, value, default):
     else:
         ok = True
     names = {bool: "true or false", float: "a number", int: "an integer", str: "a string"}
-    expected = "a string or a mapping of layers to settings strings" if key == "plan" else names[type(default)]
+    expected = "a string or a mapping of layers to settings strings" if key in PLAN_KEYS else names[type(default)]
     require(ok, f"config: {key} must be {expected}, got {value!r:.60}",
-            "e.g. plan: \"kv=fp8_e4m3\"" if key == "plan" else f"e.g. --set {key}={json.dumps(default)}")
+            f"e.g. {key}: \"kv=fp8_e4m3\"" if key in PLAN_KEYS else f"e.g. --set {key}={json.dumps(default)}")
     return value
 
 
@@ -519,6 +536,7 @@ def _checked_values(values, where: str = "config") -> dict:
     try:
         require(isinstance(values, dict), f"config: expected a mapping of keys to values, got {type(values).__name__}",
                 "write key: value lines")
+        values = expand_shorthand(values)
         _checked_keys(values, TrainConfig)
         defaults = TrainConfig()
         out = {}
@@ -541,6 +559,13 @@ def _checked_values(values, where: str = "config") -> dict:
         raise OpdError(f"{where}: {e.problem.removeprefix('config: ')}", e.fix) from None
 
 
+def expand_shorthand(values):
+    """`teacher: DIR` -> `teacher: {path: DIR}` (the teacher's checkpoint, as `student: DIR` names the student's)."""
+    if isinstance(values, dict) and isinstance(values.get("teacher"), str):
+        return {**values, "teacher": {"path": values["teacher"]}}
+    return values
+
+
 def build_config(values: dict, where: str = "config") -> TrainConfig:
     """A TrainConfig from a mapping as a config file holds it (sections as nested mappings), with key, type and
     range checks."""
@@ -559,13 +584,20 @@ def migrate(values: dict) -> dict:
     """A config that opd itself saved before the config had sections (a run's config.yaml, a results line) in today's
     layout; a config a user writes with an old key is refused instead (_checked_keys names the new key)."""
     out = {}
-    for key, value in values.items():
+    for key, value in expand_shorthand(values).items():
         if key in MOVED and not (key in SECTIONS and isinstance(value, dict)):
             section, name = MOVED[key].split(".")
             out.setdefault(section, {})[name] = value
         else:
             out[key] = merge(out[key], value) if isinstance(out.get(key), dict) and isinstance(value, dict) else value
     return out
+
+
+def stored_teacher(values: dict) -> TeacherConfig:
+    """The teacher section of a config opd stored (a results line's or a run's, of any release)."""
+    section = migrate(values).get("teacher", {})
+    names = {f.name for f in fields(TeacherConfig)}
+    return TeacherConfig(**{k: v for k, v in section.items() if k in names})
 
 
 def known_settings(values: dict) -> dict:
@@ -600,6 +632,9 @@ def parse_overrides(pairs: list[str]) -> dict:
         except yaml.YAMLError:
             value = text
         *parents, leaf = key.strip().split(".")
+        if not parents and leaf == "teacher" and isinstance(value, str) and isinstance(out.get(leaf), dict):
+            parents, leaf, value = [leaf], "path", value  # teacher=DIR after teacher.*: its path
+        out = expand_shorthand(out)  # teacher=DIR, then teacher.engine=...
         node = out
         for parent in parents:
             node = node.setdefault(parent, {})
@@ -630,7 +665,7 @@ def load_config(path: Path | None, overrides: list[str] = ()) -> TrainConfig:
         require(isinstance(values, dict), f"{path}: expected a mapping of config keys, got {type(values).__name__}",
                 "write key: value lines")
         _checked_values(values, str(path))
-    return build_config(merge(values, parse_overrides(list(overrides))))
+    return build_config(merge(expand_shorthand(values), expand_shorthand(parse_overrides(list(overrides)))))
 
 
 def generation_defaults(generation: dict, **given) -> dict:

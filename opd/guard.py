@@ -121,8 +121,8 @@ class Guard:
                   f"step {step}: teacher engine vs the trainer's teacher {what}: {action}")
         if action == "stop":
             raise OpdError(f"guard: the teacher engine's mismatch exceeded what the admission check allows at step "
-                           f"{step} ({what})", "score the teacher at a higher precision (teacher_plan), with the "
-                           "trainer (teacher_engine=trainer), or raise guard.limit")
+                           f"{step} ({what})", "score the teacher at a higher precision (teacher.plan), with the "
+                           "trainer (teacher.engine=trainer), or raise guard.limit")
         return out
 
     def resume(self, run_dir: Path, step: int) -> None:

@@ -122,8 +122,8 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, p
     if not decision.admit and propose and math.isfinite(decision.value):
         if teacher is not None and not teacher.admit and decision.value <= decision.limit:
             out["proposal"] = {"plan": None, "layer_kl": [], "note": "the rollout plan passes; the teacher engine "
-                               "does not: score the teacher at a higher precision (teacher_plan), or in the trainer "
-                               "(teacher_engine=trainer)"}
+                               "does not: score the teacher at a higher precision (teacher.plan), or in the trainer "
+                               "(teacher.engine=trainer)"}
         elif decision.value > decision.limit:
             floor = {"kl_k3": numbers["floor_kl_k3"], METRIC: numbers["floor_nsr"]}
             out["proposal"] = propose_plan(setup, plan, thresholds, cls, limit, floor)

@@ -58,7 +58,7 @@ def pair_folders(cfg: TrainConfig) -> tuple[Path, Path]:
     """(student folder, teacher folder): the given checkpoints, a real pair (built from registry packages on first
     use, real_pairs.py), or the built-in pair of cfg.family (shipped, or pretrained on first use and cached)."""
     if cfg.student:
-        return Path(cfg.student), Path(cfg.teacher)
+        return Path(cfg.student), Path(cfg.teacher.path)
     if cfg.family in REAL_PAIRS:
         return build_pair(cfg.family)
     return tuple(pretrain(PretrainConfig(family=cfg.family, role=role, task=cfg.task))[0]
@@ -154,7 +154,8 @@ def setup(cfg: TrainConfig) -> Run:
     if asynchronous and cfg.ray.teacher and cfg.async_.backend == "ray":  # its body to an actor, its head stays
         from opd.ray_backend import RemoteTeacher
         trainer_teacher = RemoteTeacher(teacher, cfg.ray, cfg.async_.worker_threads, cfg.async_.worker_timeout)
-    scorer = make_teacher(cfg, trainer_teacher, teacher, tok.pad_id, teacher_folder(cfg), **engine_size(cfg, prompts))
+    scorer = make_teacher(cfg.teacher, trainer_teacher, teacher, tok.pad_id, teacher_folder(cfg), seed=cfg.seed,
+                          noise_seed=cfg.noise_seed, chunk_tokens=cfg.compute.chunk_tokens, **engine_size(cfg, prompts))
     plan = parse_plan(cfg, student.cfg.num_layers)
     if cfg.engine.compile:
         print("opd: engine.compile: the rollout engine compiles before step 0 (about a minute on a cold cache)",
@@ -202,7 +203,8 @@ def probe_setup(cfg: TrainConfig, n: int) -> tuple[ProbeSetup, Plan]:
     probe_cfg = replace(cfg, batch_size=n, sampling=replace(cfg.sampling, shards=1),
                         engine=replace(cfg.engine, compile=False))  # 16 rollouts: compiling costs more than it saves
     prompt_set = PromptSet(probe_cfg, tok, context, run_tokens)  # the prompts the run fits beside its completions
-    scorer = make_teacher(cfg, LocalTeacher(teacher), teacher, tok.pad_id, teacher_folder(cfg),
+    scorer = make_teacher(cfg.teacher, LocalTeacher(teacher), teacher, tok.pad_id, teacher_folder(cfg), seed=cfg.seed,
+                          noise_seed=cfg.noise_seed, chunk_tokens=cfg.compute.chunk_tokens,
                           **engine_size(probe_cfg, prompt_set))
     return ProbeSetup(cfg, student, scorer, tok, engine_builder(probe_cfg, student, tok, student_dir, prompt_set),
                       prompt_set.batch(0)), parse_plan(cfg, student.cfg.num_layers)

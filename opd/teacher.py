@@ -5,16 +5,16 @@ In most OPD systems the teacher runs in an inference server, not in the trainer:
 by prefill (vLLM's prompt log-probs), often returns only its top-k log-probs, often at lower precision. A `Teacher`
 scores a micro-batch (`source`: its distributions over the packed completion tokens, computed a chunk at a time),
 names the trainer's full-precision teacher behind it (`trainer`: evaluation and the check use it), and has a state
-for a resume. The implementations, by the config's `teacher_engine`:
+for a resume. The implementations, by the config's `teacher.engine` (config.TeacherConfig):
 - `trainer`: `LocalTeacher`, the teacher's own forward in the learner, whole distributions; or, with `ray.teacher`,
   ray_backend.RemoteTeacher (its body on a Ray actor, its output layer here).
-- `builtin`: `BuiltinTeacher`, the built-in engine (engine.py) on the teacher's weights under `teacher_plan` (the
+- `builtin`: `BuiltinTeacher`, the built-in engine (engine.py) on the teacher's weights under `teacher.plan` (the
   plan grammar: KV cache and weight precision, noise): each micro-batch's sequences prefilled through its KV cache
   (`Engine.prefill_hidden`), the output layer of the engine's copy applied a chunk of tokens at a time. Its state:
   the calibrated KV scales.
 - `vllm`: `VllmTeacher`, vLLM's prompt log-probs (`VllmEngine.score`): per position the top-k and the sampled
-  token's log-prob; with `teacher_topk` 0, every token's (k = V; only sensible at a small vocabulary).
-Two wrappers: `TopKTeacher` cuts a whole-rows teacher to its top k (`teacher_topk` on the trainer's or the built-in
+  token's log-prob; with `teacher.topk` 0, every token's (k = V; only sensible at a small vocabulary).
+Two wrappers: `TopKTeacher` cuts a whole-rows teacher to its top k (`teacher.topk` on the trainer's or the built-in
 teacher; which isolates what top-k costs from any precision), and `CheckedTeacher` checks any teacher that is not the
 trainer's own against it. `make_teacher` builds the run's teacher from the config; nothing else asks which kind a
 teacher is.
@@ -25,7 +25,7 @@ losses.py's top-k losses read only the top k (the tail bucket's mass is what the
 sampled-token loss only the sampled token's; config.py refuses the losses that need whole rows.
 
 **Teacher-side metrics** (`teacher_mismatch/`, metrics.teacher_mismatch_metrics) compare the served teacher's log-prob
-of each sampled token with the trainer's teacher's on the first ceil(teacher_check x B) rollouts of every batch, which
+of each sampled token with the trainer's teacher's on the first ceil(teacher.check x B) rollouts of every batch, which
 the trainer's teacher also scores (the rest of the batch never runs it). With whole rows from the engine they include
 the exact per-position KL(p_engine || p_trainer); with top-k, the tail mass the engine's k tokens leave. The check
 runs micro-batch by micro-batch as the served teacher answers (`CheckedTeacher.source`, `TeacherCheck`), on that
@@ -298,33 +298,29 @@ class CheckedTeacher:
         self.served.close()
 
 
-def make_teacher(cfg, trainer: "Teacher", model: Transformer, pad_id: int, teacher_dir=None, context: int = 0,
-                 max_seqs: int = 1) -> "Teacher":
-    """The run's teacher: `trainer` (the trainer's teacher: LocalTeacher, or ray_backend.RemoteTeacher) itself, or
-    the config's engine / top-k teacher checked against it (CheckedTeacher). A vLLM teacher is sized for max_seqs
-    sequences of context tokens (engines.make_engine)."""
-    n = model.cfg.num_layers
-    plan = Plan.from_mapping(cfg.teacher_plan, n) if isinstance(cfg.teacher_plan, dict) else \
-        Plan.parse(cfg.teacher_plan, n)
-    if cfg.teacher_engine == "builtin":
-        served = BuiltinTeacher(trainer, model, plan, pad_id, cfg.noise_seed)
-    elif cfg.teacher_engine == "vllm":
-        require(teacher_dir is not None, "teacher_engine vllm needs the teacher's checkpoint folder")
-        V = model.cfg.vocab_size
-        require(cfg.teacher_topk or V <= VLLM_WHOLE_ROWS, f"teacher_engine vllm with teacher_topk 0 would ask vLLM for "
-                f"all {V} log-probs of every position", "set teacher_topk (e.g. 20) with loss.name sampled_rkl, "
-                "topk_fkl or topk_rkl_tail, or teacher_engine builtin for whole distributions")
-        from opd.vllm_engine import EngineSize
-        return CheckedTeacher(VllmTeacher(trainer, teacher_dir, plan, pad_id, V, EngineSize.of(model.cfg, context,
-                                                                                               max_seqs),
-                                          cfg.teacher_topk, cfg.seed, model.cfg.tie_word_embeddings),
-                              cfg.teacher_check, cfg.compute.chunk_tokens)
-    elif cfg.teacher_topk:
-        served = trainer
-    else:
+def make_teacher(settings, trainer: "Teacher", model: Transformer, pad_id: int, teacher_dir=None, *, seed: int = 0,
+                 noise_seed: int = 0, chunk_tokens: int = 0, context: int = 0, max_seqs: int = 1) -> "Teacher":
+    """The run's teacher from its `teacher` section (config.TeacherConfig): `trainer` (the trainer's teacher:
+    LocalTeacher, or ray_backend.RemoteTeacher) itself, or an engine / top-k teacher checked against it
+    (CheckedTeacher). A vLLM teacher is sized for max_seqs sequences of context tokens (engines.make_engine)."""
+    if not settings.served:
         return trainer
-    return CheckedTeacher(TopKTeacher(served, cfg.teacher_topk) if cfg.teacher_topk else served, cfg.teacher_check,
-                          cfg.compute.chunk_tokens)
+    n = model.cfg.num_layers
+    plan = Plan.from_mapping(settings.plan, n) if isinstance(settings.plan, dict) else Plan.parse(settings.plan, n)
+    k = settings.topk
+    if settings.engine == "vllm":
+        require(teacher_dir is not None, "teacher.engine vllm needs the teacher's checkpoint folder")
+        V = model.cfg.vocab_size
+        require(k or V <= VLLM_WHOLE_ROWS, f"teacher.engine vllm with teacher.topk 0 would ask vLLM for all {V} "
+                "log-probs of every position", "set teacher.topk (e.g. 20) with loss.name sampled_rkl, topk_fkl or "
+                "topk_rkl_tail, or teacher.engine builtin for whole distributions")
+        from opd.vllm_engine import EngineSize
+        served = VllmTeacher(trainer, teacher_dir, plan, pad_id, V, EngineSize.of(model.cfg, context, max_seqs), k,
+                             seed, model.cfg.tie_word_embeddings)  # asks vLLM for the top k itself
+    else:
+        served = BuiltinTeacher(trainer, model, plan, pad_id, noise_seed) if settings.engine == "builtin" else trainer
+        served = TopKTeacher(served, k) if k else served
+    return CheckedTeacher(served, settings.check, chunk_tokens)
 
 
 def check_rows(batch_size: int, share: float) -> int:

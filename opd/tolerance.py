@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 
 from opd.admission import best_cut, calibrate_teacher, decide, is_teacher_side
+from opd.config import stored_teacher
 from opd.errors import require
 from opd.figures import pyplot, save
 from opd.runlog import write_atomic
@@ -72,7 +73,7 @@ def mismatch_of(row: dict) -> float | None:
     (TEACHER_MISMATCH; a top-k teacher's: the mass its k tokens leave)."""
     train = row["train"]
     if is_teacher_side(row):
-        if row.get("config", {}).get("teacher_topk"):
+        if stored_teacher(row.get("config", {})).topk:
             return train.get(TOPK_MISMATCH, math.nan)
         return train.get(TEACHER_MISMATCH, train.get("teacher_mismatch/kl_k3", math.nan))
     return train.get(MISMATCH, train.get("mismatch/kl_k3", math.nan))

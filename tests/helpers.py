@@ -49,7 +49,7 @@ def make_checkpoint(folder: Path, seed: int, vocab_size: int = 100, **overrides)
 def config(pair, **overrides) -> TrainConfig:
     """A small run of the pair; overrides as opd.make_config takes them (sections as dicts, `async_` for async)."""
     student, teacher = pair
-    values = dict(student=str(student), teacher=str(teacher), task="add", steps=6, batch_size=4,
+    values = dict(student=str(student), teacher=dict(path=str(teacher)), task="add", steps=6, batch_size=4,
                   eval=dict(every=0, examples=8), save_every=3, threads=1, plan="")
     return make_config(**merge(values, overrides))
 

@@ -15,7 +15,7 @@ from helpers import config
 
 ADDED_SINCE = {"sampling.shards", "async.backend", "ray.address", "ray.workers", "ray.worker_cpus", "ray.worker_gpus",
                "ray.connect_timeout", "ray.teacher", "ray.teacher_cpus", "ray.teacher_gpus",  # never top-level keys
-               "teacher_engine", "teacher_plan", "teacher_topk", "teacher_check"}  # top-level, added after the sections
+               "teacher.path"}  # the top-level `teacher` path before the teacher section
 
 
 def old_layout(cfg: TrainConfig) -> dict:
@@ -23,6 +23,9 @@ def old_layout(cfg: TrainConfig) -> dict:
     old_name = {new: old for old, new in MOVED.items()}
     out = {}
     for key, value in flatten(cfg.to_dict()).items():
+        if key == "teacher.path":
+            out["teacher"] = value
+            continue
         if key in ADDED_SINCE:
             continue
         if key in old_name:
@@ -108,7 +111,8 @@ def test_a_results_line_from_before_the_sections_reads_in_todays_layout(tmp_path
     stored = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "numerics_results.jsonl"
     row = json.loads(stored.read_text().splitlines()[0])
     (tmp_path / "results.jsonl").write_text(json.dumps(row | {"config": old_layout(build_config(row["config"]))}))
-    assert read_results(tmp_path / "results.jsonl", warn=False)[0]["config"] == row["config"]
+    read = read_results(tmp_path / "results.jsonl", warn=False)[0]["config"]
+    assert set(read) <= set(TrainConfig().to_dict()) and build_config(read) == build_config(row["config"])
 
 
 def test_the_ray_backend_settings_are_checked():
@@ -125,3 +129,24 @@ def test_the_ray_backend_settings_are_checked():
     cfg = build_config({"schedule": "async", "async": {"backend": "ray"}, "ray": {"workers": 3}})
     assert (cfg.rollout_workers, cfg.shards) == (3, 3)
     assert build_config({"sampling": {"shards": 2}}).shards == 2 and TrainConfig().shards == 1
+
+
+def test_the_teacher_section_and_its_shorthand(tmp_path):
+    """teacher: DIR is teacher.path, in a file, in --set (before or after teacher.* keys) and in Python; the keys
+    from before the section are refused in a user's config and moved in a config opd stored."""
+    from opd import make_config
+    from opd.config import TeacherConfig
+    assert load_config(None, ["student=s", "teacher=t"]).teacher == TeacherConfig(path="t")
+    for order in (["teacher.engine=builtin", "teacher=t"], ["teacher=t", "teacher.engine=builtin"]):
+        assert load_config(None, ["student=s", *order]).teacher == TeacherConfig(path="t", engine="builtin")
+    (tmp_path / "c.yaml").write_text("student: s\nteacher: t\n")
+    assert load_config(tmp_path / "c.yaml", ["teacher.plan={0: kv=fp8_e4m3}", "teacher.engine=builtin"]).teacher == \
+        TeacherConfig(path="t", engine="builtin", plan={0: "kv=fp8_e4m3"})
+    assert make_config(student="s", teacher="t").teacher.path == "t"
+    old = {"student": "s", "teacher": "t", "teacher_engine": "builtin", "teacher_plan": "kv=fp8_e4m3"}
+    assert build_config(migrate(old)).teacher == TeacherConfig(path="t", engine="builtin", plan="kv=fp8_e4m3")
+    with pytest.raises(OpdError, match="'teacher_engine' is now 'teacher.engine'"):
+        build_config(old)
+    with pytest.raises(OpdError, match="give both student and teacher"):
+        build_config({"teacher": {"engine": "builtin", "plan": "kv=bf16"}, "student": "s"})
+    assert TeacherConfig(topk=3).served and TeacherConfig(engine="vllm").served and not TeacherConfig().served

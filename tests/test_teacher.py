@@ -131,16 +131,16 @@ def test_check_rows():
 
 def test_training_with_a_builtin_teacher_engine_logs_the_teacher_side(pair, tmp_path):
     """A run whose teacher is scored by the built-in engine under an FP8 KV plan trains and logs teacher_mismatch/*
-    every step; with teacher_check 0 the trainer's teacher never runs and those metrics are absent (the tail mass of a
+    every step; with teacher.check 0 the trainer's teacher never runs and those metrics are absent (the tail mass of a
     top-k teacher stays: the engine alone gives it)."""
-    cfg = config(pair, steps=3, teacher_engine="builtin", teacher_plan="kv=fp8_e4m3", teacher_check=0.5)
+    cfg = config(pair, steps=3, teacher=dict(engine="builtin", plan="kv=fp8_e4m3", check=0.5))
     train(cfg, tmp_path / "a", progress=False)
     rows = read_metrics(tmp_path / "a")[:-1]
     assert len(rows) == 3
     for row in rows:
         assert row["teacher_mismatch/kl_exact"] > 0 and row["teacher_mismatch/abs_dlogp_mean"] > 0
         assert 0 <= row["teacher_mismatch/adv_sign_flip"] <= 1 and "teacher_mismatch/tail_mass" not in row
-    cfg = config(pair, steps=2, teacher_engine="builtin", teacher_plan="kv=bf16", teacher_topk=4, teacher_check=0,
+    cfg = config(pair, steps=2, teacher=dict(engine="builtin", plan="kv=bf16", topk=4, check=0),
                  loss=dict(name="topk_fkl", topk=4))
     train(cfg, tmp_path / "b", progress=False)
     for row in read_metrics(tmp_path / "b")[:-1]:
@@ -149,9 +149,9 @@ def test_training_with_a_builtin_teacher_engine_logs_the_teacher_side(pair, tmp_
 
 
 def test_the_trainer_teacher_at_k_equal_v_is_the_trainer_path(pair, tmp_path):
-    """teacher_topk = V cuts nothing: the run is the plain run, metric for metric (bar the teacher-side ones)."""
+    """teacher.topk = V cuts nothing: the run is the plain run, metric for metric (bar the teacher-side ones)."""
     train(config(pair, steps=2, loss=dict(name="topk_fkl", topk=100)), tmp_path / "a", progress=False)
-    train(config(pair, steps=2, teacher_topk=100, loss=dict(name="topk_fkl", topk=100)), tmp_path / "b",
+    train(config(pair, steps=2, teacher=dict(topk=100), loss=dict(name="topk_fkl", topk=100)), tmp_path / "b",
           progress=False)
     plain, cut = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     strip = lambda row: {k: v for k, v in row.items() if not k.startswith(("time", "throughput", "teacher_"))}  # noqa
@@ -160,13 +160,14 @@ def test_the_trainer_teacher_at_k_equal_v_is_the_trainer_path(pair, tmp_path):
 
 
 @pytest.mark.parametrize("values,message", [
-    (dict(teacher_topk=8, loss=dict(name="full_rkl")), "needs the teacher's whole distribution"),
-    (dict(teacher_topk=8, loss=dict(name="topk_fkl", topk=16)), "more than the teacher returns"),
-    (dict(teacher_topk=8, loss=dict(name="topk_rkl", topk=4)), "topk_support=teacher"),
-    (dict(teacher_plan="kv=fp8_e4m3"), "needs an inference engine for the teacher"),
-    (dict(teacher_engine="sglang"), "unknown teacher_engine"),
-    (dict(teacher_topk=-1), "teacher_topk must be >= 0"),
-    (dict(teacher_check=1.5), "teacher_check must be in [0, 1]"),
+    (dict(teacher=dict(topk=8), loss=dict(name="full_rkl")), "needs the teacher's whole distribution"),
+    (dict(teacher=dict(topk=8), loss=dict(name="topk_fkl", topk=16)), "more than the teacher returns"),
+    (dict(teacher=dict(topk=8), loss=dict(name="topk_rkl", topk=4)), "topk_support=teacher"),
+    (dict(teacher=dict(plan="kv=fp8_e4m3")), "needs an inference engine for the teacher"),
+    (dict(teacher=dict(engine="sglang")), "unknown teacher.engine"),
+    (dict(teacher=dict(topk=-1)), "teacher.topk must be >= 0"),
+    (dict(teacher=dict(check=1.5)), "teacher.check must be in [0, 1]"),
+    (dict(teacher_topk=8), "config key 'teacher_topk' is now 'teacher.topk'"),
 ])
 def test_teacher_side_settings_are_checked(pair, values, message):
     with pytest.raises(OpdError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -176,15 +177,15 @@ def test_teacher_side_settings_are_checked(pair, values, message):
 def test_a_vllm_teacher_is_not_asked_for_whole_rows_of_a_large_vocabulary(tmp_path):
     """A 150k vocabulary's whole rows from vLLM would be V log-probs per position: refused before vLLM starts."""
     big = tiny(0, vocab=5000).float()
-    cfg = config((tmp_path, tmp_path), teacher_engine="vllm")
+    cfg = config((tmp_path, tmp_path), teacher=dict(engine="vllm"))
     with pytest.raises(OpdError, match="all 5000 log-probs"):
-        make_teacher(cfg, LocalTeacher(big), big, 0, tmp_path)
+        make_teacher(cfg.teacher, LocalTeacher(big), big, 0, tmp_path)
 
 
 def test_cli_refuses_a_topk_teacher_under_a_full_loss(pair, tmp_path):
     result = opd("train", "--set", f"student={pair[0]}", "--set", f"teacher={pair[1]}", "--run-dir", str(tmp_path / "r"),
-                 "--set", "teacher_topk=8", "--set", "loss.name=full_rkl")
-    assert_one_line_error(result, "teacher_topk=8", "loss.name sampled_rkl")
+                 "--set", "teacher.topk=8", "--set", "loss.name=full_rkl")
+    assert_one_line_error(result, "teacher.topk=8", "loss.name sampled_rkl")
     assert not (tmp_path / "r").exists()
 
 
@@ -222,8 +223,9 @@ def test_calibrate_keeps_the_two_sides_apart():
         return {"class": "full", "staleness": 0, "probe": probe, "degraded": degraded,
                 "config": {"optim": {"lr": 1e-3}} | cfg}
     student = [row(0.01, None, False), row(0.1, None, False), row(0.4, None, True), row(0.8, None, True)]
-    teacher = [row(0.01, 0.02, False, teacher_engine="builtin"), row(0.01, 0.05, False, teacher_engine="builtin"),
-               row(0.01, 0.3, True, teacher_engine="builtin"), row(0.01, 0.0, True, teacher_topk=1)]
+    builtin = dict(engine="builtin")
+    teacher = [row(0.01, 0.02, False, teacher=builtin), row(0.01, 0.05, False, teacher=builtin),
+               row(0.01, 0.3, True, teacher=builtin), row(0.01, 0.0, True, teacher_topk=1)]  # (as stored before 2026-12-03)
     both = calibrate(student + teacher)
     assert both["classes"] == calibrate(student)["classes"]
     cut = both["teacher"]["classes"]["full"]
@@ -243,10 +245,10 @@ def test_admit_names_teacher_side_reasons(pair):
     """`opd admit` probes the teacher engine as well: a noisy teacher plan is rejected for its teacher side (the
     student's rollouts are at full precision)."""
     common = ("--set", f"student={pair[0]}", "--set", f"teacher={pair[1]}", "--set", "task=add", "--set", "plan=",
-              "--set", "teacher_engine=builtin")
-    ok = opd("admit", *common, "--set", "teacher_plan=kv=bf16", "--limit", "0.5")
+              "--set", "teacher.engine=builtin")
+    ok = opd("admit", *common, "--set", "teacher.plan=kv=bf16", "--limit", "0.5")
     assert ok.returncode == 0 and "teacher engine: teacher_nsr" in ok.stdout, ok.stdout + ok.stderr
-    bad = opd("admit", *common, "--set", "teacher_plan=noise=0.5", "--limit", "0.05")
+    bad = opd("admit", *common, "--set", "teacher.plan=noise=0.5", "--limit", "0.05")
     assert bad.returncode == 1 and "teacher_nsr" in bad.stdout and bad.stdout.startswith("REJECT"), bad.stdout
     assert "the rollout plan passes; the teacher engine does not" in bad.stdout  # no rollout plan is proposed
 
@@ -255,7 +257,7 @@ def test_admit_names_teacher_side_reasons(pair):
 def test_the_guard_watches_the_teacher_side(pair, tmp_path, action):
     """A teacher engine far from the trainer's teacher: the guard logs a teacher-side event every check; fallback
     cannot change a teacher's numbers, so it warns and training goes on; stop stops the run with one line."""
-    cfg = config(pair, steps=4, teacher_engine="builtin", teacher_plan="noise=0.5", teacher_check=0.5,
+    cfg = config(pair, steps=4, teacher=dict(engine="builtin", plan="noise=0.5", check=0.5),
                  guard=dict(every=2, action=action, limit=1e-3))
     if action == "stop":
         with pytest.raises(OpdError, match="teacher engine's mismatch"):
@@ -278,7 +280,7 @@ def test_resume_with_a_calibrated_teacher_engine_is_exact(pair, tmp_path, monkey
     first batch after the resume would calibrate other scales)."""
     import opd.trainer as trainer
     from helpers import comparable
-    cfg = config(pair, teacher_engine="builtin", teacher_plan="kv=fp8_e4m3 kv_scale=calibrate", teacher_check=0.5)
+    cfg = config(pair, teacher=dict(engine="builtin", plan="kv=fp8_e4m3 kv_scale=calibrate", check=0.5))
     train(cfg, tmp_path / "straight", progress=False)
     step = trainer.run_step
 
@@ -298,7 +300,7 @@ def test_resume_with_a_calibrated_teacher_engine_is_exact(pair, tmp_path, monkey
 
 def test_async_at_staleness_0_with_a_teacher_engine_is_the_sync_run(pair, tmp_path):
     from helpers import same_as_sync
-    common = dict(steps=3, teacher_engine="builtin", teacher_plan="kv=fp8_e5m2", teacher_check=1.0, threads=2,
+    common = dict(steps=3, teacher=dict(engine="builtin", plan="kv=fp8_e5m2", check=1.0), threads=2,
                   save_every=0)
     train(config(pair, **common), tmp_path / "sync", progress=False)
     train(config(pair, schedule="async", async_=dict(max_staleness=0, worker_threads=1), **common),

@@ -233,9 +233,9 @@ def test_vllm_teacher_prompt_logprobs_match_the_trainers_teacher(pair):
 
 @vllm_test
 def test_training_with_a_vllm_teacher(pair, tmp_path):
-    """teacher_engine vllm with whole rows (k = V = 100): training runs; float32 vLLM scores what the trainer's
+    """teacher.engine vllm with whole rows (k = V = 100): training runs; float32 vLLM scores what the trainer's
     teacher scores (teacher_mismatch/abs_dlogp_max < 1e-3, kl_exact ~ 0)."""
-    cfg = config(pair, teacher_engine="vllm", steps=2, save_every=0, teacher_check=0.5)
+    cfg = config(pair, teacher=dict(engine="vllm", check=0.5), steps=2, save_every=0)
     train(cfg, tmp_path / "run", progress=False)
     rows = read_metrics(tmp_path / "run")[:-1]
     assert len(rows) == 2
