@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from opd.admission import calibrate, decide
+from opd.admission import calibrate, decide_numbers
 from opd.runlog import write_atomic
 from opd.sweep import PROBE_ROLLOUTS, read_results, stored_config
 from opd.tolerance import QUALITY, band, label, latest, teacher_thresholds
@@ -90,7 +90,7 @@ def scored(rows: list[dict]) -> list[dict]:
 
 
 def decision(row: dict, thresholds: dict) -> str:
-    return decide(row["probe"], thresholds, row["class"], row["staleness"], lr=row["config"]["optim"]["lr"]).verdict
+    return decide_numbers(row["probe"], thresholds, row["class"], row["staleness"], lr=row["config"]["optim"]["lr"]).verdict
 
 
 def config_of(row) -> tuple:

@@ -37,6 +37,7 @@ import yaml
 
 from opd.admission import best_cut, calibrate_teacher, decide_teacher, is_teacher_side
 from opd.config import stored_teacher
+from opd.metrics import TeacherHealth
 from opd.runlog import write_atomic
 from opd.sweep import read_results, run_sweep
 from opd.tolerance import QUALITY, band, groups, knees, label, latest, pivot, teacher_thresholds
@@ -113,7 +114,7 @@ def leave_source_out(rows: list[dict]) -> tuple[list[str], int, int]:
     for source in sorted({r["source"] for r in labelled}):
         entry = calibrate_teacher([r for r in labelled if r["source"] != source])
         for r in (r for r in labelled if r["source"] == source):
-            verdict = decide_teacher(r["probe"], {"classes": {}, "teacher": entry}, r["class"]).verdict \
+            verdict = decide_teacher(TeacherHealth.of(r["probe"]), {"classes": {}, "teacher": entry}, r["class"]).verdict \
                 if entry else "none"
             ok = (verdict == "ADMIT") != r["degraded"]
             right += ok

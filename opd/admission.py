@@ -61,6 +61,7 @@ from pydantic import Field, ValidationError
 
 from opd.errors import OpdError, require
 from opd.losses import LossConfig
+from opd.metrics import RolloutHealth, TeacherHealth
 from opd.plan import LayerPrecision, Plan
 from opd.quant import FP8_DTYPES
 from opd.schema import Schema, parse_json, problem, read_text
@@ -184,15 +185,24 @@ UNCALIBRATED_STALENESS = {
 ORDER = {"ADMIT": 0, "UNCERTAIN": 1, "REJECT": 2}
 
 
-def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0, limit: float = 0.0,
-           lr: float = 0.0) -> Decision:
-    """The admission predicate. numbers: probe metrics without their namespace (nsr, and floor_nsr, kl_k3,
-    floor_kl_k3, adv_sign_flip, ess_frac when known); staleness: the run's max_staleness (0 when sync) and lr its
-    learning rate (staleness x lr is the drift budget the calibration judges); limit > 0 overrides the calibrated
-    limit and removes the band (thresholds may then be None). A candidate within FLOOR_FACTOR of the BF16 floor
-    passes the mismatch test whatever the limit: the reference cannot be degraded relative to itself.
-    The verdict is the worst of the numerics' (ADMIT up to the limit, UNCERTAIN in the band up to `reject`, REJECT
-    above), the staleness's and the ESS floor's; `admit` is True only for ADMIT."""
+def decide_numbers(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0, limit: float = 0.0,
+                   lr: float = 0.0) -> Decision:
+    """`decide` on a probe's numbers as they are stored (results lines, `opd admit --json`): the rollouts' health,
+    the BF16 floor's and the teacher side's where measured."""
+    return decide(RolloutHealth.of(numbers) or RolloutHealth(), thresholds, cls, staleness, limit, lr,
+                  RolloutHealth.floor_of(numbers), TeacherHealth.of(numbers))
+
+
+def decide(health: RolloutHealth, thresholds: dict | None, cls: str, staleness: int = 0, limit: float = 0.0,
+           lr: float = 0.0, floor: RolloutHealth | None = None, teacher: TeacherHealth | None = None) -> Decision:
+    """The admission predicate on the rollouts' health (metrics.RolloutHealth: the probe's, or the guard's window
+    mean); floor: the BF16 engine's on the same prompts, when measured; teacher: a served teacher's health (judged
+    by decide_teacher, its verdict joins). staleness: the run's max_staleness (0 when sync) and lr its learning rate
+    (staleness x lr is the drift budget the calibration judges); limit > 0 overrides the calibrated limit and removes
+    the band (thresholds may then be None). A candidate within FLOOR_FACTOR of the BF16 floor passes the mismatch
+    test whatever the limit: the reference cannot be degraded relative to itself. The verdict is the worst of the
+    numerics' (ADMIT up to the limit, UNCERTAIN in the band up to `reject`, REJECT above), the staleness's, the ESS
+    floor's and the teacher's; `admit` is True only for ADMIT."""
     require(thresholds is not None or limit > 0, "no admission thresholds and no limit", "pass one of them")
     entry, how = class_limits(thresholds, cls) if thresholds else ({}, "")
     if limit > 0:
@@ -200,17 +210,17 @@ def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0,
     else:
         limit = float(entry["max"])
         reject_at = max(limit, float(entry.get("reject") or limit))
-    value = numbers.get(METRIC, math.nan)
+    value = health.nsr
     if not math.isfinite(value):
         return Decision("REJECT", ["the rollouts' log-probs are not finite (NaN/Inf): the engine is broken, not "
                                    "merely mismatched"], limit, value, reject_at)
-    floor = numbers.get("floor_nsr")
-    at_floor = floor is not None and value <= FLOOR_FACTOR * floor
+    floor_nsr = None if floor is None else floor.nsr
+    at_floor = floor_nsr is not None and value <= FLOOR_FACTOR * floor_nsr
     verdicts = ["ADMIT" if value <= limit or at_floor else "UNCERTAIN" if value <= reject_at else "REJECT"]
     reasons = [f"noise-to-signal {METRIC} {value:.3g} {'<=' if value <= limit else '>'} limit {limit:.3g} ({how})"]
     if at_floor and value > limit:
-        reasons.append(f"but within {FLOOR_FACTOR:g}x of the BF16 engine's own {floor:.3g}: BF16 rollouts are the "
-                       "reference, not a risk")
+        reasons.append(f"but within {FLOOR_FACTOR:g}x of the BF16 engine's own {floor_nsr:.3g}: BF16 rollouts are "
+                       "the reference, not a risk")
     elif verdicts[0] == "UNCERTAIN":
         reasons.append(f"uncertain: {METRIC} <= {reject_at:.3g}, where runs of these estimators both trained fine and "
                        "degraded; run it only under the runtime guard (guard.every > 0, guard.action=fallback)")
@@ -218,33 +228,33 @@ def decide(numbers: dict, thresholds: dict | None, cls: str, staleness: int = 0,
         reasons.append(f"{METRIC} > {reject_at:.3g}, above every run of these estimators that trained fine")
     if staleness:
         verdicts.append(_staleness_verdict(entry, cls, staleness, lr, reasons))
-    if floor is not None and "kl_k3" in numbers and "floor_kl_k3" in numbers:
-        reasons.append(f"kl_k3 {numbers['kl_k3']:.3g} vs the BF16 engine's {numbers['floor_kl_k3']:.3g}; nsr "
-                       f"{value / max(floor, 1e-12):.2g}x the BF16 engine's")
-    ess = numbers.get("ess_frac")
+    if floor is not None and health.kl_k3 is not None and floor.kl_k3 is not None:
+        reasons.append(f"kl_k3 {health.kl_k3:.3g} vs the BF16 engine's {floor.kl_k3:.3g}; nsr "
+                       f"{value / max(floor_nsr, 1e-12):.2g}x the BF16 engine's")
+    ess = health.ess_frac
     if ess is not None and ess < MIN_ESS_FRAC:
         verdicts.append("REJECT")
         reasons.append(f"ess_frac {ess:.3f} < {MIN_ESS_FRAC}: the rollouts are so far from the trainer's policy that "
                        "nsr understates it (broken rollouts also inflate its denominator)")
-    if "adv_sign_flip" in numbers:
-        reasons.append(f"adv_sign_flip {numbers['adv_sign_flip']:.4f}, ess_frac {numbers.get('ess_frac', 1):.3f}")
-    if numbers.get("kv_clipped_k", 0) > 0 or numbers.get("kv_clipped_v", 0) > 0:
-        reasons.append(f"the KV cache saturated {numbers.get('kv_clipped_k', 0):.3%} of the keys and "
-                       f"{numbers.get('kv_clipped_v', 0):.3%} of the values at its format's largest value (a larger or "
-                       "calibrated scale, kv_scale=calibrate, avoids it)")
-    if "teacher_nsr" in numbers:
-        teacher = decide_teacher(numbers, thresholds, cls, limit if how == "user-set limit" else 0.0)
-        verdicts.append(teacher.verdict)
-        reasons += teacher.reasons
+    if health.adv_sign_flip is not None:
+        reasons.append(f"adv_sign_flip {health.adv_sign_flip:.4f}, ess_frac {1 if ess is None else ess:.3f}")
+    clipped_k, clipped_v = health.kv_clipped_k or 0, health.kv_clipped_v or 0
+    if clipped_k > 0 or clipped_v > 0:
+        reasons.append(f"the KV cache saturated {clipped_k:.3%} of the keys and {clipped_v:.3%} of the values at its "
+                       "format's largest value (a larger or calibrated scale, kv_scale=calibrate, avoids it)")
+    if teacher is not None:
+        verdict = decide_teacher(teacher, thresholds, cls, limit if how == "user-set limit" else 0.0)
+        verdicts.append(verdict.verdict)
+        reasons += verdict.reasons
     return Decision(max(verdicts, key=ORDER.__getitem__), reasons, limit, value, reject_at)
 
 
-def decide_teacher(numbers: dict, thresholds: dict | None, cls: str, limit: float = 0.0) -> Decision:
+def decide_teacher(teacher: TeacherHealth, thresholds: dict | None, cls: str, limit: float = 0.0) -> Decision:
     """The teacher side's verdict: the teacher engine's noise-to-signal `teacher_nsr` (mean |T - T_e| / mean |T - q|,
     metrics.py) against the thresholds' teacher-side limit for the class (`teacher` in the file: calibrated on the
     teacher study, docs/teacher.md); a file without one judges it by the student side's limit, which the reasons say.
     limit > 0 (the user's) replaces both. A top-k teacher's tail mass is reported beside it."""
-    value = numbers.get("teacher_nsr", math.nan)
+    value = teacher.nsr
     side = (thresholds or {}).get("teacher")
     if limit > 0:
         how, limit, reject_at = "user-set limit", limit, limit
@@ -264,9 +274,9 @@ def decide_teacher(numbers: dict, thresholds: dict | None, cls: str, limit: floa
     elif verdict == "REJECT" and reject_at > limit:
         reasons.append(f"teacher_nsr > {reject_at:.3g}, above every teacher-side run of these estimators that trained "
                        "fine")
-    details = [f"{name} {numbers[key]:.3g}" for name, key in (
-        ("teacher_kl_k3", "teacher_kl_k3"), ("teacher_kl_exact", "teacher_kl_exact"),
-        ("teacher_adv_sign_flip", "teacher_adv_sign_flip"), ("top-k tail mass", "teacher_tail_mass")) if key in numbers]
+    details = [f"{name} {getattr(teacher, field):.3g}" for name, field in (
+        ("teacher_kl_k3", "kl_k3"), ("teacher_kl_exact", "kl_exact"), ("teacher_adv_sign_flip", "adv_sign_flip"),
+        ("top-k tail mass", "tail_mass")) if getattr(teacher, field) is not None]
     if details:
         reasons.append("teacher engine: " + ", ".join(details))
     return Decision(verdict, reasons, limit, value, reject_at)

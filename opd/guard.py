@@ -22,16 +22,14 @@ import math
 import sys
 from pathlib import Path
 
-from opd.admission import (FLOOR_PLAN, METRIC, MIN_ESS_FRAC, calibrated, decide, decide_teacher, estimator_class,
-                           load_thresholds)
+from opd.admission import FLOOR_PLAN, MIN_ESS_FRAC, calibrated, decide, decide_teacher, estimator_class, load_thresholds
 from opd.engines import kind
 from opd.errors import OpdError
+from opd.metrics import RolloutHealth, TeacherHealth
 from opd.plan import Plan
 from opd.runlog import read_guard_events, read_metrics, write_atomic
 
-GUARD_NSR, GUARD_ESS, GUARD_TOTAL = "opd/nsr", "is/ess_frac", "stale/total_nsr"  # read from each step's metrics
-GUARD_TEACHER = "teacher_mismatch/nsr"  # the teacher engine's, on the rows the trainer's teacher checks (teacher.py)
-GUARD_KEYS = (GUARD_NSR, GUARD_ESS, GUARD_TOTAL, GUARD_TEACHER)
+GUARD_TOTAL = "stale/total_nsr"  # reported beside the decision, never judged (module docstring)
 
 
 def safer_plan(plan: Plan, engine: str = "builtin") -> Plan | None:
@@ -42,11 +40,12 @@ def safer_plan(plan: Plan, engine: str = "builtin") -> Plan | None:
     return None if plan == floor else (calibrated(plan) if kind(engine).calibrates_scales else None) or floor
 
 
-def window_mean(window: list[dict], key: str, finite_only: bool) -> float | None:
-    """The mean over the window's steps that have `key` (None when none has it); NaN if one is NaN, unless
-    finite_only (then non-finite values are skipped as unknown)."""
-    values = [row[key] for row in window if key in row and (not finite_only or math.isfinite(row[key]))]
-    return sum(values) / len(values) if values else None
+def window_entry(metrics: dict) -> dict:
+    """What the guard keeps of a step: its rollouts' and its teacher side's health (metrics.RolloutHealth and
+    TeacherHealth: every field the admission check judges, None where the step has none) and stale/total_nsr."""
+    total = metrics.get(GUARD_TOTAL)
+    return {"rollouts": RolloutHealth.of(metrics), "teacher": TeacherHealth.of(metrics),
+            "total_nsr": total if total is not None and math.isfinite(total) else None}
 
 
 def log_event(run_dir: Path, event: dict, line: str) -> None:
@@ -69,19 +68,21 @@ class Guard:
         """Add a step's live numbers to the window; whether a check is due after this step."""
         if not self.every:
             return False
-        self.window.append({key: metrics[key] for key in GUARD_KEYS if key in metrics})
+        self.window.append(window_entry(metrics))
         return (step + 1) % self.every == 0
 
     def check(self, step: int, plan: Plan, run_dir: Path) -> tuple[dict, Plan | None]:
         """The check over the window (then emptied) -> (the guard/* metrics, the plan to fall back to or None).
         Raises OpdError when the action is `stop`."""
-        nsr = window_mean(self.window, GUARD_NSR, finite_only=False)  # NaN: broken rollouts, a REJECT
-        ess, total = window_mean(self.window, GUARD_ESS, True), window_mean(self.window, GUARD_TOTAL, True)
-        teacher = window_mean(self.window, GUARD_TEACHER, finite_only=False)
+        # field by field over the window; a NaN nsr (broken rollouts) stays NaN, a REJECT; none at all is one too
+        health = RolloutHealth.mean([e["rollouts"] for e in self.window if e["rollouts"]]) or RolloutHealth()
+        teacher = TeacherHealth.mean([e["teacher"] for e in self.window if e["teacher"]])
+        totals = [e["total_nsr"] for e in self.window if e["total_nsr"] is not None]
+        total = sum(totals) / len(totals) if totals else None
         self.window.clear()
         teacher_out = {} if teacher is None else self._check_teacher(step, teacher, run_dir)
-        nsr = math.nan if nsr is None else nsr
-        decision = decide({METRIC: nsr, "ess_frac": ess}, self.thresholds, self.cls, 0, self.limit)
+        nsr, ess = health.nsr, health.ess_frac
+        decision = decide(health, self.thresholds, self.cls, 0, self.limit)
         out = {"guard/nsr": nsr, "guard/limit": decision.limit, "guard/triggered": float(decision.reject),
                "guard/uncertain": float(decision.verdict == "UNCERTAIN")}
         if ess is not None:
@@ -107,9 +108,10 @@ class Guard:
                            "higher guard.limit")
         return out, safer if action == "fallback" else None
 
-    def _check_teacher(self, step: int, nsr: float, run_dir: Path) -> dict:
+    def _check_teacher(self, step: int, teacher: TeacherHealth, run_dir: Path) -> dict:
         """The teacher side's check over the window: guard/teacher_* metrics; on REJECT an event, then warn or stop."""
-        decision = decide_teacher({"teacher_nsr": nsr}, self.thresholds, self.cls, self.limit)
+        decision = decide_teacher(teacher, self.thresholds, self.cls, self.limit)
+        nsr = teacher.nsr
         out = {"guard/teacher_nsr": nsr, "guard/teacher_limit": decision.limit,
                "guard/teacher_triggered": float(decision.reject)}
         if not decision.reject:
@@ -136,5 +138,5 @@ class Guard:
             self.window = []
             return
         first = step - step % self.every
-        self.window = [{key: math.nan if row[key] is None else row[key] for key in GUARD_KEYS if key in row}
+        self.window = [window_entry({key: math.nan if value is None else value for key, value in row.items()})
                        for row in read_metrics(run_dir) if first <= row["step"] < step]  # null: logged non-finite

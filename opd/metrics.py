@@ -31,8 +31,17 @@ it, `pi` = under the current learner, `T` = under the teacher; `delta = q - mu`.
   `kl_k3 = mean(exp(-s) + s - 1)`, what it would add to `mismatch/kl_k3` if it were counted there. The `mismatch/`,
   `is/` and `opd/` sets then compare `u` with `q` (learner.numerics_mu): numerics only.
 - `rollout/`: completion lengths and the truncation rate (completions cut at max_new_tokens).
+
+**Rollout health.** The `mismatch/`, `is/` and `opd/` sets of a batch (`rollout_health`) are what the admission check
+is calibrated on: the probe measures them on its batch, the trainer on every step, with this one function.
+`RolloutHealth` (and `TeacherHealth` for the teacher's side) are the fields the check judges, read typed from either
+(a step's namespaced metrics, or a probe's numbers: the keys' last part, as results lines store them), and averaged
+over the runtime guard's window field by field, so a criterion added here reaches the probe, the guard and
+admission.decide alike.
 """
 import math
+from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 
@@ -145,3 +154,77 @@ def truncation_metrics(mu: torch.Tensor, untruncated: torch.Tensor, mask: torch.
 def rollout_metrics(lengths: list[int], truncated: list[bool]) -> dict:
     return {"rollout/length_mean": sum(lengths) / len(lengths), "rollout/length_max": float(max(lengths)),
             "rollout/truncated": sum(truncated) / len(truncated)}
+
+
+def rollout_health(teacher: torch.Tensor, mu: torch.Tensor, q: torch.Tensor, mask: torch.Tensor,
+                   cap: float = 2.0) -> dict:
+    """The mismatch/, is/ and opd/ sets of a batch (teacher, mu, q [B, T]: sampled-token log-probs; cap: C of the
+    importance weights' frac_outside): what the probe measures and the trainer logs every step."""
+    return {**mismatch_metrics(mu, q, mask), **importance_metrics(mu, q, mask, cap),
+            **distortion_metrics(teacher, mu, q, mask)}
+
+
+class _Health:
+    """Typed fields read from a step's metrics or a probe's numbers (module docstring)."""
+    KEYS: ClassVar[dict] = {}  # field -> its key among a step's metrics
+    PREFIX: ClassVar[str] = ""  # a probe's name of a field: PREFIX + the key's last part
+    KEEP_NAN: ClassVar[tuple] = ("nsr",)  # a NaN here is news (broken log-probs), not a gap: it survives the mean
+
+    @classmethod
+    def of(cls, numbers: dict):
+        """The fields `numbers` has (a step's metrics or a probe's numbers); None without an nsr."""
+        values = {}
+        for name, key in cls.KEYS.items():
+            value = numbers.get(key, numbers.get(cls.PREFIX + key.rpartition("/")[2]))
+            if value is not None:
+                values[name] = float(value)
+        return cls(**values) if "nsr" in values else None
+
+    @classmethod
+    def mean(cls, window: list):
+        """Field by field over the entries that have it (a NaN nsr propagates, other non-finite values are skipped);
+        None for an empty window."""
+        if not window:
+            return None
+        out = {}
+        for f in fields(cls):
+            values = [getattr(h, f.name) for h in window if getattr(h, f.name) is not None and
+                      (f.name in cls.KEEP_NAN or math.isfinite(getattr(h, f.name)))]
+            if values:
+                out[f.name] = sum(values) / len(values)
+        return cls(**out)
+
+
+@dataclass(frozen=True)
+class RolloutHealth(_Health):
+    """The rollouts' side: the engine's log-probs mu against the trainer's q, next to the OPD signal."""
+    nsr: float = math.nan  # opd/nsr = mean |q - mu| / mean |T - q|, the decision metric
+    ess_frac: float | None = None  # is/ess_frac of the weights q / mu
+    kl_k3: float | None = None
+    adv_sign_flip: float | None = None
+    kv_clipped_k: float | None = None  # the share of keys / values an FP8 or int8 KV cache saturated (probe only)
+    kv_clipped_v: float | None = None
+    KEYS: ClassVar[dict] = {"nsr": "opd/nsr", "ess_frac": "is/ess_frac", "kl_k3": "mismatch/kl_k3",
+                            "adv_sign_flip": "opd/adv_sign_flip", "kv_clipped_k": "kv_clipped_k",
+                            "kv_clipped_v": "kv_clipped_v"}
+
+    @classmethod
+    def floor_of(cls, numbers: dict) -> "RolloutHealth | None":
+        """The BF16 engine's own health on the probe's prompts (the probe's floor_nsr, floor_kl_k3), if measured."""
+        if "floor_nsr" not in numbers:
+            return None
+        return cls(nsr=float(numbers["floor_nsr"]), kl_k3=numbers.get("floor_kl_k3"))
+
+
+@dataclass(frozen=True)
+class TeacherHealth(_Health):
+    """The teacher's side: a served teacher's log-probs T_e against the trainer's teacher's T (teacher_mismatch/)."""
+    nsr: float = math.nan  # mean |T - T_e| / mean |T - pi|
+    kl_k3: float | None = None
+    kl_exact: float | None = None
+    adv_sign_flip: float | None = None
+    tail_mass: float | None = None  # a top-k teacher's: the mass its k tokens leave
+    KEYS: ClassVar[dict] = {name: f"teacher_mismatch/{name}" for name in
+                            ("nsr", "kl_k3", "kl_exact", "adv_sign_flip", "tail_mass")}
+    PREFIX: ClassVar[str] = "teacher_"
+

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opd.admission import (FLOOR_PLAN, KEEP, METRIC, calibrated, class_limits, decide, decide_teacher,
+from opd.admission import (FLOOR_PLAN, KEEP, METRIC, calibrated, class_limits, decide_numbers, decide_teacher,
                            estimator_class, safe_staleness, staleness)
 from opd.learner import Scoring, collate, numerics_mu, score_batch
 from opd.losses import masked_mean
-from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics,
-                         teacher_mismatch_metrics, truncation_metrics)
+from opd.metrics import (TeacherHealth, exact_kl_metric, rollout_health, teacher_mismatch_metrics,
+                         truncation_metrics)
 from opd.plan import Plan, describe_layer
 from opd.rollouts import sampler_seed
 from opd.sampling import SamplingParams
@@ -74,8 +74,7 @@ def measure(setup: ProbeSetup, plan: Plan, teacher_side: bool = False) -> dict:
         engine.close()
     q, t_y, mask = scores.pi, scores.teacher, batch.mask
     mu = numerics_mu(batch, params.truncates)  # the numerics only: a truncation's own shift is reported apart
-    out = {**mismatch_metrics(mu, q, mask), **importance_metrics(mu, q, mask, cfg.loss.cap),
-           **distortion_metrics(t_y, mu, q, mask), "nsr_se": nsr_standard_error(t_y, mu, q, mask)}
+    out = {**rollout_health(t_y, mu, q, mask, cfg.loss.cap), "nsr_se": nsr_standard_error(t_y, mu, q, mask)}
     if params.truncates:
         out |= {k.replace("sampling/", "truncation_"): v for k, v in truncation_metrics(batch.mu, batch.raw,
                                                                                        mask).items()}
@@ -115,10 +114,11 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, p
     start = time.perf_counter()
     cls = estimator_class(setup.cfg.loss)
     numbers = probe(setup, plan)
-    decision = decide(numbers, thresholds, cls, staleness(setup.cfg), limit, setup.cfg.optim.lr)
+    decision = decide_numbers(numbers, thresholds, cls, staleness(setup.cfg), limit, setup.cfg.optim.lr)
     out = {**decision.to_dict(), "plan": str(plan), "estimator_class": cls, "staleness": staleness(setup.cfg),
            "probe": numbers, "probe_rollouts": len(setup.prompts), "probe_new_tokens": setup.cfg.new_tokens}
-    teacher = decide_teacher(numbers, thresholds, cls, limit) if "teacher_nsr" in numbers else None
+    health = TeacherHealth.of(numbers)
+    teacher = decide_teacher(health, thresholds, cls, limit) if health is not None else None
     if not decision.admit and propose and math.isfinite(decision.value):
         if teacher is not None and not teacher.admit and decision.value <= decision.limit:
             out["proposal"] = {"plan": None, "layer_kl": [], "note": "the rollout plan passes; the teacher engine "
@@ -142,7 +142,7 @@ def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, limi
     at BF16, one more at a time, until the probe passes."""
     n = len(plan.layers)
     if (scaled := calibrated(plan)) is not None:
-        decision = decide(probe(setup, scaled, floor), thresholds, cls, 0, limit)
+        decision = decide_numbers(probe(setup, scaled, floor), thresholds, cls, 0, limit)
         if decision.admit:
             return {"plan": str(scaled), "bf16_layers": [], "layer_kl": [], METRIC: decision.value,
                     "limit": decision.limit, "note": "calibrated KV scales instead of the fixed 1.0"}
@@ -156,7 +156,7 @@ def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, limi
         kept = sorted(order[:j])
         candidate = Plan.parse(f"{plan}; {','.join(map(str, kept))}: {KEEP}", n)
         numbers = probe(setup, candidate, floor)
-        decision = decide(numbers, thresholds, cls, 0, limit)
+        decision = decide_numbers(numbers, thresholds, cls, 0, limit)
         if decision.admit:
             return {"plan": str(candidate), "bf16_layers": kept, "layer_kl": sensitivity,
                     METRIC: decision.value, "limit": decision.limit}

@@ -22,7 +22,7 @@ import json
 import math
 from pathlib import Path
 
-from opd.admission import best_cut, calibrate_teacher, decide, is_teacher_side
+from opd.admission import best_cut, calibrate_teacher, decide_numbers, is_teacher_side
 from opd.config import stored_teacher
 from opd.errors import require
 from opd.figures import pyplot, save
@@ -192,7 +192,7 @@ def out_of_sample(rows: list[dict], thresholds: dict, sources: tuple[str, ...]) 
         b = band(group)
         for row in group:
             if row["source"] in sources and b is not None:
-                admitted = decide(row["probe"], thresholds, row["class"], row["staleness"],
+                admitted = decide_numbers(row["probe"], thresholds, row["class"], row["staleness"],
                                   lr=row["config"]["optim"]["lr"]).admit
                 decided.append(row | {"admitted": admitted, "limit": b["limit"]})
     return decided, confusion([(row, row["admitted"]) for row in decided])

@@ -37,8 +37,8 @@ from opd.errors import OpdError, require
 from opd.evaluate import greedy_accuracy, sampled_quality
 from opd.learner import Scores, Scoring, collate, numerics_mu, score_batch
 from opd.losses import masked_mean
-from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics, noise_to_signal,
-                         rollout_metrics, staleness_metrics, teacher_mismatch_metrics, truncation_metrics)
+from opd.metrics import (exact_kl_metric, noise_to_signal, rollout_health, rollout_metrics, staleness_metrics,
+                         teacher_mismatch_metrics, truncation_metrics)
 from opd.model import Transformer
 from opd.plan import Plan
 from opd.runlog import RunLock, RunLog, check_run_dir, check_same_run, clear_run_dir, read_guard_events, \
@@ -199,9 +199,8 @@ def step_metrics(batch, scores: Scores, cfg: TrainConfig, version: int) -> dict:
     carried = batch.has_q if batch.has_q is not None else torch.zeros_like(current)
     q = torch.where(carried[:, None], batch.q, pi) if batch.q is not None else pi
     known = mask & (carried | current)[:, None]
-    out = {**mismatch_metrics(mu, q, known), **importance_metrics(mu, q, known, cfg.loss.cap),
-           **distortion_metrics(t_y, mu, q, known), **staleness_metrics(batch.versions, version, q, pi, known, mu,
-                                                                              mask)}
+    out = {**rollout_health(t_y, mu, q, known, cfg.loss.cap), **staleness_metrics(batch.versions, version, q, pi,
+                                                                                  known, mu, mask)}
     out["stale/total_nsr"] = noise_to_signal(t_y, mu, pi, mask)
     if batch.kl_exact is not None:
         out["mismatch/kl_exact"] = masked_mean(batch.kl_exact.double(), mask & carried[:, None]).item()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from opd.admission import best_cut, calibrate, decide, estimator_class, load_thresholds, DEFAULT_THRESHOLDS
+from opd.admission import best_cut, calibrate, decide, decide_numbers, estimator_class, load_thresholds, DEFAULT_THRESHOLDS
 from opd.errors import OpdError
 from opd.losses import LossConfig
 from opd.plan import Plan
@@ -21,29 +21,29 @@ LIMITS = {"classes": {"full": {"max": 0.5, "knee": False, "max_staleness": 4},
 
 @pytest.mark.parametrize("cls, limit", [("full", 0.5), ("sampler", 0.02)])
 def test_decisions_at_and_around_each_threshold(cls, limit):
-    assert decide({"nsr": limit}, LIMITS, cls).admit  # at the limit: admitted (<=)
-    assert decide({"nsr": limit * 0.999}, LIMITS, cls).admit
-    rejected = decide({"nsr": limit * 1.001}, LIMITS, cls)
+    assert decide_numbers({"nsr": limit}, LIMITS, cls).admit  # at the limit: admitted (<=)
+    assert decide_numbers({"nsr": limit * 0.999}, LIMITS, cls).admit
+    rejected = decide_numbers({"nsr": limit * 1.001}, LIMITS, cls)
     assert not rejected.admit and rejected.limit == limit and ">" in rejected.reasons[0]
-    assert not decide({"nsr": math.nan}, LIMITS, cls).admit
-    assert not decide({"nsr": math.inf}, LIMITS, cls).admit
+    assert not decide_numbers({"nsr": math.nan}, LIMITS, cls).admit
+    assert not decide_numbers({"nsr": math.inf}, LIMITS, cls).admit
 
 
 def test_staleness_override_and_uncalibrated_classes():
-    assert decide({"nsr": 1e-3}, LIMITS, "full", staleness=4).admit
-    assert not decide({"nsr": 1e-3}, LIMITS, "full", staleness=5).admit
-    assert not decide({"nsr": 1e-5}, LIMITS, "sampler", staleness=1).admit  # stale mu in the advantage
-    strict = decide({"nsr": 0.03}, LIMITS, "corrected")  # no calibration: the strictest class applies
+    assert decide_numbers({"nsr": 1e-3}, LIMITS, "full", staleness=4).admit
+    assert not decide_numbers({"nsr": 1e-3}, LIMITS, "full", staleness=5).admit
+    assert not decide_numbers({"nsr": 1e-5}, LIMITS, "sampler", staleness=1).admit  # stale mu in the advantage
+    strict = decide_numbers({"nsr": 0.03}, LIMITS, "corrected")  # no calibration: the strictest class applies
     assert not strict.admit and strict.limit == 0.02 and "strictest" in strict.reasons[0]
-    assert decide({"nsr": 0.03}, LIMITS, "sampler", limit=0.05).admit  # user override
-    assert not decide({"nsr": 0.06}, None, "sampler", limit=0.05).admit  # override needs no file
+    assert decide_numbers({"nsr": 0.03}, LIMITS, "sampler", limit=0.05).admit  # user override
+    assert not decide_numbers({"nsr": 0.06}, None, "sampler", limit=0.05).admit  # override needs no file
 
 
 def test_a_candidate_at_the_bf16_floor_is_admitted_whatever_the_limit():
-    at_floor = decide({"nsr": 0.03, "floor_nsr": 0.015}, LIMITS, "sampler")  # 2x the floor, above the limit
+    at_floor = decide_numbers({"nsr": 0.03, "floor_nsr": 0.015}, LIMITS, "sampler")  # 2x the floor, above the limit
     assert at_floor.admit and "BF16 rollouts are the reference" in at_floor.reasons[1]
-    assert not decide({"nsr": 0.0301, "floor_nsr": 0.015}, LIMITS, "sampler").admit
-    assert not decide({"nsr": 1e-5, "floor_nsr": 1e-5}, LIMITS, "sampler", staleness=1).admit  # staleness
+    assert not decide_numbers({"nsr": 0.0301, "floor_nsr": 0.015}, LIMITS, "sampler").admit
+    assert not decide_numbers({"nsr": 1e-5, "floor_nsr": 1e-5}, LIMITS, "sampler", staleness=1).admit  # staleness
 
 
 def test_staleness_budget_is_the_best_cut_over_noisy_drifts():
@@ -55,10 +55,10 @@ def test_staleness_budget_is_the_best_cut_over_noisy_drifts():
     assert entry["staleness_seen"] == [1, 2, 4, 8]  # one noisy k=1 run outvoted; k=8 at lr 1e-3 degraded
     assert math.isclose(entry["max_drift"], 4e-3)
     thresholds = {"metric": "nsr", "classes": {"full": entry}}
-    assert decide({"nsr": 1e-5}, thresholds, "full", staleness=4, lr=1e-3).admit
-    stale = decide({"nsr": 1e-5}, thresholds, "full", staleness=8, lr=1e-3)
+    assert decide_numbers({"nsr": 1e-5}, thresholds, "full", staleness=4, lr=1e-3).admit
+    stale = decide_numbers({"nsr": 1e-5}, thresholds, "full", staleness=8, lr=1e-3)
     assert stale.verdict == "REJECT" and "staleness <= 4 at this lr" in stale.reasons[-1]
-    assert decide({"nsr": 1e-5}, thresholds, "full", staleness=13, lr=3e-4).admit  # 3.9e-3: within the budget
+    assert decide_numbers({"nsr": 1e-5}, thresholds, "full", staleness=13, lr=3e-4).admit  # 3.9e-3: within the budget
 
 
 def test_uncalibrated_staleness_follows_the_estimator():
@@ -66,20 +66,20 @@ def test_uncalibrated_staleness_follows_the_estimator():
     gradient), corrected ones are uncertain, uncorrected sampled ones rejected."""
     thresholds = {"metric": "nsr", "classes": {c: {"max": 0.1, "knee": True, "max_drift": None} for c in
                                                ("full", "sampler", "learner", "corrected")}}
-    verdicts = {c: decide({"nsr": 1e-3}, thresholds, c, staleness=2, lr=1e-3).verdict for c in thresholds["classes"]}
+    verdicts = {c: decide_numbers({"nsr": 1e-3}, thresholds, c, staleness=2, lr=1e-3).verdict for c in thresholds["classes"]}
     assert verdicts == {"full": "ADMIT", "sampler": "REJECT", "learner": "REJECT", "corrected": "UNCERTAIN"}
 
 
 def test_the_uncertain_band_between_the_cut_and_the_reject_edge():
     thresholds = {"metric": "nsr", "classes": {"sampler": {"max": 0.05, "reject": 0.2, "knee": True}}}
-    assert decide({"nsr": 0.05}, thresholds, "sampler").verdict == "ADMIT"
-    uncertain = decide({"nsr": 0.1}, thresholds, "sampler")
+    assert decide_numbers({"nsr": 0.05}, thresholds, "sampler").verdict == "ADMIT"
+    uncertain = decide_numbers({"nsr": 0.1}, thresholds, "sampler")
     assert uncertain.verdict == "UNCERTAIN" and not uncertain.admit and not uncertain.reject
     assert "runtime guard" in uncertain.reasons[1]
-    assert decide({"nsr": 0.2}, thresholds, "sampler").verdict == "UNCERTAIN"
-    assert decide({"nsr": 0.21}, thresholds, "sampler").reject
-    assert decide({"nsr": 0.1, "ess_frac": 0.4}, thresholds, "sampler").reject  # the worst verdict wins
-    assert decide({"nsr": 0.1}, thresholds, "sampler", limit=0.05).reject  # a user limit has no band
+    assert decide_numbers({"nsr": 0.2}, thresholds, "sampler").verdict == "UNCERTAIN"
+    assert decide_numbers({"nsr": 0.21}, thresholds, "sampler").reject
+    assert decide_numbers({"nsr": 0.1, "ess_frac": 0.4}, thresholds, "sampler").reject  # the worst verdict wins
+    assert decide_numbers({"nsr": 0.1}, thresholds, "sampler", limit=0.05).reject  # a user limit has no band
 
 
 def test_estimator_classes():
@@ -258,16 +258,35 @@ def test_guard_fallback_survives_resume(pair, tmp_path):
     assert (tmp_path / "resumed" / "guard.jsonl").read_text() == (tmp_path / "full" / "guard.jsonl").read_text()
 
 
+def test_decide_reads_the_typed_health():
+    """decide takes metrics.RolloutHealth (and the floor's, the teacher side's); decide_numbers reads the same from a
+    probe's stored numbers: the same decision, reason for reason."""
+    from opd.metrics import RolloutHealth, TeacherHealth
+    health, floor = RolloutHealth(nsr=0.03, kl_k3=0.01, adv_sign_flip=0.0), RolloutHealth(nsr=0.015, kl_k3=1e-4)
+    typed = decide(health, LIMITS, "sampler", floor=floor, teacher=TeacherHealth(nsr=0.001))
+    stored = decide_numbers({"nsr": 0.03, "kl_k3": 0.01, "adv_sign_flip": 0.0, "floor_nsr": 0.015,
+                             "floor_kl_k3": 1e-4, "teacher_nsr": 0.001}, LIMITS, "sampler")
+    assert typed.admit and typed.to_dict() == stored.to_dict() and any("teacher_nsr" in r for r in typed.reasons)
+    assert decide(health, LIMITS, "sampler", floor=floor, teacher=TeacherHealth(nsr=10.0)).reject
+
+
 def test_the_guards_window_means():
     """A NaN nsr (broken rollouts) makes the window's nsr NaN, which decide() rejects; a NaN or missing ESS (no q
-    for that step) is skipped as unknown; a window that never had the key has no mean."""
+    for that step) is skipped as unknown; an empty window has no mean. Every field the check judges is averaged:
+    one added to RolloutHealth reaches the guard without a change here."""
     import math
-    from opd.guard import GUARD_ESS, GUARD_NSR, window_mean as _window_mean
-    window = [{GUARD_NSR: 0.1, GUARD_ESS: 0.9}, {GUARD_NSR: math.nan, GUARD_ESS: math.nan}, {GUARD_ESS: 0.7}]
-    assert math.isnan(_window_mean(window, GUARD_NSR, finite_only=False))
-    assert _window_mean(window[:1] + window[2:], GUARD_NSR, finite_only=False) == pytest.approx(0.1)
-    assert _window_mean(window, GUARD_ESS, finite_only=True) == pytest.approx(0.8)
-    assert _window_mean(window[2:], GUARD_NSR, finite_only=False) is None
+    from opd.guard import window_entry
+    from opd.metrics import RolloutHealth
+    steps = [{"opd/nsr": 0.1, "is/ess_frac": 0.9, "mismatch/kl_k3": 0.01}, {"opd/nsr": math.nan, "is/ess_frac": math.nan},
+             {"opd/nsr": 0.3, "is/ess_frac": 0.7, "mismatch/kl_k3": 0.03, "stale/total_nsr": 0.5}]
+    window = [window_entry(m)["rollouts"] for m in steps]
+    assert math.isnan(RolloutHealth.mean(window).nsr)
+    both = RolloutHealth.mean(window[:1] + window[2:])
+    assert both.nsr == pytest.approx(0.2) and both.kl_k3 == pytest.approx(0.02) and both.adv_sign_flip is None
+    assert RolloutHealth.mean(window).ess_frac == pytest.approx(0.8)
+    assert RolloutHealth.mean([]) is None and window_entry({"is/ess_frac": 0.5})["rollouts"] is None
+    assert window_entry(steps[2])["total_nsr"] == 0.5 and window_entry(steps[1])["teacher"] is None
+    assert RolloutHealth.of({"nsr": 0.1, "kl_k3": 0.2}) == RolloutHealth(nsr=0.1, kl_k3=0.2)  # a probe's names
 
 
 def test_the_guards_fallback_ladder():
@@ -490,7 +509,7 @@ def test_training_under_a_key_outlier_plan_trains_the_original_parametrization(p
 def test_a_broken_rollout_engine_is_rejected_by_its_ess_whatever_its_nsr():
     """nsr understates rollouts that are garbage (the teacher disagrees with them too); the ESS floor catches them."""
     from opd.admission import MIN_ESS_FRAC
-    assert decide({"nsr": 0.01, "ess_frac": MIN_ESS_FRAC}, LIMITS, "full").admit
-    broken = decide({"nsr": 0.01, "ess_frac": 0.075}, LIMITS, "full")
+    assert decide_numbers({"nsr": 0.01, "ess_frac": MIN_ESS_FRAC}, LIMITS, "full").admit
+    broken = decide_numbers({"nsr": 0.01, "ess_frac": 0.075}, LIMITS, "full")
     assert not broken.admit and "ess_frac 0.075 < 0.5" in broken.reasons[-1]
-    assert decide({"nsr": 0.01}, LIMITS, "full").admit  # without an ess_frac: nsr alone
+    assert decide_numbers({"nsr": 0.01}, LIMITS, "full").admit  # without an ess_frac: nsr alone

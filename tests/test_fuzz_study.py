@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from fuzzlib import EXAMPLES, FUZZ, mutated_file, outcome
 from opd import cli
-from opd.admission import CLASSES, DEFAULT_THRESHOLDS, decide, load_thresholds
+from opd.admission import CLASSES, DEFAULT_THRESHOLDS, decide_numbers, load_thresholds
 from opd.checkpoint import save_checkpoint
 from opd.config import build_config
 from opd.model import ModelConfig, Transformer
@@ -98,9 +98,9 @@ def test_thresholds(tmp_path, data):
         thresholds = load_thresholds(path)
         for cls in CLASSES:
             for nsr in (1e-3, 0.1, 10.0, math.nan):
-                decide({"nsr": nsr, "floor_nsr": 1e-3, "kl_k3": 0.01, "floor_kl_k3": 1e-4, "ess_frac": 0.9,
+                decide_numbers({"nsr": nsr, "floor_nsr": 1e-3, "kl_k3": 0.01, "floor_kl_k3": 1e-4, "ess_frac": 0.9,
                         "adv_sign_flip": 0.01}, thresholds, cls, staleness=2, lr=1e-3).to_dict()
-            decide({"nsr": 0.1}, thresholds, cls).to_dict()
+            decide_numbers({"nsr": 0.1}, thresholds, cls).to_dict()
     outcome(use, tmp_path)
 
 

@@ -198,20 +198,20 @@ THRESHOLDS = {"metric": "nsr", "classes": {"full": {"max": 0.5, "reject": 0.8, "
 @pytest.mark.parametrize("teacher_nsr,verdict", [(0.05, "ADMIT"), (0.15, "UNCERTAIN"), (0.3, "REJECT"),
                                                  (math.nan, "REJECT")])
 def test_decide_judges_the_teacher_side_by_its_own_limit(teacher_nsr, verdict):
-    from opd.admission import decide
+    from opd.admission import decide_numbers
     numbers = {"nsr": 0.01, "teacher_nsr": teacher_nsr, "teacher_kl_k3": 0.002}
-    decision = decide(numbers, THRESHOLDS, "full")
+    decision = decide_numbers(numbers, THRESHOLDS, "full")
     assert decision.verdict == verdict and decision.value == 0.01  # the student side's value stays the headline
     assert any("teacher" in r for r in decision.reasons)
-    assert decide({"nsr": 0.01}, THRESHOLDS, "full").verdict == "ADMIT"  # no teacher engine: no teacher verdict
+    assert decide_numbers({"nsr": 0.01}, THRESHOLDS, "full").verdict == "ADMIT"  # no teacher engine: no teacher verdict
 
 
 def test_decide_without_teacher_thresholds_uses_the_student_side_limit_and_says_so():
-    from opd.admission import decide
+    from opd.admission import decide_numbers
     student_only = {"metric": "nsr", "classes": THRESHOLDS["classes"]}
-    decision = decide({"nsr": 0.01, "teacher_nsr": 0.3}, student_only, "full")
+    decision = decide_numbers({"nsr": 0.01, "teacher_nsr": 0.3}, student_only, "full")
     assert decision.verdict == "ADMIT" and "no teacher-side calibration" in " ".join(decision.reasons)
-    assert decide({"nsr": 0.01, "teacher_nsr": 0.3}, None, "full", limit=0.2).verdict == "REJECT"  # user limit
+    assert decide_numbers({"nsr": 0.01, "teacher_nsr": 0.3}, None, "full", limit=0.2).verdict == "REJECT"  # user limit
 
 
 def test_calibrate_keeps_the_two_sides_apart():
