@@ -6,7 +6,7 @@ mismatch sources, levels and estimators, each labelled fine or **degraded** agai
 seeds' spread, or 5% of their mean if wider). The check must predict that label before training, from the run's
 probe, estimator, max_staleness and lr. The BF16 runs define the labels and are not scored.
 
-Three splits, each calibrating with `opd calibrate`'s rule (admission.calibrate) on some runs and deciding others:
+Three splits, each calibrating with `opd calibrate`'s rule (thresholds.calibrate) on some runs and deciding others:
   leave one source out     every run of a mismatch source (kv, kv_trunc, noise, staleness, key_outlier, ...) held
                            out together: how the check does on a kind of mismatch it has never seen (the goal)
   leave one config out     one (family, estimator, source, level) held out: the source's other levels stay in the
@@ -34,7 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-from opd.admission import calibrate, decide_numbers
+from opd.admission import decide_numbers
+
+from opd.thresholds import calibrate
 from opd.runlog import write_atomic
 from opd.sweep import PROBE_ROLLOUTS, read_results, stored_config
 from opd.tolerance import QUALITY, band, label, latest, teacher_thresholds
@@ -90,7 +92,8 @@ def scored(rows: list[dict]) -> list[dict]:
 
 
 def decision(row: dict, thresholds: dict) -> str:
-    return decide_numbers(row["probe"], thresholds, row["class"], row["staleness"], lr=row["config"]["optim"]["lr"]).verdict
+    return decide_numbers(row["probe"], thresholds, row["class"], row["staleness"],
+                          lr=row["config"]["optim"]["lr"]).verdict
 
 
 def config_of(row) -> tuple:

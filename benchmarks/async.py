@@ -19,7 +19,7 @@ import json
 import os
 import tempfile
 
-from opd.config import build_config
+from opd.config_file import build_config
 from opd.runlog import read_metrics
 from opd.trainer import train
 

@@ -63,14 +63,14 @@ def worker(job: dict) -> dict:
         model, _ = load_checkpoint(job["teacher"], torch.float32, device)
         size = sum(p.numel() * p.element_size() for p in model.parameters())
         return {"peak": devices.peak_memory(device) - base, "model": size}
-    from opd.config import build_config, merge
+    from opd.config_file import build_config, merge
     device = devices.resolve(job["device"])
     cfg = build_config(merge({"student": job["student"], "teacher": job["teacher"], "batch_size": job["batch"],
                               "sampling": {"max_new_tokens": job["tokens"]}, "threads": job["threads"],
                               "compute": {"device": job["device"]}, "eval": {"examples": job.get("examples", 8)}},
                              job.get("set", {})))
     if job["kind"] == "admit":
-        from opd.admission import load_thresholds
+        from opd.thresholds import load_thresholds
         from opd.probe import admit
         from opd.setup import probe_setup
         setup, plan = probe_setup(cfg, job["batch"])
@@ -97,7 +97,7 @@ def worker(job: dict) -> dict:
 def builtin_steps(job: dict) -> dict:
     """Step times on the built-in pair with the API both this code and BASELINE have (BASELINE's setup is in its
     trainer module)."""
-    from opd.config import build_config
+    from opd.config_file import build_config
     from opd.trainer import run_step
     try:
         from opd.setup import setup

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from opd.config import build_config
+from opd.config_file import build_config
 from opd.pretrain import PretrainConfig, pretrain
 from opd.task import get_task, train_examples
 from opd.setup import setup

@@ -17,9 +17,9 @@ import copy
 
 import torch
 
-from opd.admission import load_thresholds
+from opd.thresholds import load_thresholds
 from opd.probe import admit
-from opd.config import build_config
+from opd.config_file import build_config
 from opd.kv_cache import KVCache
 from opd.plan import Plan
 from opd.stress import add_outlier_keys

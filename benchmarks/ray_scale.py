@@ -74,7 +74,7 @@ def main() -> None:
         cmd = " ".join(["ip link set lo up && exec", sys.executable, *map(lambda a: f"'{a}'", sys.argv)])
         raise SystemExit(subprocess.call(["unshare", "-n", "sh", "-c", cmd]))
     import ray
-    from opd.config import build_config
+    from opd.config_file import build_config
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
              _node_ip_address="127.0.0.1")
     batch = args.batch_size or (16 if args.quick else 32)

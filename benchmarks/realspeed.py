@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def pair_config(batch: int, new_tokens: int, threads: int, **extra):
-    from opd.config import build_config
+    from opd.config_file import build_config
     return build_config({"family": "smollm2", "batch_size": batch, "threads": threads,
                          "sampling": {"max_new_tokens": new_tokens}, "eval": {"every": 0}} | extra)
 
@@ -345,7 +345,7 @@ def fp8_kv(args) -> dict:
 # ---- 5. the probe --------------------------------------------------------------------------------------------------
 
 def probe_cost(args) -> dict:
-    from opd.config import load_config
+    from opd.config_file import load_config
     from opd.probe import measure, probe
     from opd.setup import probe_setup
     cfg = load_config(None, ["family=smollm2", f"threads={args.threads}", "plan=kv=fp8_e4m3 forward=bf16"])

@@ -23,9 +23,9 @@ import math
 import tempfile
 from pathlib import Path
 
-from opd.admission import load_thresholds
+from opd.thresholds import load_thresholds
 from opd.probe import admit
-from opd.config import build_config, merge
+from opd.config_file import build_config, merge
 from opd.engine import Engine
 from opd.runlog import read_metrics
 from opd.setup import load_pair, parse_plan, probe_setup

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from opd.admission import load_thresholds
+from opd.thresholds import load_thresholds
 from opd.sweep import DEFAULT_GRID
 from opd.tolerance import QUALITY, out_of_sample, pivot
 from studies import grid_rows, parse_args, print_counts

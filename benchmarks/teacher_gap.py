@@ -46,7 +46,7 @@ def prompts_of(family: str, tok, n: int) -> list[list[int]]:
 
 
 def trainer_logprobs(model, prompts, completions, pad_id) -> list[torch.Tensor]:
-    from opd.engine import Rollout
+    from opd.sampling import Rollout
     batch = collate([Rollout(p, c, [0.0] * len(c), [0.0] * len(c), "stop", 0) for p, c in zip(prompts, completions)],
                     pad_id)
     with torch.no_grad():

@@ -9,13 +9,13 @@ Two grids on both built-in pairs, the study's recipe (60 steps of batch 32, BF16
 Each run is labelled as in the tolerance study (opd/tolerance.py: its final held-out reverse KL to the *trainer's*
 teacher against its BF16 seeds). Printed: the table; the knees (teacher-side sources on `teacher_mismatch/kl_exact`, a
 top-k teacher on its tail mass, student-side sources on `stale/total_kl_k3`); the comparison of the two sides at the
-same measured KL; the teacher-side admission limits calibrated on these runs (admission.calibrate_teacher) and their
+same measured KL; the teacher-side admission limits calibrated on these runs (thresholds.calibrate_teacher) and their
 leave-one-source-out decisions.
 
 **The comparison.** Both sides' engines are the built-in one, whose whole distributions give the exact mean KL per
 position (student side: KL(rollout || trainer), `mismatch/kl_exact`; teacher side: KL(teacher engine || trainer's
 teacher), `teacher_mismatch/kl_exact`). Per family and estimator, each side's runs give that side's knee by the
-study's rule (admission.best_cut; the student side with its BF16 runs at their own exact KL; the teacher side's BF16
+study's rule (thresholds.best_cut; the student side with its BF16 runs at their own exact KL; the teacher side's BF16
 runs would sit at 0, their teacher being the trainer's, so its knee comes from its runs alone, and a knee below all of
 them is only an upper bound); `tolerance_ratio` is the student side's knee over the teacher side's: above 1, OPD
 tolerates more KL on the student's side. A student side without a degraded run gives a lower bound (its largest fine
@@ -35,8 +35,10 @@ from pathlib import Path
 
 import yaml
 
-from opd.admission import best_cut, calibrate_teacher, decide_teacher, is_teacher_side
-from opd.config import stored_teacher
+from opd.admission import decide_teacher
+
+from opd.thresholds import best_cut, calibrate_teacher, is_teacher_side
+from opd.config_file import stored_teacher
 from opd.metrics import TeacherHealth
 from opd.runlog import write_atomic
 from opd.sweep import read_results, run_sweep
@@ -50,7 +52,7 @@ STUDENT_SIDE = ("kv", "noise")
 
 
 def side_knee(points: list[tuple[float, bool]]) -> dict:
-    """points: (exact KL, degraded) of one side's runs -> the knee (admission.best_cut, cost 1), the largest KL that
+    """points: (exact KL, degraded) of one side's runs -> the knee (thresholds.best_cut, cost 1), the largest KL that
     trained fine, the smallest that degraded, and whether the cut lies below every run (then the knee is only known
     to be under the smallest: best_cut puts it at that KL / sqrt 2)."""
     points = sorted(points)
@@ -114,7 +116,8 @@ def leave_source_out(rows: list[dict]) -> tuple[list[str], int, int]:
     for source in sorted({r["source"] for r in labelled}):
         entry = calibrate_teacher([r for r in labelled if r["source"] != source])
         for r in (r for r in labelled if r["source"] == source):
-            verdict = decide_teacher(TeacherHealth.of(r["probe"]), {"classes": {}, "teacher": entry}, r["class"]).verdict \
+            verdict = decide_teacher(TeacherHealth.of(r["probe"]), {"classes": {}, "teacher": entry},
+                                     r["class"]).verdict \
                 if entry else "none"
             ok = (verdict == "ADMIT") != r["degraded"]
             right += ok

@@ -31,7 +31,7 @@ def make_config(path: str | Path | None = None, /, **values):
     given as the file's keys, a section as a dict (`loss={"name": "full_rkl"}`; the async section as `async_=`, since
     `async` is a Python keyword). Unknown keys, wrong types and values out of range raise OpdError naming the key, as
     in a config file. (Not `opd.config`: that name is the module opd/config.py.)"""
-    from opd.config import build_config, expand_shorthand, load_config, merge
+    from opd.config_file import build_config, expand_shorthand, load_config, merge
     if path is not None and not isinstance(path, (str, Path)):
         raise OpdError(f"the config path must be a str or Path, got {type(path).__name__}", "e.g. \"configs/demo.yaml\"")
     base = load_config(Path(path)).to_dict() if path is not None else {}
@@ -60,7 +60,7 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
     "proposal" (a plan that passes, or what to change). rollouts: the probe's batch of the run's own prompts;
     thresholds: a file from `opd calibrate` ("" = the shipped one); limit > 0 replaces the calibrated nsr limit."""
     _not_in_a_starting_worker("opd.admit")
-    from opd.admission import load_thresholds
+    from opd.thresholds import load_thresholds
     from opd.probe import admit as check
     from opd.setup import probe_setup
     from opd.errors import require
@@ -71,10 +71,15 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
             "\"\" uses the shipped thresholds")
     cfg = _checked(cfg)
     limits = load_thresholds(thresholds)
+    from opd.devices import restored_threads
     from opd.engines import require_installed
     require_installed(cfg.engine.name)
-    setup, plan = probe_setup(cfg, rollouts)
-    return check(setup, plan, limits, limit, propose)
+    with restored_threads():  # the probe sets the run's thread count; the caller's comes back
+        setup, plan = probe_setup(cfg, rollouts)
+        try:
+            return check(setup, plan, limits, limit, propose)
+        finally:
+            setup.teacher.close()
 
 
 def generate(model: str | Path, prompts: list, max_new_tokens: int = 64, plan: str = "", seed: int = 0,

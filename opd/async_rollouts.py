@@ -15,11 +15,12 @@ and the newest weights (`async.stale_policy: requeue`) or discarded (`drop`); bo
 outstanding request, up to `async.max_worker_restarts` times; then the run stops with a clear error. An exception inside
 the worker stops the run (it would recur), as does a message from it that is not a wire tree of a known kind.
 """
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-from opd.engine import Rollout
+from opd.sampling import Rollout
 from opd.errors import OpdError, require
 from opd.plan import Plan
 from opd.rollouts import Batch, learner_logprobs, sampler_seed, shards, too_stale
@@ -142,8 +143,13 @@ class AsyncRollouts:
             while key not in self.ready:
                 self._collect(block=True)
             result = self.ready.pop(self.order.popleft())
-            if too_stale(result.rollouts[0].policy_version, version, self.max_staleness) is None:
+            reason = too_stale(result.rollouts[0].policy_version, version, self.max_staleness)
+            if reason is None:
                 break
+            if not self.counts["requeued"] + self.counts["dropped"]:  # the first time: why (then counted only)
+                what = "re-sampled" if self.stale_policy == "requeue" else "dropped"
+                print(f"opd: note: prompt batch {key[0]} was {what}: {reason}; further ones are counted in "
+                      f"async/{'requeued' if self.stale_policy == 'requeue' else 'dropped'}", file=sys.stderr)
             if self.stale_policy == "requeue":
                 self.counts["requeued"] += 1
                 self._dispatch((key[0], key[1] + 1))

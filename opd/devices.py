@@ -9,9 +9,11 @@ Dtypes (`compute.dtype`, `compute.teacher_dtype`): `float32`, or `bf16`. For the
 it); for the frozen teacher it means weights stored in bf16, half the memory of float32. CPUs run bf16 in any
 PyTorch (slowly without native support); a GPU needs to support it (`torch.cuda.is_bf16_supported`).
 """
+from contextlib import contextmanager
+
 import torch
 
-from opd.config import DTYPE_NAMES, check_dtype_name, check_name
+from opd.sections import DTYPE_NAMES, check_dtype_name, check_name
 from opd.errors import OpdError, require
 
 DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16)))
@@ -80,3 +82,14 @@ def reset_peak_memory(device: torch.device) -> None:
         return
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+@contextmanager
+def restored_threads():
+    """torch's intra-op thread count as it was on the way in, set back on the way out: a run sets its own
+    (setup.setup, setup.probe_setup), and a Python caller's process keeps its own after opd.train or opd.admit."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

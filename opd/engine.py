@@ -31,7 +31,7 @@ to bfloat16 where eager PyTorch rounds (`emulate_precision_casts`), so a compile
 numerics instead of computing its fused intermediates in float32; only the order of some float reductions differs
 (tested).
 """
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -41,21 +41,8 @@ from opd.kernels import apply_kernels
 from opd.kv_cache import KVCache
 from opd.model import Transformer
 from opd.plan import Plan
-from opd.sampling import SamplingParams, process_logits, raw_logprobs, sample, seeded
+from opd.sampling import Rollout, SamplingParams, drawn_logprobs, process_logits, raw_logprobs, sample, seeded
 from opd.weight_quant import LayerWeights, refresh, rollout_copy
-
-
-@dataclass
-class Rollout:
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]  # processed: log-prob under the distribution the token was drawn from (mu)
-    raw_logprobs: list[float]  # before top-k/top-p: log_softmax(logits / temperature) (sampling.py)
-    finish_reason: str  # "stop" | "length"
-    policy_version: int
-    hidden: torch.Tensor | None = None  # [n, d] final hidden state of every step, when generate(return_hidden=True)
-    q: list[float] | None = None  # full-precision log-probs under the sampling weights (async worker's recompute)
-    kl_exact: list[float] | None = None  # per-token KL(p_rollout || p_q), from the same recompute
 
 
 def next_token_logits(model: Transformer, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
@@ -64,13 +51,6 @@ def next_token_logits(model: Transformer, ids: torch.Tensor, positions: torch.Te
     puts every prompt's last token at the last position, so the output layer runs on one position per row."""
     h = model.hidden(ids, positions, mask, cache)[:, -1]
     return h, model.lm_head(h)
-
-
-def drawn_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Final hidden states [c, d] of generated steps -> the engine's log-probs [c, V] at the sampling temperature,
-    before top-k/top-p (the raw ones: the numerics, without the truncation; sampling.py): a decode step's computation
-    (its rows may round differently in the last bit). lm_head: the sampling weights'."""
-    return raw_logprobs(lm_head(hidden), params)
 
 
 class Engine:
@@ -254,13 +234,15 @@ def compiled_forward(model: Transformer):
         get_cpp_compiler()
     except Exception as e:  # noqa: BLE001 (InvalidCxxCompiler, or anything else that means "no compiler")
         _compile_failed(e)
-    torch._inductor.config.emulate_precision_casts = True  # round to bf16 where eager does (see the docstring)
-    torch.fx.experimental._config.use_duck_shape = False  # a batch of 64 must not be tied to a dimension of 64
     compiled = torch.compile(next_token_logits, dynamic=True)
 
     def forward(*args):
+        # compiler settings for these calls only (a call may compile a graph), not for the rest of the process:
+        # round to bf16 where eager does (see the docstring); a batch of 64 must not be tied to a dimension of 64
         try:
-            return compiled(model, *args)
+            with torch._inductor.config.patch(emulate_precision_casts=True), \
+                    torch.fx.experimental._config.patch(use_duck_shape=False):
+                return compiled(model, *args)
         except torch._dynamo.exc.TorchDynamoException as e:  # e.g. inductor could not build a kernel
             _compile_failed(e)
     return forward

@@ -23,7 +23,7 @@ from opd.errors import require
 if TYPE_CHECKING:
     import torch
 
-    from opd.engine import Rollout
+    from opd.sampling import Rollout
     from opd.plan import Plan
     from opd.sampling import SamplingParams
 

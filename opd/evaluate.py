@@ -54,8 +54,8 @@ def sampled_quality(student: Transformer, teacher, tok: TextTokenizer, examples:
                     max_new_tokens: int, seed: int, params: SamplingParams | None = None, batch_size: int = 0,
                     micro_batch_size: int = 0, chunk_tokens: int = 0, scoring: str = "last_hash") -> dict:
     """Sampled-completion accuracy (absent under scoring "none") and the mean per-token reverse KL(student || teacher)
-    on the student's own samples at full precision (teacher: a teacher.Teacher with whole rows), sampled as the rollouts are (params: temperature, top-k, top-p):
-    {"eval/sampled_accuracy", "eval/rkl"}."""
+    on the student's own samples at full precision (teacher: a teacher.Teacher with whole rows), sampled as the
+    rollouts are (params: temperature, top-k, top-p): {"eval/sampled_accuracy", "eval/rkl"}."""
     scorer, params = get_scorer(scoring), replace(params or SamplingParams(), max_new_tokens=max_new_tokens)
     engine = Engine(student, tok.stop_ids, tok.pad_id)
     generator = torch.Generator(device=engine.device).manual_seed(seed)  # one stream across the batches

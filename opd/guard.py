@@ -22,7 +22,9 @@ import math
 import sys
 from pathlib import Path
 
-from opd.admission import FLOOR_PLAN, MIN_ESS_FRAC, calibrated, decide, decide_teacher, estimator_class, load_thresholds
+from opd.admission import FLOOR_PLAN, MIN_ESS_FRAC, calibrated, decide, decide_teacher, estimator_class
+
+from opd.thresholds import load_thresholds
 from opd.engines import kind
 from opd.errors import OpdError
 from opd.metrics import RolloutHealth, TeacherHealth

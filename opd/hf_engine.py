@@ -14,7 +14,7 @@ the one under logits / temperature. No hidden states (the exact KL is off with i
 import torch
 
 from opd.checkpoint import hf_state_dict
-from opd.engine import Rollout
+from opd.sampling import Rollout
 from opd.errors import require
 from opd.naive import left_pad
 from opd.plan import Plan
@@ -64,7 +64,8 @@ class HfEngine:
         weights = hf_state_dict(state_dict, self.tied)
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         require(not unexpected and set(missing) <= {"lm_head.weight"}, "the hf engine was sent weights that do not "
-                f"match its checkpoint (missing {missing[:3]}, unexpected {unexpected[:3]})", "this is a bug: report it")
+                f"match its checkpoint (missing {missing[:3]}, unexpected {unexpected[:3]})",
+                "this is a bug: report it")
         if self.tied:
             self.model.tie_weights()
         self.version = version

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from opd.chunked import Source, Student, log_probs, score
-from opd.engine import Rollout
+from opd.sampling import Rollout
 from opd.losses import LossConfig, loss_metrics
 from opd.model import Segments, Transformer
 

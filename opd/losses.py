@@ -44,8 +44,8 @@ to the whole-batch `opd_loss` and its autograd gradient in float64.
 import math
 
 import torch
-
-from opd.config import LossConfig  # the loss section of the training config (its names and checks)
+  # the loss section of the training config (its names and checks)
+from opd.sections import LossConfig
 from opd.errors import require
 
 CLOSED_FORM = ("full_rkl", "fkl", "sampled_rkl")  # losses whose logit gradient logit_gradient() computes

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from opd.errors import OpdError, require
 from opd.kernels import Kernels
 from opd.kv_cache import KVSpec
-from opd.weight_quant import WEIGHT_SCHEMES
+from opd.quant import WEIGHT_SCHEMES
 
 KEYS = ("kv", "kv_scale", "kv_per_head", "kv_group", "kv_round", "w", "noise", "key_outlier")  # and the whole-model
 WHOLE_MODEL = ("forward", "kernels")  # keys of a clause without a layer selector only

@@ -40,7 +40,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from opd.checkpoint import MANIFEST, manifest_problem, save_checkpoint
-from opd.config import FAMILIES
+from opd.sections import FAMILIES
 from opd.data import IGNORE, sft_batch
 from opd.errors import OpdError, require
 from opd.schema import Schema, parse_json, problem, read_text

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opd.admission import (FLOOR_PLAN, KEEP, METRIC, calibrated, class_limits, decide_numbers, decide_teacher,
-                           estimator_class, safe_staleness, staleness)
+                            estimator_class, safe_staleness, staleness)
 from opd.learner import Scoring, collate, numerics_mu, score_batch
 from opd.losses import masked_mean
 from opd.metrics import (TeacherHealth, exact_kl_metric, rollout_health, teacher_mismatch_metrics,

@@ -32,6 +32,8 @@ import math
 
 import torch
 
+WEIGHT_SCHEMES = ("none", "bf16", "fp8", "fp8_block", "int8", "int4")  # weight_quant.py: how each is stored
+
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 

@@ -44,15 +44,15 @@ import time
 import torch
 
 from opd import wire
-from opd.config import RayConfig
+from opd.sections import RayConfig
 from opd.errors import OpdError, first_line, require
 from opd.chunked import Source
 from opd.learner import Packed, pack, packed_hidden
 from opd.model import ModelConfig, empty_model
 from opd.rollouts import by_sizes
 from opd.teacher import timed_source
-from opd.worker import (COMPILE_GRACE, FROM_WORKER, POLL, WorkerCore, WorkerLost, WorkerSpec, error_message, read,
-                        spec_tree)
+from opd.channel import read
+from opd.worker import COMPILE_GRACE, FROM_WORKER, POLL, WorkerCore, WorkerLost, WorkerSpec, error_message, spec_tree
 
 
 def _ray():

@@ -231,7 +231,8 @@ def read_gguf(gguf: Path):
 def convert(gguf: Path, spec: Gguf, folder: Path) -> None:
     """Write spec's HF folder from the GGUF (module docstring, steps 3-5)."""
     from tokenizers import Tokenizer
-    from opd.checkpoint import from_hf_config, save_checkpoint, stop_ids
+    from opd.checkpoint import save_checkpoint
+    from opd.hf_config import from_hf_config, stop_ids
     from opd.model import empty_model
     from opd.tokenizer import TextTokenizer
     hf_model, hf_tok = read_gguf(gguf)

@@ -21,10 +21,9 @@ from typing import Callable, Protocol
 
 import torch
 
-from opd.engine import Rollout, drawn_logprobs
 from opd.errors import require
 from opd.plan import Plan
-from opd.sampling import SamplingParams
+from opd.sampling import Rollout, SamplingParams, drawn_logprobs
 
 
 def sampler_seed(seed: int, index: int, attempt: int = 0) -> int:

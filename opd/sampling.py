@@ -93,3 +93,24 @@ def sample(logprobs: torch.Tensor, params: SamplingParams, generator: torch.Gene
     u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device) * total
     u = torch.minimum(u, total.nextafter(total.new_zeros(())))  # rounded up to the total: the last token with mass
     return torch.searchsorted(cdf, u, right=True)[:, 0]  # a token of zero mass has an empty interval: never drawn
+
+
+def drawn_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Final hidden states [c, d] of generated steps -> the engine's log-probs [c, V] at the sampling temperature,
+    before top-k/top-p (the raw ones: the numerics, without the truncation; sampling.py): a decode step's computation
+    (its rows may round differently in the last bit). lm_head: the sampling weights'."""
+    return raw_logprobs(lm_head(hidden), params)
+
+
+@dataclass
+class Rollout:
+    """One sampled completion as every engine reports it (engines.RolloutEngine.generate)."""
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # processed: log-prob under the distribution the token was drawn from (mu)
+    raw_logprobs: list[float]  # before top-k/top-p: log_softmax(logits / temperature) (sampling.py)
+    finish_reason: str  # "stop" | "length"
+    policy_version: int
+    hidden: torch.Tensor | None = None  # [n, d] final hidden state of every step, when generate(return_hidden=True)
+    q: list[float] | None = None  # full-precision log-probs under the sampling weights (async worker's recompute)
+    kl_exact: list[float] | None = None  # per-token KL(p_rollout || p_q), from the same recompute

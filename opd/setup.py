@@ -15,7 +15,8 @@ import torch
 from opd import devices
 from opd.async_rollouts import AsyncRollouts
 from opd.checkpoint import load_checkpoint
-from opd.config import REAL_PAIRS, DataConfig, TrainConfig, resolve_generation
+from opd.config import TrainConfig, resolve_generation
+from opd.sections import DataConfig, REAL_PAIRS
 from opd.errors import require
 from opd.guard import Guard
 from opd.model import Transformer
@@ -23,6 +24,7 @@ from opd.plan import Plan
 from opd.pretrain import PretrainConfig, pretrain
 from opd.probe import PROBE_TOKENS, ProbeSetup
 from opd.real_pairs import build_pair
+from opd.resume import State
 from opd.prompts import PromptSet
 from opd.engines import kind, make_engine
 from opd.rollouts import Rollouts, SyncRollouts
@@ -108,18 +110,8 @@ def engine_size(cfg: TrainConfig, prompts: PromptSet) -> dict:
 
 
 @dataclass
-class State:
-    step: int = 0  # optimizer steps attempted so far (the next step's index)
-    version: int = 0  # policy version of the engine's weights: optimizer steps actually taken
-    bad_steps: int = 0  # non-finite steps in a row
-    skipped: int = 0  # non-finite steps in total
-    fallback: bool = False  # the runtime guard switched the rollouts to a safer plan (kept on resume)
-    fallback_plan: str = ""  # the plan it switched to last ("" with fallback: BF16, as before this field existed)
-
-
-@dataclass
 class Run:
-    """Everything one step needs; trainer.save_state/load_state persist what changes between steps."""
+    """Everything one step needs; resume.save_state/load_state persist what changes between steps."""
     cfg: TrainConfig
     student: Transformer
     teacher: Teacher  # who scores for the teacher (teacher.py); its `trainer` is the full-precision one (evaluation)
@@ -132,6 +124,11 @@ class Run:
     state: State
     student_dir: Path
     guard: Guard  # the runtime admission check (cfg.guard.every > 0)
+
+    def use_plan(self, plan: Plan) -> None:
+        """Sample under plan from now on (the guard's fallback, or one a resumed run recorded)."""
+        self.plan = plan
+        self.rollouts.set_plan(plan)
 
 
 def setup(cfg: TrainConfig) -> Run:

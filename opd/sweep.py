@@ -42,7 +42,8 @@ from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_v
 
 from opd.admission import CLASSES, estimator_class, staleness
 from opd.probe import probe
-from opd.config import TrainConfig, build_config, known_settings, merge, migrate, resolve_generation
+from opd.config import TrainConfig, resolve_generation
+from opd.config_file import build_config, known_settings, merge, migrate
 from opd.errors import OpdError, require
 from opd.plan import Plan
 from opd.pretrain import FAMILIES
@@ -246,7 +247,7 @@ class StoredConfig(Schema):
 
 
 class Result(Schema):
-    """A results line as tolerance.py (plots, knees), admission.calibrate and the resume read it."""
+    """A results line as tolerance.py (plots, knees), thresholds.calibrate and the resume read it."""
     id: str
     key: str
     family: Literal[FAMILIES]

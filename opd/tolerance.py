@@ -14,7 +14,7 @@ the spread is narrower:  rkl > hi + max(hi - lo, 0.05 * mean).  A few seeds unde
 
 **The knee** of a source (per family and estimator): the mismatch cut that puts the fewest of its runs (and the BF16
 runs) on the wrong side, fine below and degraded above: the geometric middle of the widest gap among equally good
-cuts, the same rule that calibrates the admission check (admission.best_cut). Runs on the wrong side are counted
+cuts, the same rule that calibrates the admission check (thresholds.best_cut). Runs on the wrong side are counted
 (`misplaced`): a fine run above a degraded one is seed noise, or a source that does not act through the mismatch
 alone. A source none of whose levels degraded has no knee; that, with the largest mismatch it reached, is a finding.
 """
@@ -22,8 +22,10 @@ import json
 import math
 from pathlib import Path
 
-from opd.admission import best_cut, calibrate_teacher, decide_numbers, is_teacher_side
-from opd.config import stored_teacher
+from opd.admission import decide_numbers
+
+from opd.thresholds import best_cut, calibrate_teacher, is_teacher_side
+from opd.config_file import stored_teacher
 from opd.errors import require
 from opd.figures import pyplot, save
 from opd.runlog import write_atomic
@@ -81,7 +83,7 @@ def mismatch_of(row: dict) -> float | None:
 
 def teacher_thresholds(rows: list[dict]) -> dict | None:
     """A thresholds file's `teacher` entry from the teacher study's results (labelled here against their BF16 seeds;
-    admission.calibrate_teacher)."""
+    thresholds.calibrate_teacher)."""
     return calibrate_teacher([r for r in label(rows) if r["degraded"] is not None and is_teacher_side(r)])
 
 

@@ -30,7 +30,7 @@ import torch
 
 from opd.checkpoint import hf_state_dict
 from opd.errors import OpdError, first_line, require
-from opd.engine import Rollout
+from opd.sampling import Rollout
 from opd.plan import Plan
 from opd.sampling import SamplingParams, seeded
 

@@ -30,10 +30,9 @@ import torch.nn.functional as F
 
 from opd.errors import require
 from opd.model import Transformer, empty_model
-from opd.quant import dequantize_fp8, dequantize_int4, fp8_max, quantize_fp8, quantize_int4, safe_scale
+from opd.quant import WEIGHT_SCHEMES, dequantize_fp8, dequantize_int4, fp8_max, quantize_fp8, quantize_int4, safe_scale
 from opd.stress import add_outlier_keys_to_layer
 
-WEIGHT_SCHEMES = ("none", "bf16", "fp8", "fp8_block", "int8", "int4")
 E4M3 = torch.float8_e4m3fn
 BLOCK = 128
 

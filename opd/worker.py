@@ -1,4 +1,4 @@
-"""The rollout worker and its transport: a process of our own that samples batches on request, and the pipe to it.
+"""The rollout worker: a process of our own that samples batches on request (its pipe: channel.py).
 
 **The worker boundary is message passing, bytes only.** A rollout worker is an address with one `Channel` to it;
 every message is one `wire.encode`d tree of plain values and tensors (wire.py: safetensors + a JSON header): tensors
@@ -52,8 +52,9 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from opd import wire
+from opd.channel import Channel, read
 from opd.devices import autocast_dtype
-from opd.engine import Rollout
+from opd.sampling import Rollout
 from opd.errors import OpdError, require
 from opd.kv_cache import KVSpec
 from opd.learner import Scoring, collate, score_batch
@@ -147,57 +148,6 @@ def rollout_from_tree(tree: dict, what: str = "a rollout") -> Rollout:
     require(all(len(tree[k]) == n for k in ("logprobs", "raw_logprobs", "q", "kl_exact") if tree[k] is not None)
             and (hidden is None or len(hidden) == n), f"{what}: its per-token lists differ in length", fix)
     return Rollout(**{k: v.tolist() if k in AS_TENSORS and v is not None else v for k, v in tree.items()})
-
-
-# -- the transport -----------------------------------------------------------------------------------------------------
-def read(data: bytes, device: str | torch.device, what: str, kinds: tuple[str, ...]) -> dict:
-    """A received message: a wire tree with a known kind; anything else is refused with one line, never run."""
-    message = wire.decode(data, device, what)
-    require(isinstance(message, dict) and message.get("kind") in kinds,
-            f"{what} is not a message of kind {', '.join(kinds)}", "it was not sent by this version of opd")
-    return message
-
-
-class Channel:
-    """One end of a pipe that carries bytes only (`send_bytes` / `recv_bytes`; `send` / `recv` would unpickle).
-    A feeder thread writes what `send` queues, so sending never blocks the caller; a reader thread reads whole
-    messages, so `receive` waits no longer than its timeout, even while the other end is stopped mid-message."""
-
-    def __init__(self, conn):
-        self.conn, self.outgoing, self.incoming = conn, queue.SimpleQueue(), queue.SimpleQueue()
-        self.feeder = threading.Thread(target=self._feed, daemon=True)
-        self.feeder.start()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _feed(self) -> None:
-        try:
-            while (data := self.outgoing.get()) is not None:
-                self.conn.send_bytes(data)
-        except OSError:  # the other end is gone
-            pass
-
-    def _read(self) -> None:
-        try:
-            while True:
-                self.incoming.put(self.conn.recv_bytes())
-        except (EOFError, OSError):
-            self.incoming.put(None)  # the other end is closed: that process is gone or exiting
-
-    def send(self, data: bytes) -> None:
-        self.outgoing.put(data)
-
-    def receive(self, timeout: float | None = None) -> bytes | None:
-        """The next message; None once the other end has closed. Raises queue.Empty after `timeout` seconds."""
-        data = self.incoming.get(timeout=timeout)
-        if data is None:
-            self.incoming.put(None)  # closed stays closed for the next call
-        return data
-
-    def close(self, flush: float = 0.0) -> None:
-        """Stop the feeder after what is queued, waiting up to `flush` seconds for it to be written. The pipe itself
-        closes when both threads are done (the reader: once the other process is gone)."""
-        self.outgoing.put(None)
-        self.feeder.join(flush)
 
 
 # -- the worker process ------------------------------------------------------------------------------------------------

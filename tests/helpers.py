@@ -9,7 +9,8 @@ import torch
 
 from opd.checkpoint import save_checkpoint
 from opd import make_config
-from opd.config import TrainConfig, merge
+from opd.config import TrainConfig
+from opd.config_file import merge
 from opd.engine import Engine
 from opd.learner import collate
 from opd.model import ModelConfig, Transformer

@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from opd.admission import best_cut, calibrate, decide, decide_numbers, estimator_class, load_thresholds, DEFAULT_THRESHOLDS
+from opd.admission import decide, decide_numbers, estimator_class
+
+from opd.thresholds import DEFAULT_THRESHOLDS, best_cut, calibrate, load_thresholds
 from opd.errors import OpdError
 from opd.losses import LossConfig
 from opd.plan import Plan
@@ -66,7 +68,8 @@ def test_uncalibrated_staleness_follows_the_estimator():
     gradient), corrected ones are uncertain, uncorrected sampled ones rejected."""
     thresholds = {"metric": "nsr", "classes": {c: {"max": 0.1, "knee": True, "max_drift": None} for c in
                                                ("full", "sampler", "learner", "corrected")}}
-    verdicts = {c: decide_numbers({"nsr": 1e-3}, thresholds, c, staleness=2, lr=1e-3).verdict for c in thresholds["classes"]}
+    verdicts = {c: decide_numbers({"nsr": 1e-3}, thresholds, c, staleness=2, lr=1e-3).verdict
+                for c in thresholds["classes"]}
     assert verdicts == {"full": "ADMIT", "sampler": "REJECT", "learner": "REJECT", "corrected": "UNCERTAIN"}
 
 
@@ -277,7 +280,8 @@ def test_the_guards_window_means():
     import math
     from opd.guard import window_entry
     from opd.metrics import RolloutHealth
-    steps = [{"opd/nsr": 0.1, "is/ess_frac": 0.9, "mismatch/kl_k3": 0.01}, {"opd/nsr": math.nan, "is/ess_frac": math.nan},
+    steps = [{"opd/nsr": 0.1, "is/ess_frac": 0.9, "mismatch/kl_k3": 0.01},
+             {"opd/nsr": math.nan, "is/ess_frac": math.nan},
              {"opd/nsr": 0.3, "is/ess_frac": 0.7, "mismatch/kl_k3": 0.03, "stale/total_nsr": 0.5}]
     window = [window_entry(m)["rollouts"] for m in steps]
     assert math.isnan(RolloutHealth.mean(window).nsr)

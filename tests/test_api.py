@@ -73,7 +73,7 @@ def test_reading_a_config_imports_nothing_heavy(tmp_path):
     import sys
     path = tmp_path / "c.yaml"
     path.write_text("family: qwen3\nplan: kv=fp8_e4m3\nloss: {name: sampled_rkl, correction: tis}\n")
-    code = ("import sys; from opd.config import load_config; load_config(sys.argv[1], ['async.max_staleness=2']); "
+    code = ("import sys; from opd.config_file import load_config; load_config(sys.argv[1], ['async.max_staleness=2']); "
             "heavy = sorted(m for m in ('torch', 'opd.model', 'opd.engine', 'opd.pretrain') if m in sys.modules); "
             "print(heavy)")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)

@@ -16,11 +16,13 @@ import torch
 
 from opd import wire
 from opd.async_rollouts import AsyncRollouts, Result
-from opd.worker import (Channel, RolloutWorker, WorkerLost, WorkerSpec, plan_from_tree, plan_tree, recompute,
-                        rollout_from_tree, rollout_tree, spec_from_tree, spec_tree)
+from opd.channel import Channel
+from opd.worker import (RolloutWorker, WorkerLost, WorkerSpec, plan_from_tree, plan_tree, recompute, rollout_from_tree,
+                        rollout_tree, spec_from_tree, spec_tree)
 from opd.checkpoint import load_checkpoint
-from opd.config import AsyncConfig
-from opd.engine import Engine, Rollout
+from opd.sections import AsyncConfig
+from opd.engine import Engine
+from opd.sampling import Rollout
 from opd.errors import OpdError
 from opd.learner import collate, completion_logprobs
 from opd.losses import kl
@@ -108,11 +110,14 @@ def test_worker_recompute_matches_the_trainers_forward(pair):
 
 
 @pytest.mark.parametrize("policy", ["requeue", "drop"])
-def test_too_stale_batches_are_requeued_or_dropped_and_counted(pair, tmp_path, policy):
+def test_too_stale_batches_are_requeued_or_dropped_and_counted(pair, tmp_path, policy, capsys):
     """prefetch 1 lets the worker sample one batch ahead, so with max_staleness 0 every batch but the first
-    arrives one version too old: each is re-sampled or discarded, and no stale batch is trained on."""
+    arrives one version too old: each is re-sampled or discarded, and no stale batch is trained on. The first one
+    says why, once."""
     summary = train(async_config(pair, max_staleness=0, prefetch=1, stale_policy=policy), tmp_path / "run",
                     progress=False)
+    notes = [line for line in capsys.readouterr().err.splitlines() if "opd: note: prompt batch" in line]
+    assert len(notes) == 1 and "1 steps behind the learner's" in notes[0] and "(max_staleness 0)" in notes[0]
     rows = read_metrics(tmp_path / "run")[:-1]
     assert all(r["stale/version_gap_max"] == 0 for r in rows)
     counted = summary[f"async/{'requeued' if policy == 'requeue' else 'dropped'}"]

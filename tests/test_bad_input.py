@@ -23,7 +23,7 @@ import torch
 
 from opd.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
 from opd.cli import main
-from opd.config import build_config, dump_config
+from opd.config_file import build_config, dump_config
 
 from helpers import make_checkpoint
 

@@ -6,8 +6,11 @@ from dataclasses import fields
 import pytest
 import yaml
 
-from opd.config import (MOVED, SECTIONS, AsyncConfig, EvalConfig, GuardConfig, TrainConfig, attribute, build_config,
-                        dump_config, flatten, load_config, migrate)
+from opd.config import SECTIONS, TrainConfig, attribute
+
+from opd.config_file import MOVED, build_config, dump_config, flatten, load_config, migrate
+
+from opd.sections import AsyncConfig, EvalConfig, GuardConfig
 from opd.errors import OpdError
 
 from helpers import config
@@ -135,7 +138,7 @@ def test_the_teacher_section_and_its_shorthand(tmp_path):
     """teacher: DIR is teacher.path, in a file, in --set (before or after teacher.* keys) and in Python; the keys
     from before the section are refused in a user's config and moved in a config opd stored."""
     from opd import make_config
-    from opd.config import TeacherConfig
+    from opd.sections import TeacherConfig
     assert load_config(None, ["student=s", "teacher=t"]).teacher == TeacherConfig(path="t")
     for order in (["teacher.engine=builtin", "teacher=t"], ["teacher=t", "teacher.engine=builtin"]):
         assert load_config(None, ["student=s", *order]).teacher == TeacherConfig(path="t", engine="builtin")

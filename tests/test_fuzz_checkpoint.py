@@ -25,7 +25,7 @@ from opd.errors import OpdError
 from opd.model import ModelConfig, Transformer
 from opd.pretrain import PretrainConfig, check_cache_dir, default_cache_dir, pretrain
 from opd.prompts import PromptSet, read_prompts
-from opd.config import build_config
+from opd.config_file import build_config
 from opd.tokenizer import TextTokenizer
 
 from fuzzlib import FUZZ, mutated_file, outcome

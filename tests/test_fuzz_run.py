@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from fuzzlib import FUZZ, mutated_file, outcome
 from opd import cli
 from opd.checkpoint import MANIFEST, _sha256
-from opd.config import load_config
+from opd.config_file import load_config
 from opd.setup import parse_plan
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.reliability]

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from opd.config import build_config
+from opd.config_file import build_config
 from opd.errors import OpdError
 from opd.prompts import PromptFormat, PromptSet, held_out_share, read_prompts
 from opd.scoring import boxed, get_scorer, gsm8k, number

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from opd.chunked import Source, output_layer
-from opd.config import LossConfig
+from opd.sections import LossConfig
 from opd.errors import OpdError
 from opd.learner import Scoring, completion_hidden, completion_logprobs, score_batch
 from opd.losses import opd_loss
@@ -217,7 +217,7 @@ def test_decide_without_teacher_thresholds_uses_the_student_side_limit_and_says_
 def test_calibrate_keeps_the_two_sides_apart():
     """Teacher-side rows (their rollouts at the floor) calibrate the teacher entry only; the student side's cut is
     the one the other rows give."""
-    from opd.admission import calibrate
+    from opd.thresholds import calibrate
     def row(nsr, teacher_nsr, degraded, **cfg):
         probe = {"nsr": nsr, "floor_nsr": 0.01} | ({"teacher_nsr": teacher_nsr} if teacher_nsr is not None else {})
         return {"class": "full", "staleness": 0, "probe": probe, "degraded": degraded,
@@ -225,7 +225,7 @@ def test_calibrate_keeps_the_two_sides_apart():
     student = [row(0.01, None, False), row(0.1, None, False), row(0.4, None, True), row(0.8, None, True)]
     builtin = dict(engine="builtin")
     teacher = [row(0.01, 0.02, False, teacher=builtin), row(0.01, 0.05, False, teacher=builtin),
-               row(0.01, 0.3, True, teacher=builtin), row(0.01, 0.0, True, teacher_topk=1)]  # (as stored before 2026-12-03)
+               row(0.01, 0.3, True, teacher=builtin), row(0.01, 0.0, True, teacher_topk=1)]  # (stored before 12-03)
     both = calibrate(student + teacher)
     assert both["classes"] == calibrate(student)["classes"]
     cut = both["teacher"]["classes"]["full"]

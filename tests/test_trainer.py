@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from opd.checkpoint import save_checkpoint
-from opd.config import load_config, parse_overrides
+from opd.config_file import load_config, parse_overrides
 from opd.errors import OpdError
 from opd.learner import collate, completion_logprobs, token_logprobs
 from opd.engine import Engine

@@ -206,7 +206,7 @@ def test_vllm_teacher_prompt_logprobs_match_the_trainers_teacher(pair):
     """vLLM's prompt log-probs (float32) against the trainer's teacher on the student's tokens: the sampled tokens'
     within 1e-3, the top-8 ids the trainer's (values within 1e-3); and a top-8 teacher drives the top-k forward KL to
     the value the trainer's teacher gives it (5e-4 relative)."""
-    from opd.config import LossConfig
+    from opd.sections import LossConfig
     from opd.learner import Scoring, score_batch
     from opd.teacher import LocalTeacher, VllmTeacher, sequences
     (student, tok), (teacher, _) = load_checkpoint(pair[0]), load_checkpoint(pair[1])
