@@ -35,10 +35,9 @@ import time
 from pathlib import Path
 
 from opd.admission import decide_numbers
-
-from opd.thresholds import calibrate
 from opd.runlog import write_atomic
 from opd.sweep import PROBE_ROLLOUTS, read_results, stored_config
+from opd.thresholds import calibrate
 from opd.tolerance import QUALITY, band, label, latest, teacher_thresholds
 
 DATA = Path(__file__).parent / "data"

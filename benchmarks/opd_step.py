@@ -26,8 +26,8 @@ import torch
 
 from opd.config_file import build_config
 from opd.pretrain import PretrainConfig, pretrain
-from opd.task import get_task, train_examples
 from opd.setup import setup
+from opd.task import get_task, train_examples
 from opd.trainer import run_step
 
 

@@ -17,14 +17,14 @@ import copy
 
 import torch
 
-from opd.thresholds import load_thresholds
-from opd.probe import admit
 from opd.config_file import build_config
 from opd.kv_cache import KVCache
 from opd.plan import Plan
+from opd.probe import admit
+from opd.setup import probe_setup
 from opd.stress import add_outlier_keys
 from opd.sweep import PROBE_ROLLOUTS
-from opd.setup import probe_setup
+from opd.thresholds import load_thresholds
 
 PLANS = {"fp8 fixed": "kv=fp8_e4m3", "fp8 calibrated": "kv=fp8_e4m3 kv_scale=calibrate",
          "int8 calibrated": "kv=int8 kv_scale=calibrate",

@@ -23,12 +23,12 @@ import math
 import tempfile
 from pathlib import Path
 
-from opd.thresholds import load_thresholds
-from opd.probe import admit
 from opd.config_file import build_config, merge
 from opd.engine import Engine
+from opd.probe import admit
 from opd.runlog import read_metrics
 from opd.setup import load_pair, parse_plan, probe_setup
+from opd.thresholds import load_thresholds
 from opd.trainer import train
 
 RUNS = [("sync_bf16", {"plan": "kv=bf16 w=bf16"}),

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import yaml
 
-from opd.thresholds import load_thresholds
 from opd.sweep import DEFAULT_GRID
+from opd.thresholds import load_thresholds
 from opd.tolerance import QUALITY, out_of_sample, pivot
 from studies import grid_rows, parse_args, print_counts
 

@@ -20,13 +20,13 @@ import time
 
 import torch
 
+from opd import make_config
+from opd.checkpoint import load_checkpoint
 from opd.engine import Engine
 from opd.learner import collate, completion_logprobs, token_logprobs
 from opd.plan import Plan
 from opd.pretrain import PretrainConfig, pretrain
-from opd.checkpoint import load_checkpoint
 from opd.prompts import PromptSet
-from opd import make_config
 from opd.sampling import SamplingParams
 
 BUILTIN = {"bf16": "forward=bf16 kv=bf16", "fp8_e4m3": "forward=bf16 kv=fp8_e4m3",

@@ -36,12 +36,11 @@ from pathlib import Path
 import yaml
 
 from opd.admission import decide_teacher
-
-from opd.thresholds import best_cut, calibrate_teacher, is_teacher_side
 from opd.config_file import stored_teacher
 from opd.metrics import TeacherHealth
 from opd.runlog import write_atomic
 from opd.sweep import read_results, run_sweep
+from opd.thresholds import best_cut, calibrate_teacher, is_teacher_side
 from opd.tolerance import QUALITY, band, groups, knees, label, latest, pivot, teacher_thresholds
 from studies import parse_args
 

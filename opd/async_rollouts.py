@@ -20,10 +20,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-from opd.sampling import Rollout
 from opd.errors import OpdError, require
 from opd.plan import Plan
 from opd.rollouts import Batch, learner_logprobs, sampler_seed, shards, too_stale
+from opd.sampling import Rollout
 from opd.worker import RolloutWorker, WorkerLost, WorkerSpec, rollout_from_tree, rollout_tree, weights_message
 
 

@@ -13,8 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
-from opd.sections import DTYPE_NAMES, check_dtype_name, check_name
 from opd.errors import OpdError, require
+from opd.sections import DTYPE_NAMES, check_dtype_name, check_name
 
 DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16)))
 

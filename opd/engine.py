@@ -36,10 +36,10 @@ from dataclasses import replace
 import torch
 
 from opd.errors import OpdError, first_line, require
-from opd.naive import left_pad, prefill_mask
 from opd.kernels import apply_kernels
 from opd.kv_cache import KVCache
 from opd.model import Transformer
+from opd.naive import left_pad, prefill_mask
 from opd.plan import Plan
 from opd.sampling import Rollout, SamplingParams, drawn_logprobs, process_logits, raw_logprobs, sample, seeded
 from opd.weight_quant import LayerWeights, refresh, rollout_copy

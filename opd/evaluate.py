@@ -8,12 +8,12 @@ import torch
 
 from opd.chunked import chunk_size
 from opd.engine import Engine
+from opd.errors import require
 from opd.learner import Scoring, collate, score_batch
 from opd.losses import masked_mean
 from opd.model import Transformer
 from opd.plan import Plan
 from opd.sampling import SamplingParams
-from opd.errors import require
 from opd.scoring import get_scorer
 from opd.task import Example
 from opd.tokenizer import TextTokenizer

@@ -22,14 +22,13 @@ import math
 import sys
 from pathlib import Path
 
-from opd.admission import FLOOR_PLAN, MIN_ESS_FRAC, calibrated, decide, decide_teacher, estimator_class
-
-from opd.thresholds import load_thresholds
+from opd.admission import FLOOR_PLAN, MIN_ESS_FRAC, calibrated, decide, decide_teacher
 from opd.engines import kind
 from opd.errors import OpdError
 from opd.metrics import RolloutHealth, TeacherHealth
 from opd.plan import Plan
 from opd.runlog import read_guard_events, read_metrics, write_atomic
+from opd.thresholds import load_thresholds
 
 GUARD_TOTAL = "stale/total_nsr"  # reported beside the decision, never judged (module docstring)
 
@@ -58,12 +57,14 @@ def log_event(run_dir: Path, event: dict, line: str) -> None:
 
 
 class Guard:
-    """The guard of one run (cfg.guard.every > 0; with 0, `observe` is never due)."""
+    """The guard of one run (settings.every > 0; with 0, `observe` is never due)."""
 
-    def __init__(self, cfg):
-        self.every, self.action, self.limit = cfg.guard.every, cfg.guard.action, cfg.guard.limit
-        self.engine, self.asynchronous, self.cls = cfg.engine.name, cfg.schedule == "async", estimator_class(cfg.loss)
-        self.thresholds = load_thresholds(cfg.guard.thresholds) if cfg.guard.every and not cfg.guard.limit else None
+    def __init__(self, settings, cls: str, engine: str, asynchronous: bool):
+        """settings: the run's guard section (sections.GuardConfig); cls: its estimator class
+        (admission.estimator_class); engine: its rollout engine's kind (the fallback ladder depends on it)."""
+        self.every, self.action, self.limit = settings.every, settings.action, settings.limit
+        self.engine, self.asynchronous, self.cls = engine, asynchronous, cls
+        self.thresholds = load_thresholds(settings.thresholds) if settings.every and not settings.limit else None
         self.window: list[dict] = []
 
     def observe(self, step: int, metrics: dict) -> bool:

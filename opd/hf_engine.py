@@ -14,10 +14,10 @@ the one under logits / temperature. No hidden states (the exact KL is off with i
 import torch
 
 from opd.checkpoint import hf_state_dict
-from opd.sampling import Rollout
 from opd.errors import require
 from opd.naive import left_pad
 from opd.plan import Plan
+from opd.sampling import Rollout
 from opd.sampling import SamplingParams, seeded
 
 

@@ -18,9 +18,9 @@ from typing import Callable
 import torch
 
 from opd.chunked import Source, Student, log_probs, score
-from opd.sampling import Rollout
 from opd.losses import LossConfig, loss_metrics
 from opd.model import Segments, Transformer
+from opd.sampling import Rollout
 
 
 @dataclass

@@ -45,8 +45,8 @@ import math
 
 import torch
   # the loss section of the training config (its names and checks)
-from opd.sections import LossConfig
 from opd.errors import require
+from opd.sections import LossConfig
 
 CLOSED_FORM = ("full_rkl", "fkl", "sampled_rkl")  # losses whose logit gradient logit_gradient() computes
 

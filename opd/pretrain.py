@@ -40,12 +40,12 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from opd.checkpoint import MANIFEST, manifest_problem, save_checkpoint
-from opd.sections import FAMILIES
 from opd.data import IGNORE, sft_batch
 from opd.errors import OpdError, require
-from opd.schema import Schema, parse_json, problem, read_text
 from opd.evaluate import greedy_accuracy
 from opd.model import ModelConfig, Transformer
+from opd.schema import Schema, parse_json, problem, read_text
+from opd.sections import FAMILIES
 from opd.task import get_task, held_out_examples, train_examples
 from opd.tokenizer import TextTokenizer
 

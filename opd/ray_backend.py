@@ -44,14 +44,14 @@ import time
 import torch
 
 from opd import wire
-from opd.sections import RayConfig
-from opd.errors import OpdError, first_line, require
+from opd.channel import read
 from opd.chunked import Source
+from opd.errors import OpdError, first_line, require
 from opd.learner import Packed, pack, packed_hidden
 from opd.model import ModelConfig, empty_model
 from opd.rollouts import by_sizes
+from opd.sections import RayConfig
 from opd.teacher import timed_source
-from opd.channel import read
 from opd.worker import COMPILE_GRACE, FROM_WORKER, POLL, WorkerCore, WorkerLost, WorkerSpec, error_message, spec_tree
 
 

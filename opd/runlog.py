@@ -25,7 +25,6 @@ from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.summary import scalar
 
 from opd.config import TrainConfig
-
 from opd.config_file import build_config, dump_config, flatten, migrate
 from opd.errors import OpdError, require
 from opd.schema import Schema, read_jsonl as read_checked_jsonl, read_yaml

@@ -13,24 +13,25 @@ from pathlib import Path
 import torch
 
 from opd import devices
+from opd.admission import estimator_class
 from opd.async_rollouts import AsyncRollouts
 from opd.checkpoint import load_checkpoint
 from opd.config import TrainConfig, resolve_generation
-from opd.sections import DataConfig, REAL_PAIRS
+from opd.engines import kind, make_engine
 from opd.errors import require
 from opd.guard import Guard
 from opd.model import Transformer
 from opd.plan import Plan
 from opd.pretrain import PretrainConfig, pretrain
 from opd.probe import PROBE_TOKENS, ProbeSetup
+from opd.prompts import PromptSet
 from opd.real_pairs import build_pair
 from opd.resume import State
-from opd.prompts import PromptSet
-from opd.engines import kind, make_engine
 from opd.rollouts import Rollouts, SyncRollouts
 from opd.sampling import SamplingParams
-from opd.teacher import LocalTeacher, Teacher, make_teacher
 from opd.scoring import check_scorer
+from opd.sections import DataConfig, REAL_PAIRS
+from opd.teacher import LocalTeacher, Teacher, make_teacher
 from opd.tokenizer import TextTokenizer, first_difference
 from opd.worker import RolloutWorker, WorkerSpec
 
@@ -173,7 +174,8 @@ def setup(cfg: TrainConfig) -> Run:
     else:
         rollouts = SyncRollouts(engine_builder(cfg, student, tok, student_dir, prompts), plan, prompts, params, cfg.seed,
                                 exact_kl, cfg.shards)
-    return Run(cfg, student, scorer, tok, rollouts, plan, opt, prompts, params, State(), student_dir, Guard(cfg))
+    guard = Guard(cfg.guard, estimator_class(cfg.loss), cfg.engine.name, asynchronous)
+    return Run(cfg, student, scorer, tok, rollouts, plan, opt, prompts, params, State(), student_dir, guard)
 
 
 def worker_spec(cfg: TrainConfig, model: Transformer, tok, plan: Plan, params: SamplingParams, return_hidden: bool,

@@ -41,12 +41,12 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_validator
 
 from opd.admission import CLASSES, estimator_class, staleness
-from opd.probe import probe
 from opd.config import TrainConfig, resolve_generation
 from opd.config_file import build_config, known_settings, merge, migrate
 from opd.errors import OpdError, require
 from opd.plan import Plan
 from opd.pretrain import FAMILIES
+from opd.probe import probe
 from opd.runlog import read_metrics
 from opd.schema import Schema, check, parse_json, parse_yaml, problem, read_text
 

@@ -39,9 +39,9 @@ import torch
 
 from opd.chunked import Source, Student, output_layer, score
 from opd.errors import require
+from opd.kv_cache import is_scale
 from opd.learner import Batch, completion_hidden, unpack
 from opd.model import Transformer
-from opd.kv_cache import is_scale
 from opd.plan import Plan
 
 

@@ -23,12 +23,11 @@ import math
 from pathlib import Path
 
 from opd.admission import decide_numbers
-
-from opd.thresholds import best_cut, calibrate_teacher, is_teacher_side
 from opd.config_file import stored_teacher
 from opd.errors import require
 from opd.figures import pyplot, save
 from opd.runlog import write_atomic
+from opd.thresholds import best_cut, calibrate_teacher, is_teacher_side
 
 QUALITY, MISMATCH = "eval/rkl", "stale/total_kl_k3"
 # the teacher study's axes: the exact KL(teacher engine || trainer's teacher) per position (the k3 estimate on the

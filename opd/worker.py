@@ -54,15 +54,15 @@ import torch
 from opd import wire
 from opd.channel import Channel, read
 from opd.devices import autocast_dtype
-from opd.sampling import Rollout
+from opd.engines import kind, make_engine, worker_env
 from opd.errors import OpdError, require
+from opd.kernels import Kernels
 from opd.kv_cache import KVSpec
 from opd.learner import Scoring, collate, score_batch
 from opd.model import ModelConfig, Transformer, empty_model
-from opd.kernels import Kernels
 from opd.plan import LayerPrecision, Plan
-from opd.engines import kind, make_engine, worker_env
 from opd.rollouts import by_sizes, generate_shards
+from opd.sampling import Rollout
 from opd.sampling import SamplingParams
 
 POLL = 0.2  # seconds between liveness checks while waiting

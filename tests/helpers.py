@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from opd.checkpoint import save_checkpoint
 from opd import make_config
+from opd.checkpoint import save_checkpoint
 from opd.config import TrainConfig
 from opd.config_file import merge
 from opd.engine import Engine

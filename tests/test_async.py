@@ -17,12 +17,8 @@ import torch
 from opd import wire
 from opd.async_rollouts import AsyncRollouts, Result
 from opd.channel import Channel
-from opd.worker import (RolloutWorker, WorkerLost, WorkerSpec, plan_from_tree, plan_tree, recompute, rollout_from_tree,
-                        rollout_tree, spec_from_tree, spec_tree)
 from opd.checkpoint import load_checkpoint
-from opd.sections import AsyncConfig
 from opd.engine import Engine
-from opd.sampling import Rollout
 from opd.errors import OpdError
 from opd.learner import collate, completion_logprobs
 from opd.losses import kl
@@ -30,8 +26,12 @@ from opd.metrics import exact_kl_metric
 from opd.model import ModelConfig
 from opd.plan import Plan
 from opd.runlog import read_metrics
+from opd.sampling import Rollout
 from opd.sampling import SamplingParams
+from opd.sections import AsyncConfig
 from opd.trainer import train
+from opd.worker import (RolloutWorker, WorkerLost, WorkerSpec, plan_from_tree, plan_tree, recompute, rollout_from_tree,
+                        rollout_tree, spec_from_tree, spec_tree)
 
 from helpers import assert_one_line_error, comparable, config, crash_at, opd, recorded_distributions, same_as_sync
 

@@ -11,8 +11,8 @@ from opd.evaluate import sampled_quality
 from opd.learner import Scoring, collate, completion_index, completion_logprobs, pack, packed_hidden, score_batch
 from opd.losses import LossConfig, kl, opd_loss
 from opd.sampling import SamplingParams
-from opd.teacher import LocalTeacher
 from opd.task import Example
+from opd.teacher import LocalTeacher
 from opd.tokenizer import TextTokenizer
 
 from helpers import batch_of, grads, recorded_distributions, tiny

@@ -7,11 +7,9 @@ import pytest
 import yaml
 
 from opd.config import SECTIONS, TrainConfig, attribute
-
 from opd.config_file import MOVED, build_config, dump_config, flatten, load_config, migrate
-
-from opd.sections import AsyncConfig, EvalConfig, GuardConfig
 from opd.errors import OpdError
+from opd.sections import AsyncConfig, EvalConfig, GuardConfig
 
 from helpers import config
 

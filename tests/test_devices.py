@@ -6,12 +6,12 @@ import torch
 
 from opd.checkpoint import load_checkpoint, save_checkpoint
 from opd.engine import Engine
-from opd.naive import naive_sample
 from opd.learner import Scoring, collate, completion_logprobs, score_batch
 from opd.losses import LossConfig, opd_loss
-from opd.teacher import LocalTeacher
+from opd.naive import naive_sample
 from opd.runlog import read_metrics
 from opd.sampling import SamplingParams
+from opd.teacher import LocalTeacher
 from opd.tokenizer import TextTokenizer
 from opd.trainer import train
 

@@ -21,11 +21,11 @@ from safetensors.torch import load_file, save_file
 
 from opd import cli
 from opd.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
+from opd.config_file import build_config
 from opd.errors import OpdError
 from opd.model import ModelConfig, Transformer
 from opd.pretrain import PretrainConfig, check_cache_dir, default_cache_dir, pretrain
 from opd.prompts import PromptSet, read_prompts
-from opd.config_file import build_config
 from opd.tokenizer import TextTokenizer
 
 from fuzzlib import FUZZ, mutated_file, outcome

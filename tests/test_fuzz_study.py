@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from fuzzlib import EXAMPLES, FUZZ, mutated_file, outcome
 from opd import cli
 from opd.admission import CLASSES, decide_numbers
-from opd.thresholds import DEFAULT_THRESHOLDS, load_thresholds
 from opd.checkpoint import save_checkpoint
 from opd.config_file import build_config
 from opd.model import ModelConfig, Transformer
 from opd.report import load_run, markdown
 from opd.sweep import expand, finished_keys, load_grid, read_results
+from opd.thresholds import DEFAULT_THRESHOLDS, load_thresholds
 from opd.tokenizer import TextTokenizer
 from opd.tolerance import fp8_answer, knees, out_of_sample, pivot, table
 from opd.trainer import train

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from opd.chunked import Source, output_layer
-from opd.sections import LossConfig
 from opd.errors import OpdError
 from opd.learner import Scoring, completion_hidden, completion_logprobs, score_batch
 from opd.losses import opd_loss
@@ -15,6 +14,7 @@ from opd.metrics import teacher_mismatch_metrics
 from opd.plan import Plan
 from opd.runlog import read_metrics
 from opd.sampling import SamplingParams
+from opd.sections import LossConfig
 from opd.teacher import (BuiltinTeacher, CheckedTeacher, LocalTeacher, Sparse, TopK, TopKTeacher, check_rows, keep_topk,
                          make_teacher, sequences)
 from opd.trainer import train

@@ -10,14 +10,14 @@ import pytest
 import torch
 import yaml
 
+from opd import trainer
 from opd.checkpoint import save_checkpoint
 from opd.config_file import load_config, parse_overrides
+from opd.engine import Engine
 from opd.errors import OpdError
 from opd.learner import collate, completion_logprobs, token_logprobs
-from opd.engine import Engine
 from opd.runlog import read_metrics
 from opd.sampling import SamplingParams
-from opd import trainer
 from opd.setup import probe_setup, setup as make_run
 from opd.trainer import run_step, train
 
