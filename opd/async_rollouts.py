@@ -81,7 +81,7 @@ class AsyncRollouts:
     def set_plan(self, plan: Plan) -> None:
         """Sample under another precision plan from now on (the runtime guard's fallback): the worker is restarted
         with it, and every outstanding batch, finished or not, is sampled again under it."""
-        started = self.worker.process is not None
+        started = self.worker.started
         self.worker.stop(grace=0)
         self.spec = replace(self.spec, plan=plan)
         self.engine_logprobs = self._engine_logprobs()  # the new plan's forward precision
@@ -100,7 +100,7 @@ class AsyncRollouts:
                 self._collect(block=True)
         else:  # saving after a failure too: take what has arrived, restart nothing
             try:
-                while self.worker.process is not None and (message := self.worker.receive(block=False)):
+                while self.worker.started and (message := self.worker.receive(block=False)):
                     self._handle(message)
             except (WorkerLost, OpdError):
                 pass

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 class RolloutEngine(Protocol):
-    """What every rollout engine has. Token ids in, `engine.Rollout` records out; `update_weights` publishes the
+    """What every rollout engine has. Token ids in, `sampling.Rollout` records out; `update_weights` publishes the
     learner's weights (a state_dict in opd's parameter names) with their policy version."""
     plan: Plan
     version: int

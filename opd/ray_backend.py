@@ -234,9 +234,9 @@ class RayWorkers:
         self.layout: dict = {}  # key -> [(actor index, shard sizes)] in shard order
 
     @property
-    def process(self):
-        """Truthy while the actors run (the schedule asks this of a process worker)."""
-        return self.actors or None
+    def started(self) -> bool:
+        """The actors run (until `stop`)."""
+        return bool(self.actors)
 
     def start(self, weights: bytes, scales: dict) -> None:
         ray = _ray()

@@ -311,6 +311,11 @@ class RolloutWorker:
             raise OpdError(f"rollout worker {self.address} failed to start: {message['message']}")
 
     @property
+    def started(self) -> bool:
+        """The process was started (until `stop`): the schedule asks every worker handle this."""
+        return self.process is not None
+
+    @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 

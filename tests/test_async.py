@@ -346,6 +346,10 @@ class _FlakyWorker:
             raise WorkerLost("exited")
         _FlakyWorker.sent.append(tuple(message["key"]))
 
+    @property
+    def started(self):
+        return self.process is not None
+
     def receive(self, block):
         return None
 
