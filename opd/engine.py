@@ -102,6 +102,12 @@ class Engine:
             # worker that gets terminated, leave their semaphores to the resource tracker's leak warning)
             shutdown_compile_workers()
 
+    @classmethod
+    def for_model(cls, model: Transformer, model_dir: str, stop_ids: int | list[int], pad_id: int, plan: Plan, *,
+                  version: int = 0, noise_seed: int = 0, compile: bool = False, **unused) -> "Engine":
+        """engines.make_engine's constructor: the engine runs `model` itself (no folder, no sizes)."""
+        return cls(model, stop_ids, pad_id, plan, version, noise_seed, compile)
+
     @torch.no_grad()
     def update_weights(self, state_dict: dict, version: int) -> None:
         """Publish new weights: loaded into the base model (tensors that already are the base's are skipped: the sync

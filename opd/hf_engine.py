@@ -54,8 +54,9 @@ class HfEngine:
 
     @classmethod
     def for_model(cls, model, model_dir: str, stop_ids: int | list[int], pad_id: int, plan: Plan, *, version: int = 0,
-                  seed: int = 0, in_process: bool = False, context: int = 0, max_seqs: int = 1) -> "HfEngine":
-        """engines.make_engine's constructor (transformers sizes its cache per call: context and max_seqs unused)."""
+                  **unused) -> "HfEngine":
+        """engines.make_engine's constructor (transformers sizes its cache per call and seeds from each batch's
+        seed: the sizes and the engine seed are unused)."""
         require(bool(model_dir), "the hf engine needs the checkpoint folder", "pass model_dir")
         return cls(model_dir, stop_ids, pad_id, plan, model.cfg.tie_word_embeddings, version)
 

@@ -51,7 +51,7 @@ from opd.learner import Packed, pack, packed_hidden
 from opd.model import ModelConfig, empty_model
 from opd.rollouts import by_sizes
 from opd.sections import RayConfig
-from opd.teacher import timed_source
+from opd.teacher import NoState, timed_source
 from opd.worker import COMPILE_GRACE, FROM_WORKER, POLL, WorkerCore, WorkerLost, WorkerSpec, error_message, spec_tree
 
 
@@ -149,7 +149,7 @@ class TeacherActor:
         return wire.encode({"hidden": hidden.cpu().contiguous()})
 
 
-class RemoteTeacher:
+class RemoteTeacher(NoState):
     """The trainer's teacher on a Ray actor (a teacher.Teacher): its body runs there, its output layer here, applied
     chunk by chunk, so what travels per micro-batch is token ids one way and [tokens, hidden] back."""
     whole_rows = True
@@ -177,12 +177,6 @@ class RemoteTeacher:
 
     def source(self, mb) -> Source:
         return timed_source(self.completion_hidden, self, mb)
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict, where: str) -> None:
-        pass
 
     def close(self) -> None:
         _ray().kill(self.actor, no_restart=True)

@@ -121,7 +121,40 @@ def timed_source(hidden_of: Callable[[Batch], torch.Tensor], lm_head_owner, mb: 
     return source
 
 
-class LocalTeacher:
+class NoState:
+    """A teacher with nothing to save for a resume and nothing to release: the last three methods of `Teacher`."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Wrapper:
+    """A teacher around another one (`inner`): the same trainer's teacher behind it, the same state and lifetime."""
+
+    def __init__(self, inner: "Teacher"):
+        self.inner = inner
+
+    @property
+    def trainer(self) -> "Teacher":
+        return self.inner.trainer
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        self.inner.load_state_dict(state, where)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class LocalTeacher(NoState):
     """The trainer's teacher: its forward in this process, whole distributions (teacher.engine trainer)."""
     whole_rows = True
 
@@ -139,17 +172,8 @@ class LocalTeacher:
     def source(self, mb: Batch) -> Source:
         return timed_source(lambda b: completion_hidden(self.model, b), self.model, mb)
 
-    def state_dict(self) -> dict:
-        return {}
 
-    def load_state_dict(self, state: dict, where: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class EngineTeacher:
+class EngineTeacher(NoState):
     """A teacher scored by an inference engine (`_source`), timed; `trainer` is the trainer's own teacher, which the
     check (CheckedTeacher) and evaluation use."""
     whole_rows = True
@@ -170,15 +194,6 @@ class EngineTeacher:
 
     def _source(self, mb: Batch):
         raise NotImplementedError
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict, where: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class BuiltinTeacher(EngineTeacher):
@@ -234,44 +249,29 @@ class VllmTeacher(EngineTeacher):
         self.engine.close()
 
 
-class TopKTeacher:
+class TopKTeacher(Wrapper):
     """A whole-rows teacher cut to its k most likely tokens and the sampled one, a chunk at a time (teacher.topk on a
     teacher that returns whole rows)."""
     whole_rows = False
 
     def __init__(self, base: "Teacher", k: int):
-        self.base, self.k = base, k
-
-    @property
-    def trainer(self) -> "Teacher":
-        return self.base.trainer
+        super().__init__(base)
+        self.k = k
 
     def source(self, mb: Batch) -> TopK:
-        return TopK(self.base.source(mb), mb.tokens[mb.mask], self.k)
-
-    def state_dict(self) -> dict:
-        return self.base.state_dict()
-
-    def load_state_dict(self, state: dict, where: str) -> None:
-        self.base.load_state_dict(state, where)
-
-    def close(self) -> None:
-        self.base.close()
+        return TopK(self.inner.source(mb), mb.tokens[mb.mask], self.k)
 
 
-class CheckedTeacher:
+class CheckedTeacher(Wrapper):
     """A served teacher (an engine, or top-k) checked against the trainer's full-precision one: on the first
     ceil(share x B) rollouts of every batch the trainer's teacher also scores the tokens (TeacherCheck), for
     teacher_mismatch/*. `begin(B)` before each batch, `check` after it."""
 
     def __init__(self, served: "Teacher", share: float, chunk_tokens: int = 0):
-        self.served, self.share, self.chunk_tokens = served, share, chunk_tokens
+        super().__init__(served)
+        self.share, self.chunk_tokens = share, chunk_tokens
         self.whole_rows = served.whole_rows
         self.check: TeacherCheck | None = None
-
-    @property
-    def trainer(self) -> "Teacher":
-        return self.served.trainer
 
     def begin(self, batch_size: int, rows: int | None = None) -> "TeacherCheck":
         """A new check for a batch of batch_size rollouts (rows: how many to check; default the share's)."""
@@ -280,22 +280,13 @@ class CheckedTeacher:
         return self.check
 
     def source(self, mb: Batch):
-        answer = self.served.source(mb)
+        answer = self.inner.source(mb)
         if self.check is not None:
             spent = answer.seconds
             self.check(mb, answer)
             if self.whole_rows:  # the check read the answer's rows: that is the check's time (time/teacher_check)
                 answer.seconds = spent
         return answer
-
-    def state_dict(self) -> dict:
-        return self.served.state_dict()
-
-    def load_state_dict(self, state: dict, where: str) -> None:
-        self.served.load_state_dict(state, where)
-
-    def close(self) -> None:
-        self.served.close()
 
 
 def make_teacher(settings, trainer: "Teacher", model: Transformer, pad_id: int, teacher_dir=None, *, seed: int = 0,

@@ -175,8 +175,10 @@ class VllmEngine:
 
     @classmethod
     def for_model(cls, model, model_dir: str, stop_ids: int | list[int], pad_id: int, plan: Plan, *, version: int = 0,
-                  seed: int = 0, in_process: bool = False, context: int = 0, max_seqs: int = 1) -> "VllmEngine":
-        """engines.make_engine's constructor: sized for max_seqs sequences of context tokens of `model`'s shape."""
+                  seed: int = 0, in_process: bool = False, context: int = 0, max_seqs: int = 1,
+                  **unused) -> "VllmEngine":
+        """engines.make_engine's constructor: sized for max_seqs sequences of context tokens of `model`'s shape
+        (noise and compiling are the built-in engine's)."""
         return cls(model_dir, stop_ids, pad_id, plan, EngineSize.of(model.cfg, context, max_seqs), version, seed=seed,
                    tied=model.cfg.tie_word_embeddings, in_process=in_process)
 

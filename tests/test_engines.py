@@ -43,7 +43,7 @@ def test_every_kind_has_the_interface(name):
         except OpdError:
             pytest.skip(f"engine {name} is not installed here")
     engine_cls = getattr(importlib.import_module(module), cls)
-    for method in ("generate", "update_weights", "logprobs", "close"):
+    for method in ("for_model", "generate", "update_weights", "logprobs", "close"):
         assert callable(getattr(engine_cls, method, None)), (name, method)
     assert engine_cls.hidden_states == kind.hidden_states
     assert set(RolloutEngine.__annotations__) == {"plan", "version", "scales", "hidden_states"}
@@ -113,10 +113,10 @@ def test_a_run_on_the_hf_engine(pair, tmp_path, schedule):
     extra = {"schedule": "async", "threads": 2, "async_": {"max_staleness": 1}} if schedule == "async" else {}
     summary = train(config(pair, steps=3, engine={"name": "hf"}, save_every=0, **extra), tmp_path / "run",
                     progress=False)
-    rows = read_metrics(tmp_path / "run")
-    assert summary["steps"] == 3 and all("mismatch/kl_k3" in row for row in rows if "loss" in row)
-    assert all(row["mismatch/kl_k3"] < 1e-6 for row in rows if "loss" in row and "stale/versions" not in row
-               and row.get("async/staleness", 0) == 0)
+    steps = [row for row in read_metrics(tmp_path / "run") if "loss/value" in row]
+    assert summary["steps"] == 3 and len(steps) == 3
+    # float32 transformers against the float32 learner on the weights that sampled: the numerics agree
+    assert all(row["mismatch/kl_k3"] < 1e-6 for row in steps), [row["mismatch/kl_k3"] for row in steps]
 
 
 def test_cli_generate_with_the_hf_engine(pair):
