@@ -68,6 +68,8 @@ from opd.sampling import SamplingParams
 POLL = 0.2  # seconds between liveness checks while waiting
 STOP_GRACE = 5.0  # seconds a worker gets to exit after "stop" before it is terminated
 COMPILE_GRACE = 600.0  # extra seconds a starting worker gets when its engine compiles (engine.py: about a minute)
+START_GRACE = 60.0  # extra seconds a starting worker gets: a spawned process imports torch and opd first, which a
+# loaded machine can stretch past a short async.worker_timeout (that timeout is for a busy worker's silence)
 TO_WORKER, FROM_WORKER = ("weights", "generate", "stop"), ("ready", "rollouts", "error")
 
 
@@ -306,7 +308,7 @@ class RolloutWorker:
                     os.environ[k] = v
         self.channel.send(wire.encode({"spec": spec_tree(self.spec), "scales": scales}))
         self.channel.send(weights)
-        message = self.receive(self.timeout + (COMPILE_GRACE if self.spec.compile else 0))  # the engine compiles
+        message = self.receive(self.timeout + START_GRACE + (COMPILE_GRACE if self.spec.compile else 0))
         if message["kind"] == "error":
             raise OpdError(f"rollout worker {self.address} failed to start: {message['message']}")
 
