@@ -22,6 +22,7 @@ from opd.metrics import (TeacherHealth, exact_kl_metric, rollout_health, teacher
 from opd.plan import Plan, describe_layer
 from opd.rollouts import sampler_seed
 from opd.sampling import SamplingParams
+from opd.thresholds import distance
 
 # The probe's completions are the run's max_new_tokens long, at most this: its statistics are per-token means, and at
 # real size sampling is most of its cost (benchmarks/realspeed.py: 16 x 128 tokens on the smollm2 pair, the candidate
@@ -117,6 +118,9 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, p
     decision = decide_numbers(numbers, thresholds, cls, staleness(setup.cfg), limit, setup.cfg.optim.lr)
     out = {**decision.to_dict(), "plan": str(plan), "estimator_class": cls, "staleness": staleness(setup.cfg),
            "probe": numbers, "probe_rollouts": len(setup.prompts), "probe_new_tokens": setup.cfg.new_tokens}
+    if (far := distance(numbers["floor_nsr"], thresholds)) is not None and not limit:
+        out["calibration_distance"] = {k: v for k, v in far.items() if k != "line"}
+        out["reasons"].append(far["line"])
     health = TeacherHealth.of(numbers)
     teacher = decide_teacher(health, thresholds, cls, limit) if health is not None else None
     if not decision.admit and propose and math.isfinite(decision.value):

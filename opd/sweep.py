@@ -40,15 +40,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_validator
 
-from opd.admission import CLASSES, estimator_class, staleness
+from opd.admission import CLASSES, FLOOR_PLAN, METRIC, estimator_class, staleness
 from opd.config import TrainConfig, resolve_generation
 from opd.config_file import build_config, known_settings, merge, migrate
 from opd.errors import OpdError, require
 from opd.plan import Plan
-from opd.pretrain import FAMILIES
-from opd.probe import probe
+from opd.probe import measure, probe
 from opd.runlog import read_metrics
 from opd.schema import Schema, check, parse_json, parse_yaml, problem, read_text
+from opd.sections import FAMILIES, REAL_PAIRS
 
 DEFAULT_GRID = """
 families: [llama, qwen3]
@@ -93,7 +93,7 @@ class GridPoint(Schema):
 
 class Grid(Schema):
     model_config = ConfigDict(strict=True, extra="forbid")
-    families: list[Literal[FAMILIES]] = Field(["llama"], min_length=1)
+    families: list[Literal[FAMILIES + REAL_PAIRS]] = Field(["llama"], min_length=1)
     base: dict[str, Any] = {}
     estimators: dict[str, dict[str, Any] | None] = Field(min_length=1)
     seeds: list[Seed] = Field([0], min_length=1)
@@ -250,7 +250,7 @@ class Result(Schema):
     """A results line as tolerance.py (plots, knees), thresholds.calibrate and the resume read it."""
     id: str
     key: str
-    family: Literal[FAMILIES]
+    family: Literal[FAMILIES + REAL_PAIRS]
     estimator: str
     source: str
     level: str | int | Finite
@@ -334,6 +334,7 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
     runs = expand(grid, families)  # the whole grid is valid, and --out writable, before the first run
     check_writable(out)
     done = finished_keys(read_results(results_path))
+    shared = Shared(out / "shared.jsonl")
     todo = [r for r in runs if config_key(r["cfg"]) not in done]
     if progress:
         print(f"sweep: {len(runs)} runs, {len(runs) - len(todo)} already in {results_path}", file=sys.stderr)
@@ -343,16 +344,18 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
             _note(progress, f"[{i}/{len(todo)}] {spec['id']}: finished by another sweep meanwhile; skipped")
             continue
         setup, plan = probe_setup(cfg, PROBE_ROLLOUTS)
-        numbers = probe(setup, plan)
+        numbers = shared_floor_probe(setup, plan, shared)
         setup.teacher.close()
         del setup
         run_dir = out / "runs" / spec["id"].replace("/", "__")
+        before_key = shared_key(cfg, BEFORE_IGNORES)
         try:
-            summary = train(cfg, run_dir, overwrite=True, progress=False)
+            summary = train(cfg, run_dir, overwrite=True, progress=False, before=shared.get("before", before_key))
         except RunDirLocked as e:
             print(f"opd: note: {spec['id']} skipped: another sweep (process {e.pid}) is running it in {run_dir}",
                   file=sys.stderr)
             continue
+        shared.put("before", before_key, summary["before"])
         rows = read_metrics(run_dir)
         row = {"id": spec["id"], "key": config_key(cfg), "family": spec["family"], "estimator": spec["estimator"],
                "class": estimator_class(cfg.loss), "source": spec["source"], "level": spec["level"],
@@ -366,6 +369,63 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
                         f"total_kl_k3 {row['train'].get('stale/total_kl_k3', float('nan')):.3g}, "
                         f"{row['wall_s']:.0f} s")
     return read_results(results_path)
+
+
+# What a run's "before" evaluation (the initial student at full precision) and its probe's BF16 floor do not depend on:
+# the config keys reset to their defaults in the key under which a sweep measures each once and shares it (Shared).
+BEFORE_IGNORES = ("steps", "batch_size", "plan", "noise_seed", "loss", "optim", "save_every", "exact_kl",
+                  "max_bad_steps", "engine", "schedule", "async", "guard", "threads")
+FLOOR_IGNORES = ("steps", "batch_size", "plan", "noise_seed", "optim", "save_every", "exact_kl", "max_bad_steps",
+                 "schedule", "async", "guard", "threads", "eval")
+
+
+def shared_key(cfg: TrainConfig, ignores: tuple[str, ...]) -> str:
+    defaults = TrainConfig().to_dict()
+    values = cfg.to_dict() | {k: defaults[k] for k in ignores}
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Shared:
+    """Measurements several runs of a sweep share (the initial student's evaluation, the probe's BF16 floor), one JSON
+    line each in out/shared.jsonl, so that a grid over one real pair pays for them once per seed and not once per run
+    (about 80 s a run on the smollm2 pair). Locked appends as the results file; a line that does not read is ignored
+    (it is measured again)."""
+
+    def __init__(self, path: Path):
+        self.path, self.values = path, {}
+        if path.is_file():
+            for raw in path.read_bytes().split(b"\n"):
+                try:
+                    line = json.loads(raw)
+                    self.values[(line["kind"], line["key"])] = line["value"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+
+    def get(self, kind: str, key: str) -> dict | None:
+        return self.values.get((kind, key))
+
+    def put(self, kind: str, key: str, value: dict) -> None:
+        if (kind, key) not in self.values:
+            self.values[(kind, key)] = value
+            append_result(self.path, {"kind": kind, "key": key, "value": value})
+
+
+def shared_floor_probe(setup, plan: Plan, shared: Shared) -> dict:
+    """probe(setup, plan) with the BF16 floor measured once per floor key; `floor_seconds` is what the floor cost
+    when it was measured (an `opd admit` pays it each time)."""
+    key = shared_key(setup.cfg, FLOOR_IGNORES)
+    floor = shared.get("floor", key)
+    if floor is None:
+        floor_plan = Plan.parse(FLOOR_PLAN, len(plan.layers))
+        if str(floor_plan) == str(plan):
+            numbers = probe(setup, plan)
+            shared.put("floor", key, {"kl_k3": numbers["kl_k3"], METRIC: numbers[METRIC], "seconds": numbers["seconds"]})
+            return numbers | {"floor_seconds": 0.0}  # the candidate is the floor: measured once
+        start = time.perf_counter()
+        floor = measure(setup, floor_plan) | {"seconds": time.perf_counter() - start}
+        shared.put("floor", key, floor)
+    floor_plan = Plan.parse(FLOOR_PLAN, len(plan.layers))
+    return probe(setup, plan, floor) | {"floor_seconds": 0.0 if str(floor_plan) == str(plan) else floor["seconds"]}
 
 
 def _note(progress: bool, line: str) -> None:

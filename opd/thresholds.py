@@ -37,10 +37,21 @@ class TeacherThresholds(Schema):
     classes: dict[Literal[CLASSES], ClassThresholds] = Field(min_length=1)
 
 
+class CalibrationModel(Schema):
+    """One model the thresholds were calibrated on, by the scales that differ across models (benchmarks/admission.py,
+    docs/tolerance.md): its BF16 engine's nsr on the probe (the floor) and the probe's reverse KL to the teacher (the
+    OPD signal's scale)."""
+    floor_nsr: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    floor_nsr_range: list[NonNegative] | None = Field(None, min_length=2, max_length=2)
+    rkl: NonNegative | None = None
+    runs: int = 0
+
+
 class Thresholds(Schema):
     metric: str = METRIC
     classes: dict[str, ClassThresholds]
     teacher: TeacherThresholds | None = None  # the teacher side's limits (calibrate_teacher)
+    models: dict[str, CalibrationModel] | None = None  # what it was calibrated on (calibration_models)
 
 
 def load_thresholds(path: str | Path = "") -> dict:
@@ -63,6 +74,8 @@ def load_thresholds(path: str | Path = "") -> dict:
         loc = e.errors()[0]["loc"]
         if loc[0] == "teacher":
             raise OpdError(f"{where}: its teacher-side limits are invalid ({problem(e)})", fix) from None
+        if loc[0] == "models":
+            raise OpdError(f"{where}: what it says it was calibrated on is invalid ({problem(e)})", fix) from None
         if len(loc) < 3 or loc[2] == "max":
             raise OpdError(f"{where} has no valid per-class limits ({problem(e)})", fix) from None
         raise OpdError(f"{where}: '{loc[1]}' has an invalid {loc[2]} ({problem(e)})", fix) from None
@@ -101,7 +114,51 @@ def calibrate(rows: list[dict]) -> dict:
         classes[cls] = entry | {"runs": len(points), "max_drift": safe,
                                 "staleness_seen": sorted({k for _, _, k in stale})}
     require(classes, "no synchronous sweep results with probe measurements to calibrate from", "run `opd sweep` first")
-    return {"metric": METRIC, "classes": classes} | ({"teacher": teacher} if teacher else {})
+    models = calibration_models(rows)
+    return {"metric": METRIC, "classes": classes} | ({"teacher": teacher} if teacher else {}) | (
+        {"models": models} if models else {})
+
+
+def model_name(row: dict) -> str | None:
+    """The model a sweep result trained: its student checkpoint's folder name, or its pair's family."""
+    student = row.get("config", {}).get("student") or ""
+    return Path(student).name if student else row.get("family")
+
+
+def calibration_models(rows: list[dict]) -> dict:
+    """Per model of the calibration rows: the median (and range) of its probes' BF16 floor nsr and their median
+    reverse KL to the teacher, for `distance` to tell a user how far their model is from these."""
+    out = {}
+    for name in sorted({model_name(r) for r in rows} - {None}):
+        mine = [r["probe"] for r in rows if model_name(r) == name]
+        floors = sorted(p["floor_nsr"] for p in mine if 0 < p.get("floor_nsr", 0) < math.inf)
+        rkl = sorted(p["rkl"] for p in mine if math.isfinite(p.get("rkl", math.nan)))
+        if floors:
+            out[name] = {"floor_nsr": floors[len(floors) // 2], "floor_nsr_range": [floors[0], floors[-1]],
+                         "rkl": rkl[len(rkl) // 2] if rkl else None, "runs": len(mine)}
+    return out
+
+
+# A model whose BF16 floor is more than this factor from every calibration model's is outside what the thresholds saw.
+FAR = 3.0
+
+
+def distance(floor_nsr: float, thresholds: dict | None) -> dict | None:
+    """How far a probed model is from the models the thresholds were calibrated on, by the BF16 floor's nsr (the scale
+    that differed most between the toy pairs and a real one): the nearest model, the factor between the floors (>= 1)
+    and a line for the reasons. None when the thresholds do not say what they were calibrated on."""
+    models = (thresholds or {}).get("models")
+    if not models or not (floor_nsr > 0 and math.isfinite(floor_nsr)):
+        return None
+    factor = {name: max(floor_nsr, m["floor_nsr"]) / min(floor_nsr, m["floor_nsr"]) for name, m in models.items()}
+    nearest = min(factor, key=factor.get)
+    seen = ", ".join(f"{name} {m['floor_nsr']:.3g}" for name, m in models.items())
+    line = (f"calibrated on {len(models)} model(s) (their BF16 floor nsr: {seen}); this model's floor {floor_nsr:.3g} "
+            f"is {factor[nearest]:.2g}x the nearest ({nearest})")
+    if factor[nearest] > FAR:
+        line += (f": outside what the thresholds saw (more than {FAR:g}x): calibrate on this model (opd sweep, then "
+                 "opd calibrate) or train under the runtime guard")
+    return {"nearest": nearest, "factor": factor[nearest], "far": factor[nearest] > FAR, "line": line}
 
 
 def calibrate_teacher(rows: list[dict]) -> dict | None:

@@ -161,9 +161,10 @@ def run_step(run: Run) -> dict:
 
 
 def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool = False,
-          progress: bool = True, on_step=None) -> dict:
+          progress: bool = True, on_step=None, before: dict | None = None) -> dict:
     """Run (or continue) one OPD run in run_dir; returns the summary (also written to summary.json).
-    on_step(step, run), if given, is called after each logged step (tests use it to inject faults).
+    on_step(step, run), if given, is called after each logged step (tests use it to inject faults). before, if given,
+    is the initial student's held-out evaluation, measured earlier (a sweep shares it across runs): not measured again.
     The run directory is locked for this process (runlog.RunLock) and its rules are checked before the models load;
     a resume is checked against the checkpoint (check_resume) before anything is written, so a refused command leaves
     the folder as it was."""
@@ -182,7 +183,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
                 clear_run_dir(run_dir)
             save_config(run_dir, cfg)
             run.rollouts.start(run.student.state_dict(), run.state.version, saved)
-            return _train(run, cfg, run_dir, progress, on_step)
+            return _train(run, cfg, run_dir, progress, on_step, before)
         finally:
             run.rollouts.close()
             run.teacher.close()
@@ -230,10 +231,13 @@ def fall_back(run: Run, plan: Plan) -> None:
     run.use_plan(plan)
 
 
-def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step) -> dict:
+def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step, before: dict | None) -> dict:
     log = RunLog(run_dir, run.state.step)
     run.guard.resume(run_dir, run.state.step)
-    before = evaluate(run, cfg) if run.state.step == 0 else _first_eval(run_dir)
+    if run.state.step > 0:
+        before = _first_eval(run_dir)
+    elif before is None:
+        before = evaluate(run, cfg)
     bar = tqdm(range(run.state.step, cfg.steps), desc=f"opd {cfg.family if not cfg.student else 'train'}",
                disable=not progress, initial=run.state.step, total=cfg.steps)
     with step_boundary_signals() as received:

@@ -11,7 +11,7 @@ from opd.losses import LossConfig
 from opd.plan import Plan
 from opd.probe import measure, probe, propose_plan
 from opd.setup import probe_setup
-from opd.thresholds import DEFAULT_THRESHOLDS, best_cut, calibrate, load_thresholds
+from opd.thresholds import DEFAULT_THRESHOLDS, best_cut, calibrate, distance, load_thresholds
 
 from helpers import assert_one_line_error, comparable, config, crash_at, make_checkpoint, opd
 
@@ -121,6 +121,24 @@ def test_calibration_with_a_noisy_outcome_minimises_weighted_errors_and_bands_th
     assert best_cut([(0.01, False), (0.02, True), (0.03, False), (0.5, True)])["max"] < 0.02  # 2x: stop before it
 
 
+def test_thresholds_say_which_models_they_saw_and_how_far_a_new_one_is():
+    rows = [_row("full", v, v > 0.3, floor=f) | {"family": fam} for fam, f in (("llama", 0.004), ("smollm2", 0.03))
+            for v in (0.01, 0.1, 0.5)]
+    rows.append(_row("full", 0.05, False, floor=0.001) | {"family": "x", "config": {"optim": {"lr": 1e-3},
+                                                                                     "student": "/ckpt/my-model"}})
+    thresholds = calibrate(rows)
+    assert set(thresholds["models"]) == {"llama", "smollm2", "my-model"}  # a user's checkpoint by its folder name
+    assert thresholds["models"]["smollm2"]["floor_nsr"] == 0.03 and thresholds["models"]["llama"]["runs"] == 3
+    near = distance(0.025, thresholds)
+    assert near["nearest"] == "smollm2" and math.isclose(near["factor"], 1.2) and not near["far"]
+    far = distance(0.5, thresholds)
+    assert far["nearest"] == "smollm2" and far["far"] and "outside what the thresholds saw" in far["line"]
+    assert distance(0.01, {"classes": {}}) is None and distance(float("nan"), thresholds) is None
+    path = Path(__file__).parents[1] / "opd" / "thresholds.json"
+    shipped = json.loads(path.read_text())
+    assert shipped["models"] and all(m["floor_nsr"] > 0 for m in shipped["models"].values())
+
+
 def test_thresholds_file_errors(tmp_path):
     assert set(load_thresholds()["classes"]) <= {"full", "sampler", "learner", "corrected"}  # the shipped file
     bad = tmp_path / "t.json"
@@ -137,6 +155,9 @@ def test_thresholds_file_errors(tmp_path):
         load_thresholds(bad)
     bad.write_text(json.dumps({"classes": {"full": {"max": 1, "max_drift": "x"}}}))
     with pytest.raises(OpdError, match="invalid max_drift"):
+        load_thresholds(bad)
+    bad.write_text(json.dumps({"classes": {"full": {"max": 1}}, "models": {"m": {"floor_nsr": 0}}}))
+    with pytest.raises(OpdError, match="what it says it was calibrated on is invalid .*models.m.floor_nsr"):
         load_thresholds(bad)
     assert DEFAULT_THRESHOLDS.is_file()
 

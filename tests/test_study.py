@@ -51,6 +51,27 @@ def test_sweep_writes_one_line_per_run_and_resume_skips_finished_runs(pair, tmp_
     assert len(rows) == 4 and [c.plan for c in trained] == ["noise=0.5"]  # only the new point ran
 
 
+def test_shared_floor_and_first_evaluation_equal_measuring_them_per_run(pair, tmp_path, monkeypatch):
+    """A sweep measures the initial evaluation and each seed's BF16 floor once (out/shared.jsonl); a run that reuses
+    them gets what measuring them itself gives (the oracle: the same run alone in a fresh folder)."""
+    import opd.sweep
+    points = [{"source": "bf16", "level": 0, "set": {"plan": "kv=bf16 w=bf16"}},
+              {"source": "kv", "level": "fp8_e5m2", "set": {"plan": "kv=fp8_e5m2"}}]
+    floors = []
+    real_measure = opd.sweep.measure
+    monkeypatch.setattr(opd.sweep, "measure", lambda *a, **k: floors.append(1) or real_measure(*a, **k))
+    shared = run_sweep(tiny_grid(pair, points), tmp_path / "a", progress=False)
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "a" / "shared.jsonl").read_text().splitlines()]
+    assert sorted(kinds) == ["before", "floor"] and len(floors) == 1  # one of each for the two runs
+    alone = run_sweep(tiny_grid(pair, points[1:]), tmp_path / "b", progress=False)[0]
+    reused = shared[1]
+    assert reused["probe"]["floor_seconds"] > 0 and alone["probe"]["floor_seconds"] > 0
+    for key in ("floor_nsr", "floor_kl_k3", "nsr", "kl_k3"):
+        assert reused["probe"][key] == alone["probe"][key]
+    strip = lambda d: {k: v for k, v in d.items() if not k.startswith("time/")}
+    assert strip(reused["before"]) == strip(alone["before"]) and strip(reused["after"]) == strip(alone["after"])
+
+
 @pytest.mark.reliability
 def test_a_run_another_sweep_is_writing_is_skipped_and_run_later(pair, tmp_path, capsys):
     """Two sweeps may share one results file; a run whose folder another process holds (RunLock) is skipped with a
