@@ -185,3 +185,17 @@ def test_sensitivity_cli(pair, tmp_path):
     assert_one_line_error(opd("sensitivity", "--student", student, "--teacher", teacher, "--task", "add",
                               "--setting", "kv=int3",
                               "--out", tmp_path), "int3")
+
+
+def test_transfer_benchmark_reads_the_stored_studies():
+    """benchmarks/transfer.py: the real pair's tolerance beside the toy pairs' from the stored results (seconds)."""
+    import subprocess
+    import sys
+    script = Path(__file__).parents[1] / "benchmarks" / "transfer.py"
+    out = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = dict(kv.split("=") for kv in out.stdout.strip().splitlines()[-1].split()[1:])
+    assert result["families"].split(",")[:2] == ["llama", "qwen3"]
+    if (script.parent / "data" / "real_results.jsonl").is_file():
+        assert "smollm2" in result["families"] and "spearman_llama_smollm2_full_rkl" in result
+        assert "| kv=fp8_e4m3 |" in out.stdout and "smollm2:student fp8_e4m3" in out.stdout
