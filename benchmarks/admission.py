@@ -149,6 +149,8 @@ OTHERS = {
     "kl_exact": lambda p: (p.get("kl_exact", p["kl_k3"]), math.nan),
     "abs_dlogp_mean": lambda p: (p["abs_dlogp_mean"], math.nan),
     "nsr / rkl": lambda p: (p["nsr"] / p["rkl"], p.get("floor_nsr", math.nan) / p["rkl"]),
+    # relative to the model's own BF16 engine: the scale that differs most between the toy pairs and a real one
+    "nsr / floor": lambda p: (p["nsr"] / p["floor_nsr"] if p.get("floor_nsr") else math.nan, 1.0),
 }
 
 

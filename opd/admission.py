@@ -187,6 +187,28 @@ def decide(health: RolloutHealth, thresholds: dict | None, cls: str, staleness: 
     return Decision(max(verdicts, key=ORDER.__getitem__), reasons, limit, value, reject_at)
 
 
+# A model whose BF16 floor is more than this factor from every calibration model's is outside what the thresholds saw.
+FAR = 3.0
+
+
+def distance(floor_nsr: float, thresholds: dict | None) -> dict | None:
+    """How far a probed model is from the models the thresholds were calibrated on, by the BF16 floor's nsr (the scale
+    that differed most between the toy pairs and a real one): the nearest model, the factor between the floors (>= 1)
+    and a line for the reasons. None when the thresholds do not say what they were calibrated on."""
+    models = (thresholds or {}).get("models")
+    if not models or not (floor_nsr > 0 and math.isfinite(floor_nsr)):
+        return None
+    factor = {name: max(floor_nsr, m["floor_nsr"]) / min(floor_nsr, m["floor_nsr"]) for name, m in models.items()}
+    nearest = min(factor, key=factor.get)
+    seen = ", ".join(f"{name} {m['floor_nsr']:.3g}" for name, m in models.items())
+    line = (f"calibrated on {len(models)} model(s) (their BF16 floor nsr: {seen}); this model's floor {floor_nsr:.3g} "
+            f"is {factor[nearest]:.2g}x the nearest ({nearest})")
+    if factor[nearest] > FAR:
+        line += (f": outside what the thresholds saw (more than {FAR:g}x): calibrate on this model (opd sweep, then "
+                 "opd calibrate) or train under the runtime guard")
+    return {"nearest": nearest, "factor": factor[nearest], "far": factor[nearest] > FAR, "line": line}
+
+
 def decide_teacher(teacher: TeacherHealth, thresholds: dict | None, cls: str, limit: float = 0.0) -> Decision:
     """The teacher side's verdict: the teacher engine's noise-to-signal `teacher_nsr` (mean |T - T_e| / mean |T - q|,
     metrics.py) against the thresholds' teacher-side limit for the class (`teacher` in the file: calibrated on the

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opd.admission import (FLOOR_PLAN, KEEP, METRIC, calibrated, class_limits, decide_numbers, decide_teacher,
-                            estimator_class, safe_staleness, staleness)
+                            distance, estimator_class, safe_staleness, staleness)
 from opd.learner import Scoring, collate, numerics_mu, score_batch
 from opd.losses import masked_mean
 from opd.metrics import (TeacherHealth, exact_kl_metric, rollout_health, teacher_mismatch_metrics,
@@ -22,7 +22,6 @@ from opd.metrics import (TeacherHealth, exact_kl_metric, rollout_health, teacher
 from opd.plan import Plan, describe_layer
 from opd.rollouts import sampler_seed
 from opd.sampling import SamplingParams
-from opd.thresholds import distance
 
 # The probe's completions are the run's max_new_tokens long, at most this: its statistics are per-token means, and at
 # real size sampling is most of its cost (benchmarks/realspeed.py: 16 x 128 tokens on the smollm2 pair, the candidate

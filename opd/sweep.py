@@ -27,11 +27,9 @@ every run's config (`expand`). A results line that is torn, not UTF-8, not JSON 
 line and the key: the file is an append log that several sweeps share, one bad line must not stop them, and a skipped
 run is only re-run.
 """
-import fcntl
 import hashlib
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -40,15 +38,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_validator
 
-from opd.admission import CLASSES, FLOOR_PLAN, METRIC, estimator_class, staleness
+from opd.admission import CLASSES, estimator_class, staleness
 from opd.config import TrainConfig, resolve_generation
 from opd.config_file import build_config, known_settings, merge, migrate
 from opd.errors import OpdError, require
 from opd.plan import Plan
-from opd.probe import measure, probe
 from opd.runlog import read_metrics
 from opd.schema import Schema, check, parse_json, parse_yaml, problem, read_text
 from opd.sections import FAMILIES, REAL_PAIRS
+from opd.sweep_shared import BEFORE_IGNORES, Shared, append_result, shared_floor_probe, shared_key
 
 DEFAULT_GRID = """
 families: [llama, qwen3]
@@ -299,19 +297,6 @@ def _result(raw: bytes, where: str) -> dict:
     return row
 
 
-def append_result(path: Path, row: dict) -> None:
-    data = (json.dumps(row) + "\n").encode()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "ab") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def git_sha() -> str:
     here = Path(__file__).parent
     try:
@@ -369,63 +354,6 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
                         f"total_kl_k3 {row['train'].get('stale/total_kl_k3', float('nan')):.3g}, "
                         f"{row['wall_s']:.0f} s")
     return read_results(results_path)
-
-
-# What a run's "before" evaluation (the initial student at full precision) and its probe's BF16 floor do not depend on:
-# the config keys reset to their defaults in the key under which a sweep measures each once and shares it (Shared).
-BEFORE_IGNORES = ("steps", "batch_size", "plan", "noise_seed", "loss", "optim", "save_every", "exact_kl",
-                  "max_bad_steps", "engine", "schedule", "async", "guard", "threads")
-FLOOR_IGNORES = ("steps", "batch_size", "plan", "noise_seed", "optim", "save_every", "exact_kl", "max_bad_steps",
-                 "schedule", "async", "guard", "threads", "eval")
-
-
-def shared_key(cfg: TrainConfig, ignores: tuple[str, ...]) -> str:
-    defaults = TrainConfig().to_dict()
-    values = cfg.to_dict() | {k: defaults[k] for k in ignores}
-    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
-
-
-class Shared:
-    """Measurements several runs of a sweep share (the initial student's evaluation, the probe's BF16 floor), one JSON
-    line each in out/shared.jsonl, so that a grid over one real pair pays for them once per seed and not once per run
-    (about 80 s a run on the smollm2 pair). Locked appends as the results file; a line that does not read is ignored
-    (it is measured again)."""
-
-    def __init__(self, path: Path):
-        self.path, self.values = path, {}
-        if path.is_file():
-            for raw in path.read_bytes().split(b"\n"):
-                try:
-                    line = json.loads(raw)
-                    self.values[(line["kind"], line["key"])] = line["value"]
-                except (ValueError, KeyError, TypeError):
-                    continue
-
-    def get(self, kind: str, key: str) -> dict | None:
-        return self.values.get((kind, key))
-
-    def put(self, kind: str, key: str, value: dict) -> None:
-        if (kind, key) not in self.values:
-            self.values[(kind, key)] = value
-            append_result(self.path, {"kind": kind, "key": key, "value": value})
-
-
-def shared_floor_probe(setup, plan: Plan, shared: Shared) -> dict:
-    """probe(setup, plan) with the BF16 floor measured once per floor key; `floor_seconds` is what the floor cost
-    when it was measured (an `opd admit` pays it each time)."""
-    key = shared_key(setup.cfg, FLOOR_IGNORES)
-    floor = shared.get("floor", key)
-    if floor is None:
-        floor_plan = Plan.parse(FLOOR_PLAN, len(plan.layers))
-        if str(floor_plan) == str(plan):
-            numbers = probe(setup, plan)
-            shared.put("floor", key, {"kl_k3": numbers["kl_k3"], METRIC: numbers[METRIC], "seconds": numbers["seconds"]})
-            return numbers | {"floor_seconds": 0.0}  # the candidate is the floor: measured once
-        start = time.perf_counter()
-        floor = measure(setup, floor_plan) | {"seconds": time.perf_counter() - start}
-        shared.put("floor", key, floor)
-    floor_plan = Plan.parse(FLOOR_PLAN, len(plan.layers))
-    return probe(setup, plan, floor) | {"floor_seconds": 0.0 if str(floor_plan) == str(plan) else floor["seconds"]}
 
 
 def _note(progress: bool, line: str) -> None:

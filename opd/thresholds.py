@@ -127,7 +127,7 @@ def model_name(row: dict) -> str | None:
 
 def calibration_models(rows: list[dict]) -> dict:
     """Per model of the calibration rows: the median (and range) of its probes' BF16 floor nsr and their median
-    reverse KL to the teacher, for `distance` to tell a user how far their model is from these."""
+    reverse KL to the teacher, for admission.distance to tell a user how far their model is from these."""
     out = {}
     for name in sorted({model_name(r) for r in rows} - {None}):
         mine = [r["probe"] for r in rows if model_name(r) == name]
@@ -137,28 +137,6 @@ def calibration_models(rows: list[dict]) -> dict:
             out[name] = {"floor_nsr": floors[len(floors) // 2], "floor_nsr_range": [floors[0], floors[-1]],
                          "rkl": rkl[len(rkl) // 2] if rkl else None, "runs": len(mine)}
     return out
-
-
-# A model whose BF16 floor is more than this factor from every calibration model's is outside what the thresholds saw.
-FAR = 3.0
-
-
-def distance(floor_nsr: float, thresholds: dict | None) -> dict | None:
-    """How far a probed model is from the models the thresholds were calibrated on, by the BF16 floor's nsr (the scale
-    that differed most between the toy pairs and a real one): the nearest model, the factor between the floors (>= 1)
-    and a line for the reasons. None when the thresholds do not say what they were calibrated on."""
-    models = (thresholds or {}).get("models")
-    if not models or not (floor_nsr > 0 and math.isfinite(floor_nsr)):
-        return None
-    factor = {name: max(floor_nsr, m["floor_nsr"]) / min(floor_nsr, m["floor_nsr"]) for name, m in models.items()}
-    nearest = min(factor, key=factor.get)
-    seen = ", ".join(f"{name} {m['floor_nsr']:.3g}" for name, m in models.items())
-    line = (f"calibrated on {len(models)} model(s) (their BF16 floor nsr: {seen}); this model's floor {floor_nsr:.3g} "
-            f"is {factor[nearest]:.2g}x the nearest ({nearest})")
-    if factor[nearest] > FAR:
-        line += (f": outside what the thresholds saw (more than {FAR:g}x): calibrate on this model (opd sweep, then "
-                 "opd calibrate) or train under the runtime guard")
-    return {"nearest": nearest, "factor": factor[nearest], "far": factor[nearest] > FAR, "line": line}
 
 
 def calibrate_teacher(rows: list[dict]) -> dict | None:

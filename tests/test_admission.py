@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from opd.admission import decide, decide_numbers, estimator_class
+from opd.admission import decide, decide_numbers, distance, estimator_class
 from opd.errors import OpdError
 from opd.losses import LossConfig
 from opd.plan import Plan
 from opd.probe import measure, probe, propose_plan
 from opd.setup import probe_setup
-from opd.thresholds import DEFAULT_THRESHOLDS, best_cut, calibrate, distance, load_thresholds
+from opd.thresholds import DEFAULT_THRESHOLDS, best_cut, calibrate, load_thresholds
 
 from helpers import assert_one_line_error, comparable, config, crash_at, make_checkpoint, opd
 

@@ -54,12 +54,12 @@ def test_sweep_writes_one_line_per_run_and_resume_skips_finished_runs(pair, tmp_
 def test_shared_floor_and_first_evaluation_equal_measuring_them_per_run(pair, tmp_path, monkeypatch):
     """A sweep measures the initial evaluation and each seed's BF16 floor once (out/shared.jsonl); a run that reuses
     them gets what measuring them itself gives (the oracle: the same run alone in a fresh folder)."""
-    import opd.sweep
+    import opd.sweep_shared
     points = [{"source": "bf16", "level": 0, "set": {"plan": "kv=bf16 w=bf16"}},
               {"source": "kv", "level": "fp8_e5m2", "set": {"plan": "kv=fp8_e5m2"}}]
     floors = []
-    real_measure = opd.sweep.measure
-    monkeypatch.setattr(opd.sweep, "measure", lambda *a, **k: floors.append(1) or real_measure(*a, **k))
+    real_measure = opd.sweep_shared.measure
+    monkeypatch.setattr(opd.sweep_shared, "measure", lambda *a, **k: floors.append(1) or real_measure(*a, **k))
     shared = run_sweep(tiny_grid(pair, points), tmp_path / "a", progress=False)
     kinds = [json.loads(line)["kind"] for line in (tmp_path / "a" / "shared.jsonl").read_text().splitlines()]
     assert sorted(kinds) == ["before", "floor"] and len(floors) == 1  # one of each for the two runs
