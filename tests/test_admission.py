@@ -395,8 +395,11 @@ def test_admission_benchmark_quick_mode():
     out = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     result = dict(kv.split("=") for kv in out.stdout.strip().splitlines()[-1].split()[1:])
-    assert result["runs"] == "208" and result["accuracy_leave_source_out"] == "0.865"
-    assert result["admitted_degraded_rate"] == "0.048" and float(result["cost_fraction"]) <= 0.02
+    assert result["runs"] == "218" and result["accuracy_leave_source_out"] == "0.844"
+    assert result["admitted_degraded_rate"] == "0.046" and float(result["cost_fraction"]) <= 0.02
+    # the real pair's runs decided by thresholds calibrated on the toy pairs only (issue 38: not yet met)
+    assert result["cross_model_runs"] == "10" and result["accuracy_cross_model"] == "0.400"
+    assert result["admitted_degraded_cross_model"] == "0" and float(result["cost_fraction_real"]) > 0.1
 
 
 def test_outlier_training_benchmark_quick_mode():
