@@ -123,7 +123,7 @@ def cross_model(rows: list[dict], calibrate_on_toys: bool = True) -> list[tuple[
     to the models they decide."""
     source = [r for r in rows if is_toy(r) == calibrate_on_toys]
     target = [r for r in scored(rows) if is_toy(r) != calibrate_on_toys]
-    if not target or not any(not r["source"] == "bf16" for r in source):
+    if not target or all(r["source"] == "bf16" for r in source):
         return []
     thresholds = calibrate(source)
     return [(r, decision(r, thresholds)) for r in target]

@@ -34,9 +34,8 @@ def shared_key(cfg: TrainConfig, ignores: tuple[str, ...]) -> str:
 
 class Shared:
     """Measurements several runs of a sweep share (the initial student's evaluation, the probe's BF16 floor), one JSON
-    line each in out/shared.jsonl, so that a grid over one real pair pays for them once per seed and not once per run
-    (about 80 s a run on the smollm2 pair). Locked appends as the results file; a line that does not read is ignored
-    (it is measured again)."""
+    line each in out/shared.jsonl (the module docstring says why). Locked appends as the results file; a line that does
+    not read is ignored (it is measured again)."""
 
     def __init__(self, path: Path):
         self.path, self.values = path, {}
