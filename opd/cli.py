@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as e:
         from opd.trainer import Interrupted
-        if isinstance(e, Interrupted) and e.at_boundary:
+        if isinstance(e, Interrupted) and e.summary is not None:
+            print("opd: interrupted after the run's last step: it is complete (summary.json written)", file=sys.stderr)
+        elif isinstance(e, Interrupted) and e.at_boundary:
             print("opd: interrupted: the run is saved; --resume continues it exactly", file=sys.stderr)
         else:
             print("opd: interrupted", file=sys.stderr)

@@ -314,7 +314,7 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
     folder another live process holds (train's lock) is left to it."""
     from opd.runlog import RunDirLocked
     from opd.setup import probe_setup
-    from opd.trainer import train
+    from opd.trainer import Interrupted, train
     results_path = out / "results.jsonl"
     runs = expand(grid, families)  # the whole grid is valid, and --out writable, before the first run
     check_writable(out)
@@ -334,12 +334,17 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
         del setup
         run_dir = out / "runs" / spec["id"].replace("/", "__")
         before_key = shared_key(cfg, BEFORE_IGNORES)
+        stop = None
         try:
             summary = train(cfg, run_dir, overwrite=True, progress=False, before=shared.get("before", before_key))
         except RunDirLocked as e:
             print(f"opd: note: {spec['id']} skipped: another sweep (process {e.pid}) is running it in {run_dir}",
                   file=sys.stderr)
             continue
+        except Interrupted as e:  # a signal during the run's final evaluation: record the finished run, then stop
+            if e.summary is None:
+                raise
+            summary, stop = e.summary, e
         shared.put("before", before_key, summary["before"])
         rows = read_metrics(run_dir)
         row = {"id": spec["id"], "key": config_key(cfg), "family": spec["family"], "estimator": spec["estimator"],
@@ -353,6 +358,8 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
                         f"{row['after']['eval/rkl']:.3f}, accuracy {row['after']['eval/accuracy']:.3f}, "
                         f"total_kl_k3 {row['train'].get('stale/total_kl_k3', float('nan')):.3g}, "
                         f"{row['wall_s']:.0f} s")
+        if stop is not None:
+            raise stop
     return read_results(results_path)
 
 

@@ -191,11 +191,13 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
 
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM during training. at_boundary: raised between two steps, where the state is consistent and is
-    saved; else a second signal that stopped a step midway (nothing is saved: the last checkpoint stands)."""
+    saved; else a second signal that stopped a step midway (nothing is saved: the last checkpoint stands). summary:
+    the signal came during the final evaluation, which finished, so the run is complete and this is its summary (a
+    sweep records it, then stops instead of starting the next run)."""
 
-    def __init__(self, signum: int, at_boundary: bool):
+    def __init__(self, signum: int, at_boundary: bool, summary: dict | None = None):
         super().__init__(signal.Signals(signum).name)
-        self.signum, self.at_boundary = signum, at_boundary
+        self.signum, self.at_boundary, self.summary = signum, at_boundary, summary
 
 
 @contextmanager
@@ -302,6 +304,8 @@ def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, befor
                **_seconds(read_metrics(run_dir))}
     summary |= {f"async/{k}": v for k, v in run.rollouts.counts.items()}
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
+    if received:  # it came during the final evaluation: the run is complete; whoever called train stops here
+        raise Interrupted(received[0], at_boundary=True, summary=summary)
     return summary
 
 

@@ -73,6 +73,30 @@ def test_shared_floor_and_first_evaluation_equal_measuring_them_per_run(pair, tm
 
 
 @pytest.mark.reliability
+def test_a_signal_during_a_runs_final_evaluation_records_that_run_and_stops_the_sweep(pair, tmp_path, monkeypatch):
+    """SIGTERM while the last evaluation runs: the run finishes and is recorded, the sweep starts no other run (it
+    used to be swallowed: the handler acted only between steps), and the next sweep runs only what is left."""
+    import signal
+    import opd.trainer
+    points = [{"source": "bf16", "level": 0, "set": {"plan": "kv=bf16"}, "seeds": [0, 1]}]
+    real_evaluate = opd.trainer.evaluate
+
+    def signalled_evaluate(run, cfg):
+        if run.state.step == cfg.steps:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_evaluate(run, cfg)
+    monkeypatch.setattr(opd.trainer, "evaluate", signalled_evaluate)
+    with pytest.raises(opd.trainer.Interrupted) as stopped:
+        run_sweep(tiny_grid(pair, points), tmp_path, progress=False)
+    assert stopped.value.signum == signal.SIGTERM and stopped.value.summary["steps"] == 2
+    assert [r["id"] for r in read_results(tmp_path / "results.jsonl")] == ["llama/full_rkl/bf16=0/seed0"]
+    assert not (tmp_path / "runs" / "llama__full_rkl__bf16=0__seed1").exists()
+    monkeypatch.setattr(opd.trainer, "evaluate", real_evaluate)
+    rows = run_sweep(tiny_grid(pair, points), tmp_path, progress=False)
+    assert [r["id"] for r in rows] == ["llama/full_rkl/bf16=0/seed0", "llama/full_rkl/bf16=0/seed1"]
+
+
+@pytest.mark.reliability
 def test_a_run_another_sweep_is_writing_is_skipped_and_run_later(pair, tmp_path, capsys):
     """Two sweeps may share one results file; a run whose folder another process holds (RunLock) is skipped with a
     note, not run twice into one folder, and the next sweep runs it."""
