@@ -8,10 +8,25 @@ sensitivity, report, calibrate, admit); importing them registers them (cli_args.
 import argparse
 import signal
 import sys
+import threading
 
-from opd import commands, study_commands  # noqa: F401 (imported for their subcommands)
-from opd.cli_args import COMMANDS, _Parser
-from opd.errors import OpdError, from_os_error
+
+def _mark(signum, frame):
+    _EARLY.append(signum)
+
+
+# A Ctrl-C or SIGTERM while the subcommands' imports (torch, numpy) run is only marked, and main() then exits as
+# interrupted: raised inside an import, it could end as another error (numpy's import died of a RecursionError).
+_EARLY: list[int] = []
+_BEFORE = ({sig: signal.signal(sig, _mark) for sig in (signal.SIGINT, signal.SIGTERM)}
+           if threading.current_thread() is threading.main_thread() else {})
+try:
+    from opd import commands, study_commands  # noqa: F401,E402 (imported for their subcommands)
+    from opd.cli_args import COMMANDS, _Parser  # noqa: E402
+    from opd.errors import OpdError, from_os_error  # noqa: E402
+finally:
+    for _sig, _handler in _BEFORE.items():
+        signal.signal(_sig, _handler)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if _EARLY:  # during the imports above: nothing has started
+        print("opd: interrupted", file=sys.stderr)
+        return 128 + _EARLY.pop()
     try:
         for arg in sys.argv[1:] if argv is None else argv:
             try:

@@ -220,6 +220,28 @@ def interrupt_until_done(args, run_dir, rng, cycles) -> list[str]:
     return history
 
 
+EARLY_SIGNAL = """
+import builtins, os, signal, sys
+real_import = builtins.__import__
+def importing(name, *args, **kwargs):
+    if name == "opd.cli_args":  # opd.cli is importing its subcommands: the signal lands mid-import
+        os.kill(os.getpid(), signal.SIG{sig})
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = importing
+from opd.cli import main
+sys.exit(main(["pairs"]))
+"""
+
+
+@pytest.mark.parametrize("sig", ["INT", "TERM"])
+def test_a_signal_while_the_command_imports_its_libraries_exits_as_interrupted(sig):
+    """Ctrl-C or SIGTERM before the command has started (opd.cli importing torch and numpy) ends it as interrupted,
+    one line, not as whatever error the import it broke turns it into (once a RecursionError from numpy's)."""
+    run = subprocess.run([sys.executable, "-c", EARLY_SIGNAL.format(sig=sig)], capture_output=True, text=True,
+                         timeout=120)
+    assert (run.returncode, run.stderr) == (128 + getattr(signal, f"SIG{sig}"), "opd: interrupted\n")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["sync", "async"])
 def test_sigint_and_sigterm_at_random_points_then_resume_give_the_uninterrupted_metrics(pair, tmp_path, schedule):
