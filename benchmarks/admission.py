@@ -53,6 +53,10 @@ STUDIES = [
 TOY_FAMILIES = ("llama", "qwen3")  # the built-in pairs; every other family is a real pretrained pair
 
 
+# The probes of the student after K steps of BF16 OPD (the run's own recipe) in place of the initial student's: the
+# real pair's from benchmarks/warm_probe.py, the toy pairs' from this file's full mode with --warmup K.
+WARM = "real_warm_probes.jsonl"
+WARM_TOYS = "toy_warm_probes.jsonl"
 TEACHER = "teacher_results.jsonl"  # the teacher side's study (benchmarks/teacher_study.py): the `teacher` entry only
 NEW = "generalization_results.jsonl"  # the grids run after the decision rule was chosen (dev/LOG.md, issue 22)
 
@@ -127,6 +131,30 @@ def cross_model(rows: list[dict], calibrate_on_toys: bool = True) -> list[tuple[
         return []
     thresholds = calibrate(source)
     return [(r, decision(r, thresholds)) for r in target]
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def warm_probes(data: Path = DATA) -> tuple[int, dict]:
+    """The warm probes stored for the largest K both files hold, by (family, estimator, seed, plan) for the real pairs
+    (the student warmed with that estimator's loss) and by (study, id) for the toys; (0, {}) without either file."""
+    real, toys = read_lines(data / WARM), read_lines(data / WARM_TOYS)
+    k = max(({r["warmup"] for r in real} & {r["warmup"] for r in toys}) - {0}, default=0)
+    probes = {(r["family"], r["estimator"], r["seed"], r["plan"]): r["probe"] for r in real if r["warmup"] == k}
+    return k, probes | {(r["study"], r["id"]): r["probe"] for r in toys if r["warmup"] == k} if k else {}
+
+
+def warmed(rows: list[dict], probes: dict) -> list[dict]:
+    """Every run with the probe of its student after K BF16 steps in place of the initial student's; runs without one
+    are left out."""
+    out = []
+    for r in rows:
+        key = (r["study"], r["id"]) if is_toy(r) else (r["family"], r["estimator"], r["seed"], str(r["config"]["plan"]))
+        if key in probes:
+            out.append(r | {"probe": probes[key]})
+    return out
 
 
 def new_grids(rows: list[dict]) -> list[tuple[dict, str]]:
@@ -207,20 +235,34 @@ def check_seconds(row: dict) -> float:
     return row["probe"]["seconds"] + row["probe"].get("floor_seconds", 0.0)
 
 
-def remeasure(rows: list[dict]) -> list[float]:
+# What the student after K BF16 steps does not depend on (--warmup): the run's plan, schedule and bookkeeping
+WARM_IGNORES = ("plan", "noise_seed", "schedule", "async", "guard", "threads", "save_every", "eval", "steps",
+                "exact_kl", "max_bad_steps", "engine")
+
+
+def remeasure(rows: list[dict], warmup: int = 0) -> list[float]:
     """Every run's probe measured again here (its numbers replace the stored ones); -> seconds per probe. The probe
-    does not depend on the loss, so the runs of one (family, seed, plan, sampling) share one measurement."""
-    from opd.probe import probe
+    does not depend on the loss, so the runs of one (family, seed, plan, sampling) share one measurement. warmup > 0:
+    on the student after that many steps of the run's own recipe with BF16 rollouts (trained once per recipe and
+    seed), which then depends on the loss too; the seconds are the probe's alone."""
+    from opd.probe import probe, warm_weights
     from opd.setup import probe_setup
-    seconds, done = [], {}
+    from opd.sweep_shared import shared_key
+    seconds, done, students = [], {}, {}
     for i, row in enumerate(rows, 1):
         cfg = stored_config(row)
         key = (row["family"], cfg.seed, str(cfg.plan), json.dumps(cfg.sampling.params(), sort_keys=True),
                cfg.sampling.temperature,
                cfg.loss.cap, cfg.noise_seed)
+        recipe = shared_key(cfg, WARM_IGNORES) if warmup else None
+        if recipe and recipe not in students:
+            students[recipe] = warm_weights(cfg, warmup)
+        key += (recipe,)
         if key not in done:
             start = time.perf_counter()  # the decision itself (decide) is microseconds: the probe is the cost
             setup, plan = probe_setup(cfg, PROBE_ROLLOUTS)
+            if recipe:
+                setup.student.load_state_dict(students[recipe])
             done[key] = probe(setup, plan)
             seconds.append(time.perf_counter() - start)
         row["probe"] = dict(done[key])
@@ -233,18 +275,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the stored probes and outcomes; no models")
     parser.add_argument("--data", type=Path, default=DATA, help="the folder of the studies' results files")
+    parser.add_argument("--warmup", type=int, default=0, help="probe the toy pairs' runs again on their student after "
+                        f"K BF16 steps of their own recipe, into <data>/{WARM_TOYS} (the real pair's: "
+                        "benchmarks/warm_probe.py); then as --quick")
     parser.add_argument("--store", type=Path, help="full mode: write the re-measured rows here (JSON lines)")
     parser.add_argument("--write-thresholds", type=Path, help="write the calibration on every run here "
-                        "(opd/thresholds.json is this file)")
+                        "(opd/thresholds.json is this file), and the one on the warm probes beside it "
+                        "(thresholds_warm<K>.json)")
     args = parser.parse_args()
     rows = stored_rows(args.data)
-    if not args.quick:
+    if args.warmup:
+        toys = [json.loads(json.dumps(r)) for r in rows if is_toy(r)]
+        remeasure(toys, args.warmup)
+        write_atomic(args.data / WARM_TOYS, "".join(json.dumps({"study": r["study"], "id": r["id"], "warmup":
+                                                                args.warmup, "probe": r["probe"]}) + "\n"
+                                                    for r in toys))
+    elif not args.quick:
         remeasure(rows)
     if args.store:
         write_atomic(args.store, "".join(json.dumps({k: v for k, v in r.items() if k not in ("degraded", "mismatch")})
                                          + "\n" for r in rows))
     if args.write_thresholds:
         write_atomic(args.write_thresholds, json.dumps(shipped_thresholds(rows), indent=2) + "\n")
+        k, probes = warm_probes(args.data)
+        if probes:  # and the calibration on the warm probes, for `opd admit --warmup k`
+            warm_file = args.write_thresholds.with_name(f"thresholds_warm{k}.json")
+            calibration = shipped_thresholds(warmed(rows, probes))
+            calibration["calibrated_from"] += [f"benchmarks/data/{f}" for f in (WARM, WARM_TOYS)]
+            write_atomic(warm_file, json.dumps(calibration | {"probe_warmup": k}, indent=2) + "\n")
     runs = scored(rows)
     print(f"{len(runs)} runs scored ({sum(r['degraded'] for r in runs)} degraded) of {len(rows)}, "
           f"{len({r['source'] for r in runs})} sources, {len({config_of(r) for r in runs})} configurations, "
@@ -271,6 +329,19 @@ def main() -> None:
         results[stat] = cells[0]
         print(f"  {stat:15} " + "  ".join(f"{name.split(',')[0]} {t['accuracy']:.3f} / "
                                           f"{t['admitted_degraded_rate']:.3f}" for name, t in zip(SPLITS, cells)))
+    k, probes = warm_probes(args.data)
+    warm = {}
+    if probes:
+        mine = warmed(rows, probes)
+        print(f"\nthe same, every run probed on its student after {k} BF16 steps of its own recipe (benchmarks/"
+              f"warm_probe.py, --warmup; {len(scored(mine))} runs):")
+        for name in ("leave one source out", "cross model: toy pairs -> real pairs"):
+            decisions = SPLITS[name](mine)
+            warm[name] = table(decisions)
+            print(f"  {name}: accuracy {warm[name]['accuracy']:.3f}, admitted and degraded "
+                  f"{warm[name]['admitted_degraded_rate']:.3f} ({warm[name]['counts']['ADMIT & degraded']} runs), "
+                  f"uncertain {warm[name]['uncertain_rate']:.3f}")
+            print("    wrong: " + "; ".join(wrong(decisions)))
     lines, disagree = label_noise(rows)
     print("\nlabel noise (single-seed labels; benchmarks/admission.py's label_noise):")
     print("\n".join(lines))
@@ -295,7 +366,12 @@ def main() -> None:
           f"accuracy_leave_source_out_kl_k3={results['kl_k3']['accuracy']:.3f} "
           f"accuracy_cross_model={real['accuracy']:.3f} admitted_degraded_cross_model={real['counts']['ADMIT & degraded']} "
           f"cross_model_runs={real['runs']} "
-          f"accuracy_real_to_toy={results['cross model: real pairs -> toy pairs']['accuracy']:.3f} "
+          + (f"accuracy_leave_source_out_warm={warm['leave one source out']['accuracy']:.3f} "
+             f"admitted_degraded_rate_warm={warm['leave one source out']['admitted_degraded_rate']:.3f} "
+             f"accuracy_cross_model_warm={warm['cross model: toy pairs -> real pairs']['accuracy']:.3f} "
+             f"admitted_degraded_cross_model_warm={warm['cross model: toy pairs -> real pairs']['counts']['ADMIT & degraded']} "
+             f"warmup_steps={k} " if warm else "")
+          + f"accuracy_real_to_toy={results['cross model: real pairs -> toy pairs']['accuracy']:.3f} "
           f"cost_fraction={cost:.4f} cost_fraction_real={costs.get('real pairs', (math.nan,))[0]:.4f} "
           f"runs={len(runs)} check_s={check:.2f} train_s={train:.1f}")
 

@@ -19,6 +19,7 @@ would run again in each of them (train, admit and generate refuse to run there, 
 hang). Notebooks and `python -c` need no guard.
 """
 import multiprocessing
+import time
 from pathlib import Path
 
 from opd.errors import OpdError
@@ -54,30 +55,44 @@ def train(cfg, run_dir: str | Path, resume: bool = False, overwrite: bool = Fals
         raise from_os_error(e) from None
 
 
-def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0.0, propose: bool = True) -> dict:
+def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0.0, propose: bool = True,
+          warmup: int = 0) -> dict:
     """The admission check of cfg's rollout set-up, as `opd admit --json`: a dict with "decision" (ADMIT, UNCERTAIN:
     run it only under the runtime guard, or REJECT), "reasons", the probe's numbers and, when not admitted, a
     "proposal" (a plan that passes, or what to change). rollouts: the probe's batch of the run's own prompts;
-    thresholds: a file from `opd calibrate` ("" = the shipped one); limit > 0 replaces the calibrated nsr limit."""
+    thresholds: a file from `opd calibrate` ("" = the shipped one: with warmup, the one calibrated at that warm-up
+    where it ships); limit > 0 replaces the calibrated nsr limit; warmup > 0 probes the student after that many steps
+    of the run's own recipe with BF16 rollouts (probe.warm_weights; for a student whose first steps move it far,
+    as a pruned one: docs/admission.md, "Across models")."""
     _not_in_a_starting_worker("opd.admit")
-    from opd.thresholds import load_thresholds
-    from opd.probe import admit as check
+    from opd.thresholds import load_thresholds, warm_thresholds
+    from opd.probe import admit as check, warm_weights
     from opd.setup import probe_setup
     from opd.errors import require
     require(_number(limit) and limit >= 0, f"limit must be a number >= 0, got {limit!r}", "0 uses the calibrated limit")
     require(isinstance(rollouts, int) and not isinstance(rollouts, bool) and 0 < rollouts <= 4096,
             f"rollouts must be an integer in [1, 4096], got {rollouts!r}", "the probe needs 16 or so")
+    require(isinstance(warmup, int) and not isinstance(warmup, bool) and 0 <= warmup <= 10_000,
+            f"warmup must be an integer in [0, 10000], got {warmup!r}", "0 probes the initial student; 4 or so a "
+            "student whose first steps move it far")
     require(isinstance(thresholds, (str, Path)), f"thresholds must be a path, got {thresholds!r}",
             "\"\" uses the shipped thresholds")
     cfg = _checked(cfg)
+    if warmup and not thresholds and warm_thresholds(warmup).is_file():
+        thresholds = warm_thresholds(warmup)
     limits = load_thresholds(thresholds)
     from opd.devices import restored_threads
     from opd.engines import require_installed
     require_installed(cfg.engine.name)
     with restored_threads():  # the probe sets the run's thread count; the caller's comes back
+        start = time.perf_counter()
+        weights = warm_weights(cfg, warmup) if warmup else None
+        warmup_seconds = time.perf_counter() - start
         setup, plan = probe_setup(cfg, rollouts)
         try:
-            return check(setup, plan, limits, limit, propose)
+            if weights is not None:
+                setup.student.load_state_dict(weights)
+            return check(setup, plan, limits, limit, propose, warmup) | {"warmup_seconds": warmup_seconds}
         finally:
             setup.teacher.close()
 

@@ -9,7 +9,8 @@ fixed ones, else the most sensitive layers kept at BF16, one more at a time, unt
 import functools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -109,14 +110,38 @@ def teacher_side_numbers(setup: ProbeSetup, batch, scores) -> dict:
 
 # ---- the check, and the plan it proposes --------------------------------------------------------------------------
 
-def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, propose: bool = True) -> dict:
-    """ADMIT/REJECT with reasons for the run's rollout configuration; a per-layer plan that passes when rejected."""
+def warm_weights(cfg, steps: int) -> dict:
+    """The student's weights after `steps` OPD steps of cfg's own recipe with BF16 rollouts (the floor plan,
+    synchronous, no guard), trained in a temporary folder: the student a run has become once a large first move
+    (a pruned or far-off student closing most of its gap in a few steps) is behind it. `opd admit --warmup`."""
+    import tempfile
+    from opd.checkpoint import load_checkpoint
+    from opd.config import GuardConfig
+    from opd.trainer import train
+    with tempfile.TemporaryDirectory() as folder:
+        run_dir = Path(folder) / "warmup"
+        train(replace(cfg, steps=steps, plan=FLOOR_PLAN, schedule="sync", save_every=0, guard=GuardConfig(),
+                      eval=replace(cfg.eval, examples=1)), run_dir, progress=False)
+        return load_checkpoint(run_dir / "checkpoint", torch.float32)[0].state_dict()
+
+
+def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, propose: bool = True,
+          warmup: int = 0) -> dict:
+    """ADMIT/REJECT with reasons for the run's rollout configuration; a per-layer plan that passes when rejected.
+    warmup: the setup's student has had that many BF16 steps (warm_weights); the thresholds should have been
+    calibrated on probes taken so, else a reason says so."""
     start = time.perf_counter()
     cls = estimator_class(setup.cfg.loss)
     numbers = probe(setup, plan)
     decision = decide_numbers(numbers, thresholds, cls, staleness(setup.cfg), limit, setup.cfg.optim.lr)
     out = {**decision.to_dict(), "plan": str(plan), "estimator_class": cls, "staleness": staleness(setup.cfg),
-           "probe": numbers, "probe_rollouts": len(setup.prompts), "probe_new_tokens": setup.cfg.new_tokens}
+           "probe": numbers, "probe_rollouts": len(setup.prompts), "probe_new_tokens": setup.cfg.new_tokens,
+           "warmup_steps": warmup}
+    calibrated_at = (thresholds or {}).get("probe_warmup", 0)
+    if thresholds and calibrated_at != warmup:
+        out["reasons"].append(f"the thresholds were calibrated on probes after {calibrated_at} BF16 steps, this probe "
+                              f"came after {warmup}: its numbers sit on another scale (use thresholds calibrated "
+                              f"with --warmup {warmup}, or probe with --warmup {calibrated_at})")
     if (far := distance(numbers["floor_nsr"], thresholds)) is not None and not limit:
         out["calibration_distance"] = {k: v for k, v in far.items() if k != "line"}
         out["reasons"].append(far["line"])

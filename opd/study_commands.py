@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from opd.cli_args import batch_count, command, finite_float, positive_int
+from opd.cli_args import batch_count, command, finite_float, int_in, positive_int
 from opd.errors import require
 from opd.plan import Plan
 from opd.pretrain import FAMILIES
@@ -128,23 +128,27 @@ def admit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollouts", type=batch_count, default=16, help="probe batch size")
     p.add_argument("--json", dest="as_json", action="store_true", help="print the full result as JSON")
     p.add_argument("--no-propose", dest="propose", action="store_false", help="on REJECT, do not search for a plan")
+    p.add_argument("--warmup", type=int_in(0, 10_001), default=0,
+                   help="probe the student after this many steps of the run's recipe with BF16 rollouts (a student "
+                        "whose first steps move it far, as a pruned one; default 0: the initial student)")
 
 
 @command(admit_arguments)
 def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit: float, rollouts: int,
-              as_json: bool, propose: bool) -> int:
+              as_json: bool, propose: bool, warmup: int) -> int:
     """Before training: is this rollout configuration safe for OPD? ADMIT (exit 0), REJECT (exit 1) or UNCERTAIN (exit
     3: run it only under the runtime guard), with reasons."""
     from opd import admit
     from opd.config_file import load_config
     cfg = load_config(config, overrides or [])
     require(limit >= 0, f"--limit must be >= 0, got {limit}", "0 uses the calibrated limit")
-    result = admit(cfg, rollouts, thresholds, limit, propose)
+    result = admit(cfg, rollouts, thresholds, limit, propose, warmup)
     if as_json:
         print(json.dumps(result, indent=2))
     else:
         print(f"{result['decision']}  plan: {result['plan']}  (estimator class '{result['estimator_class']}', "
-              f"staleness {result['staleness']}, {result['probe_rollouts']} probe rollouts, {result['seconds']:.1f} s)")
+              f"staleness {result['staleness']}, {result['probe_rollouts']} probe rollouts, {result['seconds']:.1f} s"
+              + (f", after {warmup} BF16 steps ({result['warmup_seconds']:.0f} s)" if warmup else "") + ")")
         for reason in result["reasons"]:
             print(f"  - {reason}")
         proposal = result.get("proposal")

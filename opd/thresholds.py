@@ -15,6 +15,12 @@ from opd.errors import OpdError, require
 from opd.schema import Schema, parse_json, problem, read_text
 
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.json")
+
+
+def warm_thresholds(steps: int) -> Path:
+    """The shipped thresholds calibrated on probes after `steps` BF16 steps (`opd admit --warmup`), where one ships."""
+    return DEFAULT_THRESHOLDS.with_name(f"thresholds_warm{steps}.json")
+
 # A cut's errors: an admitted run that degraded costs a whole training run, a rejected one that would have trained
 # fine the speed-up, a fraction of it: the first is weighted 2x (the trade-off this buys: docs/admission.md).
 ADMITTED_DEGRADED_COST = 2.0
@@ -52,6 +58,7 @@ class Thresholds(Schema):
     classes: dict[str, ClassThresholds]
     teacher: TeacherThresholds | None = None  # the teacher side's limits (calibrate_teacher)
     models: dict[str, CalibrationModel] | None = None  # what it was calibrated on (calibration_models)
+    probe_warmup: Annotated[int, Field(ge=0)] = 0  # its probes measured the student after this many BF16 steps
 
 
 def load_thresholds(path: str | Path = "") -> dict:

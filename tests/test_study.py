@@ -111,6 +111,37 @@ def test_a_run_another_sweep_is_writing_is_skipped_and_run_later(pair, tmp_path,
     assert sorted(r["id"] for r in rows) == ["llama/full_rkl/bf16=0/seed0", "llama/full_rkl/bf16=0/seed1"]
 
 
+def test_warm_probe_reuses_one_set_up_and_measures_the_student_after_k_bf16_steps(pair, tmp_path):
+    """benchmarks/warm_probe.py: at K = 0 its probes, measured on one shared set-up, are those of a probe per run
+    (the oracle); at K > 0 on the student of a BF16 run of the same recipe stopped after K steps;
+    a second call measures nothing again."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import warm_probe
+    from opd.checkpoint import load_checkpoint
+    from opd.probe import probe
+    from opd.trainer import train
+    grid = tiny_grid(pair, [{"source": "bf16", "level": 0, "set": {"plan": "forward=bf16 kv=bf16"}},
+                            {"source": "kv", "level": "fp8_e5m2", "set": {"plan": "forward=bf16 kv=fp8_e5m2"}}])
+    out = tmp_path / "warm.jsonl"
+    warm_probe.measure_grid(grid, [0, 2], out)
+    rows = {(r["warmup"], r["source"]): r["probe"] for r in warm_probe.read_lines(out)}
+    assert len(rows) == 4
+    spec = expand(grid)[1]
+    setup, plan = probe_setup(spec["cfg"], 16)
+    alone = probe(setup, plan)
+    for key in ("nsr", "kl_k3", "ess_frac", "floor_nsr"):
+        assert rows[(0, "kv")][key] == alone[key]
+    bf16 = expand(grid)[0]["cfg"]
+    train(bf16.__class__(**{**bf16.__dict__, "steps": 2}), tmp_path / "two", progress=False)
+    setup, plan = probe_setup(spec["cfg"], 16)
+    setup.student.load_state_dict(load_checkpoint(tmp_path / "two" / "checkpoint")[0].state_dict())
+    warm = probe(setup, plan)
+    assert rows[(2, "kv")]["kl_k3"] == warm["kl_k3"] and rows[(2, "kv")]["kl_k3"] != rows[(0, "kv")]["kl_k3"]
+    warm_probe.measure_grid(grid, [0, 2], out)
+    assert len(warm_probe.read_lines(out)) == 4
+
+
 def test_a_torn_last_line_is_ignored(tmp_path, capsys):
     path = tmp_path / "results.jsonl"
     row = json.loads((Path(__file__).parent.parent / "benchmarks/data/numerics_results.jsonl").read_text().splitlines()[0]) | {"id": "a"}

@@ -1,0 +1,118 @@
+"""Does the admission probe read a real pair's runs better after a few BF16 steps?
+
+On the smollm2 pair the probe of the initial (pruned, untrained) student measured 7-10x the mismatch the runs then
+trained with (probe kl_k3 3.2 vs 0.75 averaged over the INT4-weights run; dev/LOG.md 2026-12-03): the first steps
+move the student far (held-out reverse KL 6.6 -> ~1.3 in 16 steps), and its mismatch falls with it, within ~5 steps.
+This measures the probe of every plan of a grid on the student after K steps of BF16 OPD (the grid's own recipe and
+first estimator, each seed that has a BF16 run), K = 0 being the probe as the sweep stores it. Each K trains once from the initial
+student and probes every plan on that student (the BF16 floor once per K). One JSON line per (K, seed, plan) is appended
+to --out; a (K, seed, plan) already there is not measured again, so a stopped run resumes.
+
+    python benchmarks/warm_probe.py --grid benchmarks/data/real_grid.yaml --warmup 4 \
+        --out benchmarks/data/real_warm_probes.jsonl --results benchmarks/data/real_results.jsonl
+        # ~100 s of warm-up a seed and ~25 s a probe on 2 cores; what --out holds is not measured again
+    python benchmarks/warm_probe.py --quick               # the built-in llama pair, 2 plans, K = 0 and 2: seconds
+
+It ends with `RESULT`: the median over the mismatched plans of probe kl_k3 at the largest K over that at K = 0 (from
+--results where this file has no K = 0 probe of the plan).
+"""
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+from opd.setup import parse_plan, probe_setup
+from opd.sweep import PROBE_ROLLOUTS, expand, load_grid, read_results
+from opd.probe import measure, probe, warm_weights
+from opd.sweep_shared import append_result
+from opd.plan import Plan
+from opd.admission import FLOOR_PLAN
+
+QUICK_GRID = {"families": ["llama"], "base": {"steps": 4, "batch_size": 8, "eval": {"every": 0, "examples": 4},
+                                              "save_every": 0, "threads": 2, "optim": {"warmup_steps": 1}},
+              "estimators": {"full_rkl": {"loss": {"name": "full_rkl"}}},
+              "points": [{"source": "bf16", "level": 0, "set": {"plan": "forward=bf16 kv=bf16"}},
+                         {"source": "kv", "level": "fp8_e5m2", "set": {"plan": "forward=bf16 kv=fp8_e5m2"}}]}
+
+
+def read_lines(path: Path) -> list[dict]:
+    """The rows measured so far (a torn last line, from a stop mid-write, is measured again)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def measure_grid(grid: dict, warmups: list[int], out: Path) -> None:
+    """Probe every plan of the grid's first estimator after each K in warmups, per seed with a BF16 run; one line per
+    (K, seed, plan) appended to out, skipping those already there."""
+    specs = expand(grid)
+    first = specs[0]["estimator"]
+    specs = [s for s in specs if s["estimator"] == first]
+    done = {(r["warmup"], r["seed"], r["plan"]) for r in read_lines(out)}
+    for k, seed in itertools.product(warmups, sorted({s["seed"] for s in specs})):
+        todo = [s for s in specs if s["seed"] == seed and (k, seed, str(s["cfg"].plan)) not in done]
+        base = next((s["cfg"] for s in specs if s["source"] == "bf16" and s["seed"] == seed), None)
+        if not todo or base is None:  # a seed without a BF16 run has no warm-up recipe
+            continue
+        start = time.perf_counter()
+        weights = warm_weights(base, k) if k else None
+        warm_seconds = time.perf_counter() - start
+        setup, _ = probe_setup(base, PROBE_ROLLOUTS)  # the plans differ only in what the engine does: one set-up
+        if weights is not None:
+            setup.student.load_state_dict(weights)
+        layers = setup.student.cfg.num_layers
+        floor = measure(setup, Plan.parse(FLOOR_PLAN, layers))
+        for spec in todo:
+            numbers = probe(setup, parse_plan(spec["cfg"], layers), floor=floor)
+            row = {"id": f"{spec['id']}@warmup{k}", "warmup": k, "plan": str(spec["cfg"].plan),
+                   "source": spec["source"], "level": spec["level"], "family": spec["family"], "estimator": first, "seed": seed,
+                   "probe": numbers, "warm_seconds": warm_seconds}
+            append_result(out, row)
+            print(f"warmup {k} {spec['source']}={spec['level']}: kl_k3 {numbers['kl_k3']:.3f} nsr "
+                  f"{numbers['nsr']:.3f} ess_frac {numbers['ess_frac']:.3f} ({numbers['seconds']:.0f} s)",
+                  file=sys.stderr)
+        setup.teacher.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grid", type=Path, default=Path(__file__).parent / "data" / "real_grid.yaml")
+    parser.add_argument("--warmup", type=int, nargs="+", default=[0, 4])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--results", type=Path, help="the grid's sweep results: their probes stand for K = 0")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        grid, args.warmup, args.results = QUICK_GRID, [0, 2], None
+        out = Path(tempfile.mkdtemp()) / "warm.jsonl"
+    else:
+        grid, out = load_grid(args.grid), args.out or Path(tempfile.mkdtemp()) / "warm.jsonl"
+    measure_grid(grid, args.warmup, out)
+    rows = read_lines(out)
+    by = {(r["warmup"], r["seed"], r["plan"]): r["probe"] for r in rows}
+    if args.results:  # the sweep's stored probes are the K = 0 ones (the same numbers: tests/test_study.py)
+        stored = [r for r in read_results(args.results) if r["estimator"] == expand(grid)[0]["estimator"]]
+        by |= {(0, r["seed"], str(r["config"]["plan"])): r["probe"] for r in stored if (0, r["seed"], str(
+            r["config"]["plan"])) not in by}
+        rows += [{"warmup": 0, "seed": r["seed"], "plan": str(r["config"]["plan"]), "source": r["source"]}
+                 for r in stored]
+    ks = sorted({r["warmup"] for r in rows})
+    floors = {r["plan"] for r in rows if r["source"] == "bf16"}  # staleness points probe the BF16 plan too
+    mismatched = {(r["seed"], r["plan"]) for r in rows if r["plan"] not in floors}
+    ratios = [by[(ks[-1], *p)]["kl_k3"] / by[(ks[0], *p)]["kl_k3"] for p in mismatched if (ks[0], *p) in by
+              and (ks[-1], *p) in by]
+    print(f"RESULT warmups={','.join(map(str, ks))} plans={len(ratios)} "
+          f"kl_k3_ratio_median={statistics.median(ratios):.3f} out={out}")
+
+
+if __name__ == "__main__":
+    main()
