@@ -10,7 +10,8 @@ to --out; a (K, seed, plan) already there is not measured again, so a stopped ru
 
     python benchmarks/warm_probe.py --grid benchmarks/data/real_grid.yaml --warmup 4 \
         --out benchmarks/data/real_warm_probes.jsonl --results benchmarks/data/real_results.jsonl
-        # ~100 s of warm-up a seed and ~25 s a probe on 2 cores; what --out holds is not measured again
+        # ~100 s of warm-up a seed and ~25 s a probe on 2 cores; what --out holds is not measured again;
+        # --estimator sampled_pi: the same with that estimator's loss warming the student
     python benchmarks/warm_probe.py --quick               # the built-in llama pair, 2 plans, K = 0 and 2: seconds
 
 It ends with `RESULT`: the median over the mismatched plans of probe kl_k3 at the largest K over that at K = 0 (from
@@ -51,13 +52,16 @@ def read_lines(path: Path) -> list[dict]:
     return rows
 
 
-def measure_grid(grid: dict, warmups: list[int], out: Path) -> None:
-    """Probe every plan of the grid's first estimator after each K in warmups, per seed with a BF16 run; one line per
-    (K, seed, plan) appended to out, skipping those already there."""
+def measure_grid(grid: dict, warmups: list[int], out: Path, estimator: str = "") -> None:
+    """Probe every plan of one of the grid's estimators (the first by default: the warm-up trains with its loss) after
+    each K in warmups, per seed with a BF16 run; one line per (K, estimator, seed, plan) appended to out, skipping
+    those already there."""
     specs = expand(grid)
-    first = specs[0]["estimator"]
+    first = estimator or specs[0]["estimator"]
     specs = [s for s in specs if s["estimator"] == first]
-    done = {(r["warmup"], r["seed"], r["plan"]) for r in read_lines(out)}
+    if not specs:
+        sys.exit(f"warm_probe: the grid has no estimator {first!r}")
+    done = {(r["warmup"], r["seed"], r["plan"]) for r in read_lines(out) if r.get("estimator", first) == first}
     for k, seed in itertools.product(warmups, sorted({s["seed"] for s in specs})):
         todo = [s for s in specs if s["seed"] == seed and (k, seed, str(s["cfg"].plan)) not in done]
         base = next((s["cfg"] for s in specs if s["source"] == "bf16" and s["seed"] == seed), None)
@@ -88,6 +92,8 @@ def main() -> None:
     parser.add_argument("--grid", type=Path, default=Path(__file__).parent / "data" / "real_grid.yaml")
     parser.add_argument("--warmup", type=int, nargs="+", default=[0, 4])
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--estimator", default="", help="the grid's estimator whose recipe warms the student "
+                        "(default: its first)")
     parser.add_argument("--results", type=Path, help="the grid's sweep results: their probes stand for K = 0")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
@@ -96,11 +102,12 @@ def main() -> None:
         out = Path(tempfile.mkdtemp()) / "warm.jsonl"
     else:
         grid, out = load_grid(args.grid), args.out or Path(tempfile.mkdtemp()) / "warm.jsonl"
-    measure_grid(grid, args.warmup, out)
-    rows = read_lines(out)
+    measure_grid(grid, args.warmup, out, args.estimator)
+    name = args.estimator or expand(grid)[0]["estimator"]
+    rows = [r for r in read_lines(out) if r.get("estimator", name) == name]
     by = {(r["warmup"], r["seed"], r["plan"]): r["probe"] for r in rows}
     if args.results:  # the sweep's stored probes are the K = 0 ones (the same numbers: tests/test_study.py)
-        stored = [r for r in read_results(args.results) if r["estimator"] == expand(grid)[0]["estimator"]]
+        stored = [r for r in read_results(args.results) if r["estimator"] == name]
         by |= {(0, r["seed"], str(r["config"]["plan"])): r["probe"] for r in stored if (0, r["seed"], str(
             r["config"]["plan"])) not in by}
         rows += [{"warmup": 0, "seed": r["seed"], "plan": str(r["config"]["plan"]), "source": r["source"]}
