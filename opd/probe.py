@@ -113,15 +113,19 @@ def teacher_side_numbers(setup: ProbeSetup, batch, scores) -> dict:
 def warm_weights(cfg, steps: int) -> dict:
     """The student's weights after `steps` OPD steps of cfg's own recipe with BF16 rollouts (the floor plan,
     synchronous, no guard), trained in a temporary folder: the student a run has become once a large first move
-    (a pruned or far-off student closing most of its gap in a few steps) is behind it. `opd admit --warmup`."""
+    (a pruned or far-off student closing most of its gap in a few steps) is behind it. `opd admit --warmup`. The
+    run's checkpoint, optimizer state included, passes through the system's temporary folder."""
     import tempfile
     from opd.checkpoint import load_checkpoint
     from opd.config import GuardConfig
-    from opd.trainer import train
+    from opd.trainer import Interrupted, train
     with tempfile.TemporaryDirectory() as folder:
         run_dir = Path(folder) / "warmup"
-        train(replace(cfg, steps=steps, plan=FLOOR_PLAN, schedule="sync", save_every=0, guard=GuardConfig(),
-                      eval=replace(cfg.eval, examples=1)), run_dir, progress=False)
+        try:
+            train(replace(cfg, steps=steps, plan=FLOOR_PLAN, schedule="sync", save_every=0, guard=GuardConfig(),
+                          eval=replace(cfg.eval, examples=1)), run_dir, progress=False)
+        except Interrupted as e:  # nothing to resume: the folder goes with this function
+            raise Interrupted(e.signum, at_boundary=False) from None
         return load_checkpoint(run_dir / "checkpoint", torch.float32)[0].state_dict()
 
 
