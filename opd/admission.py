@@ -67,6 +67,10 @@ METRIC = "nsr"  # the decision statistic: the probe's noise-to-signal ratio
 KEEP = "kv=bf16 w=bf16 noise=0"  # what a layer kept "in BF16" by a proposed plan runs at
 FLOOR_FACTOR = 2.0  # a candidate within this factor of the BF16 engine's own mismatch is at the floor: admitted
 MIN_ESS_FRAC = 0.5  # below this effective sample size fraction the rollouts are not the student's: rejected
+# A student whose probe reverse KL to its teacher is above this (nats/token) is far from it: its first steps move it,
+# and the initial student's probe overstated such runs' mismatch 4-12x on the smollm2 pair (the toys: 0.1-0.55).
+# opd admit then suggests --warmup (a hint: it decides nothing).
+FAR_STUDENT_RKL = 1.0
 def estimator_class(loss: LossConfig) -> str:
     if loss.name != "sampled_rkl":
         return "full"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from opd.admission import (FLOOR_PLAN, KEEP, METRIC, calibrated, class_limits, decide_numbers, decide_teacher,
-                            distance, estimator_class, safe_staleness, staleness)
+from opd.admission import (FAR_STUDENT_RKL, FLOOR_PLAN, KEEP, METRIC, calibrated, class_limits, decide_numbers,
+                            decide_teacher, distance, estimator_class, safe_staleness, staleness)
 from opd.learner import Scoring, collate, numerics_mu, score_batch
 from opd.losses import masked_mean
 from opd.metrics import (TeacherHealth, exact_kl_metric, rollout_health, teacher_mismatch_metrics,
@@ -141,6 +141,10 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, p
     out = {**decision.to_dict(), "plan": str(plan), "estimator_class": cls, "staleness": staleness(setup.cfg),
            "probe": numbers, "probe_rollouts": len(setup.prompts), "probe_new_tokens": setup.cfg.new_tokens,
            "warmup_steps": warmup}
+    if not warmup and not decision.admit and numbers.get("rkl", 0.0) > FAR_STUDENT_RKL:
+        out["reasons"].append(f"the student is far from its teacher (probe reverse KL {numbers['rkl']:.2f} nats/token): "
+                              "its first steps will move it, and a probe of the initial student overstated such "
+                              "runs' mismatch 4-12x (docs/admission.md, \"Across models\"): probe with --warmup 4")
     calibrated_at = (thresholds or {}).get("probe_warmup", 0)
     if thresholds and calibrated_at != warmup:
         out["reasons"].append(f"the thresholds were calibrated on probes after {calibrated_at} BF16 steps, this probe "

@@ -252,6 +252,24 @@ def test_admit_with_warmup_probes_the_student_after_k_bf16_steps(pair, tmp_path)
     assert_one_line_error(opd_cli("admit", *common, "--thresholds", at_two), "probe_warmup")
 
 
+def test_a_rejected_student_far_from_its_teacher_gets_the_warmup_hint(pair, monkeypatch):
+    """A probe whose student is far from its teacher (reverse KL above FAR_STUDENT_RKL) and is not admitted gets a
+    reason suggesting --warmup; a near one, an admitted one and a warm probe do not."""
+    import opd.probe
+    from opd.admission import FAR_STUDENT_RKL
+    setup, plan = probe_setup(config(pair, plan="kv=fp8_e5m2"), 4)
+    collapsed = {"nsr": 0.3, "floor_nsr": 0.025, "kl_k3": 1.3, "floor_kl_k3": 0.02, "ess_frac": 0.14,
+                 "adv_sign_flip": 0.06}
+    hint = "probe with --warmup 4"
+    for rkl, ess, warmup, expected in ((6.4, 0.14, 0, True), (0.3, 0.14, 0, False), (6.4, 0.95, 0, False),
+                                       (6.4, 0.14, 4, False)):
+        monkeypatch.setattr(opd.probe, "probe", lambda *a, **k: collapsed | {"rkl": rkl, "ess_frac": ess})
+        out = opd.probe.admit(setup, plan, load_thresholds(), propose=False, warmup=warmup)
+        assert (out["decision"] != "ADMIT") == (ess < 0.5)
+        assert any(hint in r for r in out["reasons"]) == expected, (rkl, ess, warmup, out["reasons"])
+    assert 0.55 < FAR_STUDENT_RKL < 6.4  # above every toy student's, below the pruned smollm2 student's
+
+
 def test_guard_falls_back_to_bf16_on_an_injected_mismatch(pair, tmp_path):
     from opd.runlog import read_metrics
     from opd.trainer import train
