@@ -36,6 +36,7 @@ from pathlib import Path
 
 from opd.admission import decide_numbers
 from opd.runlog import write_atomic
+from opd.schema import read_jsonl
 from opd.sweep import PROBE_ROLLOUTS, read_results, stored_config
 from opd.thresholds import calibrate
 from opd.tolerance import QUALITY, band, label, latest, teacher_thresholds
@@ -133,14 +134,10 @@ def cross_model(rows: list[dict], calibrate_on_toys: bool = True) -> list[tuple[
     return [(r, decision(r, thresholds)) for r in target]
 
 
-def read_lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
 def warm_probes(data: Path = DATA) -> tuple[int, dict]:
     """The warm probes stored for the largest K both files hold, by (family, estimator, seed, plan) for the real pairs
     (the student warmed with that estimator's loss) and by (study, id) for the toys; (0, {}) without either file."""
-    real, toys = read_lines(data / WARM), read_lines(data / WARM_TOYS)
+    real, toys = (read_jsonl(data / f, "warm probes file") if (data / f).is_file() else [] for f in (WARM, WARM_TOYS))
     k = max(({r["warmup"] for r in real} & {r["warmup"] for r in toys}) - {0}, default=0)
     probes = {(r["family"], r["estimator"], r["seed"], r["plan"]): r["probe"] for r in real if r["warmup"] == k}
     return k, probes | {(r["study"], r["id"]): r["probe"] for r in toys if r["warmup"] == k} if k else {}
@@ -295,9 +292,9 @@ def main() -> None:
     if args.store:
         write_atomic(args.store, "".join(json.dumps({k: v for k, v in r.items() if k not in ("degraded", "mismatch")})
                                          + "\n" for r in rows))
+    k, probes = warm_probes(args.data)
     if args.write_thresholds:
         write_atomic(args.write_thresholds, json.dumps(shipped_thresholds(rows), indent=2) + "\n")
-        k, probes = warm_probes(args.data)
         if probes:  # and the calibration on the warm probes, for `opd admit --warmup k`
             warm_file = args.write_thresholds.with_name(f"thresholds_warm{k}.json")
             calibration = shipped_thresholds(warmed(rows, probes))
@@ -329,7 +326,6 @@ def main() -> None:
         results[stat] = cells[0]
         print(f"  {stat:15} " + "  ".join(f"{name.split(',')[0]} {t['accuracy']:.3f} / "
                                           f"{t['admitted_degraded_rate']:.3f}" for name, t in zip(SPLITS, cells)))
-    k, probes = warm_probes(args.data)
     warm = {}
     if probes:
         mine = warmed(rows, probes)

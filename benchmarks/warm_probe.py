@@ -1,12 +1,13 @@
 """Does the admission probe read a real pair's runs better after a few BF16 steps?
 
-On the smollm2 pair the probe of the initial (pruned, untrained) student measured 7-10x the mismatch the runs then
+On the smollm2 pair the probe of the initial (pruned, untrained) student measured 4-12x the mismatch the runs then
 trained with (probe kl_k3 3.2 vs 0.75 averaged over the INT4-weights run; dev/LOG.md 2026-12-03): the first steps
 move the student far (held-out reverse KL 6.6 -> ~1.3 in 16 steps), and its mismatch falls with it, within ~5 steps.
 This measures the probe of every plan of a grid on the student after K steps of BF16 OPD (the grid's own recipe and
-first estimator, each seed that has a BF16 run), K = 0 being the probe as the sweep stores it. Each K trains once from the initial
-student and probes every plan on that student (the BF16 floor once per K). One JSON line per (K, seed, plan) is appended
-to --out; a (K, seed, plan) already there is not measured again, so a stopped run resumes.
+one estimator, the first unless --estimator, each seed that has a BF16 run), K = 0 being the probe as the sweep
+stores it. Each (K, seed) trains once from the initial student and probes every plan on that student (the BF16 floor
+once). One JSON line per (K, estimator, seed, plan) is appended to --out; one already there is not measured again,
+so a stopped run resumes.
 
     python benchmarks/warm_probe.py --grid benchmarks/data/real_grid.yaml --warmup 4 \
         --out benchmarks/data/real_warm_probes.jsonl --results benchmarks/data/real_results.jsonl
@@ -19,14 +20,13 @@ It ends with `RESULT`: the median over the mismatched plans of probe kl_k3 at th
 """
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-
+from opd.schema import read_jsonl
 from opd.setup import parse_plan, probe_setup
 from opd.sweep import PROBE_ROLLOUTS, expand, load_grid, read_results
 from opd.probe import measure, probe, warm_weights
@@ -42,14 +42,8 @@ QUICK_GRID = {"families": ["llama"], "base": {"steps": 4, "batch_size": 8, "eval
 
 
 def read_lines(path: Path) -> list[dict]:
-    """The rows measured so far (a torn last line, from a stop mid-write, is measured again)."""
-    rows = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
+    """The rows measured so far (a torn last line, from a stop mid-write, is left out and measured again)."""
+    return read_jsonl(path, "warm probes file") if path.is_file() else []
 
 
 def measure_grid(grid: dict, warmups: list[int], out: Path, estimator: str = "") -> None:
@@ -78,8 +72,8 @@ def measure_grid(grid: dict, warmups: list[int], out: Path, estimator: str = "")
         for spec in todo:
             numbers = probe(setup, parse_plan(spec["cfg"], layers), floor=floor)
             row = {"id": f"{spec['id']}@warmup{k}", "warmup": k, "plan": str(spec["cfg"].plan),
-                   "source": spec["source"], "level": spec["level"], "family": spec["family"], "estimator": first, "seed": seed,
-                   "probe": numbers, "warm_seconds": warm_seconds}
+                   "source": spec["source"], "level": spec["level"], "family": spec["family"], "estimator": first,
+                   "seed": seed, "probe": numbers, "warm_seconds": warm_seconds}
             append_result(out, row)
             print(f"warmup {k} {spec['source']}={spec['level']}: kl_k3 {numbers['kl_k3']:.3f} nsr "
                   f"{numbers['nsr']:.3f} ess_frac {numbers['ess_frac']:.3f} ({numbers['seconds']:.0f} s)",

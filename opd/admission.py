@@ -71,6 +71,8 @@ MIN_ESS_FRAC = 0.5  # below this effective sample size fraction the rollouts are
 # and the initial student's probe overstated such runs' mismatch 4-12x on the smollm2 pair (the toys: 0.1-0.55).
 # opd admit then suggests --warmup (a hint: it decides nothing).
 FAR_STUDENT_RKL = 1.0
+
+
 def estimator_class(loss: LossConfig) -> str:
     if loss.name != "sampled_rkl":
         return "full"

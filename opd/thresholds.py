@@ -15,12 +15,6 @@ from opd.errors import OpdError, require
 from opd.schema import Schema, parse_json, problem, read_text
 
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.json")
-
-
-def warm_thresholds(steps: int) -> Path:
-    """The shipped thresholds calibrated on probes after `steps` BF16 steps (`opd admit --warmup`), where one ships."""
-    return DEFAULT_THRESHOLDS.with_name(f"thresholds_warm{steps}.json")
-
 # A cut's errors: an admitted run that degraded costs a whole training run, a rejected one that would have trained
 # fine the speed-up, a fraction of it: the first is weighted 2x (the trade-off this buys: docs/admission.md).
 ADMITTED_DEGRADED_COST = 2.0
@@ -51,6 +45,11 @@ class CalibrationModel(Schema):
     floor_nsr_range: list[NonNegative] | None = Field(None, min_length=2, max_length=2)
     rkl: NonNegative | None = None
     runs: int = 0
+
+
+def warm_thresholds(steps: int) -> Path:
+    """The shipped thresholds calibrated on probes after `steps` BF16 steps (`opd admit --warmup`), where one ships."""
+    return DEFAULT_THRESHOLDS.with_name(f"thresholds_warm{steps}.json")
 
 
 class Thresholds(Schema):

@@ -118,6 +118,7 @@ def test_warm_probe_reuses_one_set_up_and_measures_the_student_after_k_bf16_step
     import sys
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     import warm_probe
+    from dataclasses import replace
     from opd.checkpoint import load_checkpoint
     from opd.probe import probe
     from opd.trainer import train
@@ -133,7 +134,7 @@ def test_warm_probe_reuses_one_set_up_and_measures_the_student_after_k_bf16_step
     for key in ("nsr", "kl_k3", "ess_frac", "floor_nsr"):
         assert rows[(0, "kv")][key] == alone[key]
     bf16 = expand(grid)[0]["cfg"]
-    train(bf16.__class__(**{**bf16.__dict__, "steps": 2}), tmp_path / "two", progress=False)
+    train(replace(bf16, steps=2), tmp_path / "two", progress=False)
     setup, plan = probe_setup(spec["cfg"], 16)
     setup.student.load_state_dict(load_checkpoint(tmp_path / "two" / "checkpoint")[0].state_dict())
     warm = probe(setup, plan)
