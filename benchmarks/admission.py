@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from opd.admission import decide_numbers
+from opd.admission import FAR_STUDENT_RKL, decide_numbers
 from opd.runlog import write_atomic
 from opd.schema import read_jsonl
 from opd.sweep import PROBE_ROLLOUTS, read_results, stored_config
@@ -152,6 +152,15 @@ def warmed(rows: list[dict], probes: dict) -> list[dict]:
         if key in probes:
             out.append(r | {"probe": probes[key]})
     return out
+
+
+def escalated(rows: list[dict], probes: dict, split) -> list[tuple[dict, str]]:
+    """`opd admit`'s default (--warmup auto) on a split: each run decided on its initial student's probe, except one
+    not admitted whose student is far from its teacher (probe reverse KL > FAR_STUDENT_RKL), decided on its warm probe
+    by thresholds calibrated on warm probes (the same split of them)."""
+    warm = {(r["study"], r["id"]): v for r, v in split(warmed(rows, probes))}
+    return [(r, warm[(r["study"], r["id"])]) if v != "ADMIT" and r["probe"].get("rkl", 0.0) > FAR_STUDENT_RKL
+            and (r["study"], r["id"]) in warm else (r, v) for r, v in split(rows)]
 
 
 def new_grids(rows: list[dict]) -> list[tuple[dict, str]]:
@@ -326,7 +335,7 @@ def main() -> None:
         results[stat] = cells[0]
         print(f"  {stat:15} " + "  ".join(f"{name.split(',')[0]} {t['accuracy']:.3f} / "
                                           f"{t['admitted_degraded_rate']:.3f}" for name, t in zip(SPLITS, cells)))
-    warm = {}
+    warm, auto = {}, {}
     if probes:
         mine = warmed(rows, probes)
         print(f"\nthe same, every run probed on its student after {k} BF16 steps of its own recipe (benchmarks/"
@@ -337,6 +346,15 @@ def main() -> None:
             print(f"  {name}: accuracy {warm[name]['accuracy']:.3f}, admitted and degraded "
                   f"{warm[name]['admitted_degraded_rate']:.3f} ({warm[name]['counts']['ADMIT & degraded']} runs), "
                   f"uncertain {warm[name]['uncertain_rate']:.3f}")
+            print("    wrong: " + "; ".join(wrong(decisions)))
+        print(f"\n`opd admit`'s default (--warmup auto): the initial student's probe, and where it is not admitted and "
+              f"its student is far from its teacher (probe reverse KL > {FAR_STUDENT_RKL:g}), the warm probe:")
+        for name in ("leave one source out", "cross model: toy pairs -> real pairs"):
+            decisions = escalated(rows, probes, SPLITS[name])
+            auto[name] = table(decisions)
+            print(f"  {name}: accuracy {auto[name]['accuracy']:.3f}, admitted and degraded "
+                  f"{auto[name]['admitted_degraded_rate']:.3f} ({auto[name]['counts']['ADMIT & degraded']} runs), "
+                  f"uncertain {auto[name]['uncertain_rate']:.3f}")
             print("    wrong: " + "; ".join(wrong(decisions)))
     lines, disagree = label_noise(rows)
     print("\nlabel noise (single-seed labels; benchmarks/admission.py's label_noise):")
@@ -366,7 +384,12 @@ def main() -> None:
              f"admitted_degraded_rate_warm={warm['leave one source out']['admitted_degraded_rate']:.3f} "
              f"accuracy_cross_model_warm={warm['cross model: toy pairs -> real pairs']['accuracy']:.3f} "
              f"admitted_degraded_cross_model_warm={warm['cross model: toy pairs -> real pairs']['counts']['ADMIT & degraded']} "
-             f"warmup_steps={k} " if warm else "")
+             f"warmup_steps={k} "
+             f"accuracy_leave_source_out_auto={auto['leave one source out']['accuracy']:.3f} "
+             f"admitted_degraded_rate_auto={auto['leave one source out']['admitted_degraded_rate']:.3f} "
+             f"accuracy_cross_model_auto={auto['cross model: toy pairs -> real pairs']['accuracy']:.3f} "
+             f"admitted_degraded_cross_model_auto={auto['cross model: toy pairs -> real pairs']['counts']['ADMIT & degraded']} "
+             if warm else "")
           + f"accuracy_real_to_toy={results['cross model: real pairs -> toy pairs']['accuracy']:.3f} "
           f"cost_fraction={cost:.4f} cost_fraction_real={costs.get('real pairs', (math.nan,))[0]:.4f} "
           f"runs={len(runs)} check_s={check:.2f} train_s={train:.1f}")

@@ -69,8 +69,11 @@ FLOOR_FACTOR = 2.0  # a candidate within this factor of the BF16 engine's own mi
 MIN_ESS_FRAC = 0.5  # below this effective sample size fraction the rollouts are not the student's: rejected
 # A student whose probe reverse KL to its teacher is above this (nats/token) is far from it: its first steps move it,
 # and the initial student's probe overstated such runs' mismatch 4-12x on the smollm2 pair (the toys: 0.1-0.55).
-# opd admit then suggests --warmup (a hint: it decides nothing).
+# When such a probe is not admitted, `opd admit` (--warmup auto, the default, with the shipped thresholds) decides on
+# the student after AUTO_WARMUP BF16 steps instead, with the thresholds calibrated so; --warmup 0 keeps the initial
+# student's verdict and adds a hint.
 FAR_STUDENT_RKL = 1.0
+AUTO_WARMUP = 4
 
 
 def estimator_class(loss: LossConfig) -> str:

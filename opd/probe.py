@@ -130,10 +130,11 @@ def warm_weights(cfg, steps: int) -> dict:
 
 
 def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, propose: bool = True,
-          warmup: int = 0) -> dict:
+          warmup: int = 0, escalate: bool = False) -> dict:
     """ADMIT/REJECT with reasons for the run's rollout configuration; a per-layer plan that passes when rejected.
     warmup: the setup's student has had that many BF16 steps (warm_weights); the thresholds should have been
-    calibrated on probes taken so, else a reason says so."""
+    calibrated on probes taken so, else a reason says so. escalate: an initial student far from its teacher that is not
+    admitted returns at once with "far_student" (no proposal): the caller decides on a warmed student instead."""
     start = time.perf_counter()
     cls = estimator_class(setup.cfg.loss)
     numbers = probe(setup, plan)
@@ -142,6 +143,8 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, p
            "probe": numbers, "probe_rollouts": len(setup.prompts), "probe_new_tokens": setup.cfg.new_tokens,
            "warmup_steps": warmup}
     if not warmup and not decision.admit and numbers.get("rkl", 0.0) > FAR_STUDENT_RKL:
+        if escalate:
+            return out | {"far_student": True, "seconds": time.perf_counter() - start}
         out["reasons"].append(f"the student is far from its teacher (probe reverse KL {numbers['rkl']:.2f} nats/token): "
                               "its first steps will move it, and a probe of the initial student overstated such "
                               "runs' mismatch 4-12x (docs/admission.md, \"Across models\"): probe with --warmup 4")

@@ -128,14 +128,26 @@ def admit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollouts", type=batch_count, default=16, help="probe batch size")
     p.add_argument("--json", dest="as_json", action="store_true", help="print the full result as JSON")
     p.add_argument("--no-propose", dest="propose", action="store_false", help="on REJECT, do not search for a plan")
-    p.add_argument("--warmup", type=int_in(0, 10_001), default=0,
+    p.add_argument("--warmup", type=warmup_steps, default="auto",
                    help="probe the student after this many steps of the run's recipe with BF16 rollouts (a student "
-                        "whose first steps move it far, as a pruned one; default 0: the initial student)")
+                        "whose first steps move it far, as a pruned one); 0: the initial student; auto (default): the "
+                        "initial student, then, if that probe is not admitted and its student is far from the teacher, "
+                        "the student after 4 BF16 steps with the thresholds calibrated so")
+
+
+def warmup_steps(text: str) -> int | str:
+    """An argparse type: "auto" or an integer in [0, 10000]."""
+    if text == "auto":
+        return text
+    try:
+        return int_in(0, 10_001)(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (use auto or a step count in [0, 10000])") from None
 
 
 @command(admit_arguments)
 def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit: float, rollouts: int,
-              as_json: bool, propose: bool, warmup: int) -> int:
+              as_json: bool, propose: bool, warmup: int | str) -> int:
     """Before training: is this rollout configuration safe for OPD? ADMIT (exit 0), REJECT (exit 1) or UNCERTAIN (exit
     3: run it only under the runtime guard), with reasons."""
     from opd import admit
@@ -148,7 +160,8 @@ def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit:
     else:
         print(f"{result['decision']}  plan: {result['plan']}  (estimator class '{result['estimator_class']}', "
               f"staleness {result['staleness']}, {result['probe_rollouts']} probe rollouts, {result['seconds']:.1f} s"
-              + (f", after {warmup} BF16 steps ({result['warmup_seconds']:.0f} s)" if warmup else "") + ")")
+              + (f", after {result['warmup_steps']} BF16 steps ({result['warmup_seconds']:.0f} s)"
+                 if result["warmup_steps"] else "") + ")")
         for reason in result["reasons"]:
             print(f"  - {reason}")
         proposal = result.get("proposal")

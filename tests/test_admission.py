@@ -270,6 +270,36 @@ def test_a_rejected_student_far_from_its_teacher_gets_the_warmup_hint(pair, monk
     assert 0.55 < FAR_STUDENT_RKL < 6.4  # above every toy student's, below the pruned smollm2 student's
 
 
+def test_admit_auto_decides_a_far_rejected_student_after_the_warmup(pair, monkeypatch):
+    """--warmup auto (the default): a student near its teacher, or one admitted, is decided on the initial probe
+    alone (as --warmup 0); a far one that is not admitted is decided after AUTO_WARMUP BF16 steps with the warm
+    thresholds, the same decision and numbers as --warmup 4 (the oracle), the initial verdict kept beside it."""
+    import opd
+    import opd.probe
+    from opd.admission import AUTO_WARMUP
+    cfg = config(pair, plan="kv=fp8_e5m2")
+    near = opd.admit(cfg, rollouts=4, propose=False)  # toy students are near (probe reverse KL 0.1-0.55)
+    cold = opd.admit(cfg, rollouts=4, propose=False, warmup=0)
+    same = lambda a, b: {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
+    assert near["warmup_steps"] == 0 and "initial_probe" not in near and same(near["probe"], cold["probe"])
+    monkeypatch.setattr(opd.probe, "FAR_STUDENT_RKL", 0.0)  # every student counts as far
+    admitted = opd.admit(cfg, rollouts=4, propose=False, limit=1e3)
+    assert admitted["decision"] == "ADMIT" and admitted["warmup_steps"] == 0 and "initial_probe" not in admitted
+    far = opd.admit(cfg, rollouts=4, propose=False, limit=1e-6)
+    oracle = opd.admit(cfg, rollouts=4, propose=False, limit=1e-6, warmup=AUTO_WARMUP)
+    assert far["warmup_steps"] == AUTO_WARMUP == oracle["warmup_steps"] and far["warmup_seconds"] > 0
+    for key in ("nsr", "kl_k3", "ess_frac", "floor_nsr", "rkl"):
+        assert far["probe"][key] == oracle["probe"][key] != cold["probe"][key]
+    assert far["decision"] == oracle["decision"] and far["reasons"][1:] == oracle["reasons"]
+    assert far["initial_probe"]["decision"] == "REJECT" and far["initial_probe"]["nsr"] == cold["probe"]["nsr"]
+    assert "the initial student's probe said REJECT" in far["reasons"][0] and "--warmup 0" in far["reasons"][0]
+    assert far["seconds"] > far["initial_probe"]["seconds"]
+    explicit = opd.admit(cfg, rollouts=4, propose=False, limit=1e-6, warmup=0)  # --warmup 0: the hint, no warm-up
+    assert explicit["warmup_steps"] == 0 and any("probe with --warmup 4" in r for r in explicit["reasons"])
+    with pytest.raises(opd.OpdError, match="warmup must be"):
+        opd.admit(cfg, warmup="soon")
+
+
 def test_guard_falls_back_to_bf16_on_an_injected_mismatch(pair, tmp_path):
     from opd.runlog import read_metrics
     from opd.trainer import train
@@ -438,7 +468,8 @@ def test_admission_benchmark_quick_mode():
     """The stored studies decided with thresholds calibrated without the held-out runs: the numbers docs/admission.md
     quotes (accuracy >= 0.9 leaving sources out is not reached, and 4.4% of the runs are admitted and degraded against
     the goal's 2%), the real pair decided by the toy pairs' thresholds, probing the initial students and the students
-    after 4 BF16 steps (issue 38: better, not yet the goal), and the check's cost."""
+    after 4 BF16 steps (issue 38: better, not yet the goal), `opd admit`'s default between them, and the check's
+    cost."""
     import subprocess
     import sys
     script = Path(__file__).parents[1] / "benchmarks" / "admission.py"
@@ -451,6 +482,9 @@ def test_admission_benchmark_quick_mode():
     assert result["admitted_degraded_cross_model"] == "0" and float(result["cost_fraction_real"]) > 0.1
     assert result["warmup_steps"] == "4" and result["accuracy_cross_model_warm"] == "0.882"
     assert result["admitted_degraded_cross_model_warm"] == "1" and result["accuracy_leave_source_out_warm"] == "0.840"
+    # opd admit's default (--warmup auto): the warm probe only where the initial one is not admitted and far
+    assert result["accuracy_cross_model_auto"] == "0.882" and result["admitted_degraded_cross_model_auto"] == "1"
+    assert result["accuracy_leave_source_out_auto"] == "0.867" and result["admitted_degraded_rate_auto"] == "0.049"
 
 
 def test_outlier_training_benchmark_quick_mode():

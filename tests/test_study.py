@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,7 +116,6 @@ def test_warm_probe_reuses_one_set_up_and_measures_the_student_after_k_bf16_step
     """benchmarks/warm_probe.py: at K = 0 its probes, measured on one shared set-up, are those of a probe per run
     (the oracle); at K > 0 on the student of a BF16 run of the same recipe stopped after K steps;
     a second call measures nothing again."""
-    import sys
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     import warm_probe
     from dataclasses import replace
@@ -254,3 +254,16 @@ def test_transfer_benchmark_reads_the_stored_studies():
     assert result["families"].split(",")[:2] == ["llama", "qwen3"]
     assert "smollm2" in result["families"] and "spearman_llama_smollm2_full_rkl" in result  # the stored real runs
     assert "| kv=fp8_e4m3 |" in out.stdout and "smollm2:student fp8_e4m3" in out.stdout
+
+
+def test_recipe_counts_time_and_steps_before_the_first_evaluation_that_meets_the_target():
+    """benchmarks/recipe.py: time to target sums the steps' wall time before the first evaluation that reaches it,
+    steps to target is that evaluation's step; never reached -> inf."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import recipe
+    rows = [{"step": 0, "eval/rkl": 3.0}] + [{"step": s, "time/step": 10.0 + s} for s in range(8)] + \
+        [{"step": 4, "eval/rkl": 1.5}, {"step": 8, "eval/rkl": 1.0}]
+    assert recipe.time_to(rows, lambda r: r["eval/rkl"] <= 1.5) == 10 + 11 + 12 + 13
+    assert recipe.steps_to(rows, lambda r: r["eval/rkl"] <= 1.5) == 4
+    assert recipe.steps_to(rows, lambda r: r["eval/rkl"] <= 1.2) == 8
+    assert recipe.time_to(rows, lambda r: r["eval/rkl"] <= 0.5) == math.inf == recipe.steps_to(rows, lambda r: r["eval/rkl"] <= 0.5)
