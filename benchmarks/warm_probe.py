@@ -12,7 +12,8 @@ so a stopped run resumes.
     python benchmarks/warm_probe.py --grid benchmarks/data/real_grid.yaml --warmup 4 \
         --out benchmarks/data/real_warm_probes.jsonl --results benchmarks/data/real_results.jsonl
         # ~100 s of warm-up a seed and ~25 s a probe on 2 cores; what --out holds is not measured again;
-        # --estimator sampled_pi: the same with that estimator's loss warming the student
+        # --estimator sampled_pi: the same with that estimator's loss warming the student; --only-stored: only
+        # the plans and seeds --results has a run of
     python benchmarks/warm_probe.py --quick               # the built-in llama pair, 2 plans, K = 0 and 2: seconds
 
 It ends with `RESULT`: the median over the mismatched plans of probe kl_k3 at the largest K over that at K = 0 (from
@@ -46,10 +47,10 @@ def read_lines(path: Path) -> list[dict]:
     return read_jsonl(path, "warm probes file") if path.is_file() else []
 
 
-def measure_grid(grid: dict, warmups: list[int], out: Path, estimator: str = "") -> None:
+def measure_grid(grid: dict, warmups: list[int], out: Path, estimator: str = "", only: set | None = None) -> None:
     """Probe every plan of one of the grid's estimators (the first by default: the warm-up trains with its loss) after
     each K in warmups, per seed with a BF16 run; one line per (K, estimator, seed, plan) appended to out, skipping
-    those already there."""
+    those already there. only: the (seed, plan) pairs to probe (None: all)."""
     specs = expand(grid)
     first = estimator or specs[0]["estimator"]
     specs = [s for s in specs if s["estimator"] == first]
@@ -57,7 +58,9 @@ def measure_grid(grid: dict, warmups: list[int], out: Path, estimator: str = "")
         sys.exit(f"warm_probe: the grid has no estimator {first!r}")
     done = {(r["warmup"], r["seed"], r["plan"]) for r in read_lines(out) if r.get("estimator", first) == first}
     for k, seed in itertools.product(warmups, sorted({s["seed"] for s in specs})):
-        todo = [s for s in specs if s["seed"] == seed and (k, seed, str(s["cfg"].plan)) not in done]
+        todo = [s for s in specs if s["seed"] == seed and (k, seed, str(s["cfg"].plan)) not in done
+                and (only is None or (seed, str(s["cfg"].plan)) in only)]
+        todo = list({str(s["cfg"].plan): s for s in reversed(todo)}.values())[::-1]  # a plan once (staleness: BF16's)
         base = next((s["cfg"] for s in specs if s["source"] == "bf16" and s["seed"] == seed), None)
         if not todo or base is None:  # a seed without a BF16 run has no warm-up recipe
             continue
@@ -89,6 +92,8 @@ def main() -> None:
     parser.add_argument("--estimator", default="", help="the grid's estimator whose recipe warms the student "
                         "(default: its first)")
     parser.add_argument("--results", type=Path, help="the grid's sweep results: their probes stand for K = 0")
+    parser.add_argument("--only-stored", action="store_true", help="probe only the plans and seeds --results holds "
+                        "a run of (the grid's sweep still going)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -96,8 +101,10 @@ def main() -> None:
         out = Path(tempfile.mkdtemp()) / "warm.jsonl"
     else:
         grid, out = load_grid(args.grid), args.out or Path(tempfile.mkdtemp()) / "warm.jsonl"
-    measure_grid(grid, args.warmup, out, args.estimator)
     name = args.estimator or expand(grid)[0]["estimator"]
+    only = ({(r["seed"], str(r["config"]["plan"])) for r in read_results(args.results) if r["estimator"] == name}
+            if args.only_stored and args.results else None)
+    measure_grid(grid, args.warmup, out, args.estimator, only)
     rows = [r for r in read_lines(out) if r.get("estimator", name) == name]
     by = {(r["warmup"], r["seed"], r["plan"]): r["probe"] for r in rows}
     if args.results:  # the sweep's stored probes are the K = 0 ones (the same numbers: tests/test_study.py)
