@@ -275,8 +275,9 @@ def test_recipe_counts_time_and_steps_before_the_first_evaluation_that_meets_the
     results = {"sync_bf16": {"rows": rows, "summary": {"after": {"eval/rkl": 1.0}}, "train_s": 100.0,
                              "tokens_per_s": 5.0, "kv_bytes": 8, "kl": 0.0}}
     checks = {"sync_fp8kv": {"decision": "REJECT", "nsr": 2.0, "limit": 1.0, "seconds": 3.0}}
-    recipe.write_runs(out, args, results, checks, {"sync_bf16": 46.0}, 1.05)
+    recipe.write_runs(out, args, results, checks, (1.05, {"sync_bf16": 46.0}), (1.5, {"sync_bf16": math.inf}))
     stored = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["run"] for r in stored] == ["sync_bf16", "sync_fp8kv"] and "final_rkl" not in stored[1]
     assert stored[1]["admission"]["decision"] == "REJECT" and stored[0]["seed"] == 3
+    assert stored[0]["time_to_target_s"] == 46.0 and stored[0]["time_to_best_s"] is None  # never reached
     assert [(e["step"], e["train_s_before"]) for e in stored[0]["evals"]] == [(0, 0), (4, 46.0), (8, 108.0)]
