@@ -67,8 +67,13 @@ def time_to(rows: list[dict], reached) -> float:
     """Training seconds before the first evaluation whose metrics satisfy `reached` (inf if none does)."""
     for row in rows:
         if "eval/rkl" in row and reached(row):
-            return sum(r.get("time/step", 0.0) for r in rows if r["step"] < row["step"])
+            return seconds_before(rows, row["step"])
     return math.inf
+
+
+def seconds_before(rows: list[dict], step: int) -> float:
+    """The training seconds of the steps before `step` (an evaluation at `step` sees the model after them)."""
+    return sum(r.get("time/step", 0.0) for r in rows if r["step"] < step)
 
 
 def steps_to(rows: list[dict], reached) -> float:
@@ -198,10 +203,10 @@ def write_runs(path: Path, args, results: dict, checks: dict, final: tuple[float
                best: tuple[float, dict]) -> None:
     """One JSON line per run (admission-rejected runs too): what the table prints, and the held-out evaluations with
     the training seconds before each. final and best: (target, each run's seconds to it) for the two targets."""
-    from opd.kernels import vllm_cpu_kernels
+    from real_fidelity import native_variant  # this CPU's best ISA (amx, avx512bf16, avx512, avx2)
     rows = []
     for name in [n for n, _ in RUNS + VLLM_RUNS if n in results or n in checks]:
-        row = {"run": name, "family": args.family, "seed": args.seed, "cpu": vllm_cpu_kernels(),
+        row = {"run": name, "family": args.family, "seed": args.seed, "cpu": native_variant(),
                "rkl_target": final[0], "best_target": best[0], "admission": checks.get(name)}
         if name in results:
             r = results[name]
@@ -210,8 +215,7 @@ def write_runs(path: Path, args, results: dict, checks: dict, final: tuple[float
                     "time_to_target_s": final[1][name] if math.isfinite(final[1][name]) else None,
                     "time_to_best_s": best[1][name] if math.isfinite(best[1][name]) else None,
                     "evals": [{"step": e["step"], "rkl": e["eval/rkl"],
-                               "train_s_before": sum(x.get("time/step", 0.0) for x in r["rows"]
-                                                     if x["step"] < e["step"])}
+                               "train_s_before": seconds_before(r["rows"], e["step"])}
                               for e in r["rows"] if "eval/rkl" in e]}
         rows.append(row)
     path.parent.mkdir(parents=True, exist_ok=True)

