@@ -11,7 +11,8 @@ on the sources both measured (Spearman's rank correlation), and the per-layer FP
 
 The toy pairs' rows are the numerics, generalization, first-study and outlier grids (labelled as
 benchmarks/admission.py labels them, each against its own study's BF16 seeds); the real pair's are
-benchmarks/data/real_results.jsonl (benchmarks/data/real_grid.yaml says how it was run).
+benchmarks/data/real_results.jsonl and real3e5_results.jsonl (benchmarks/data/real_grid.yaml and
+real_grid_lr3e5.yaml say how they were run), one column per learning rate (`smollm2@lr0.0001`, `smollm2@lr3e-05`).
 
     python benchmarks/transfer.py            # reads the stored results (seconds; --quick is the same)
 
@@ -29,7 +30,7 @@ from admission import DATA, TOY_FAMILIES, stored_rows  # noqa: E402  (benchmarks
 
 from opd.tolerance import QUALITY, band  # noqa: E402
 
-ESTIMATORS = ("full_rkl", "sampled_pi")
+ESTIMATORS = ("full_rkl", "sampled_pi", "sampled_mu")
 
 
 def per_model(rows: list[dict], family: str, estimator: str) -> dict | None:
@@ -88,7 +89,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the same: stored results only")
     parser.parse_args()
-    rows = stored_rows()
+    # a real pair's grid at each lr is its own column (family@lr...): the lr moved every label (docs/tolerance.md)
+    rows = [r if r["family"] in TOY_FAMILIES else r | {"family": f"{r['family']}@lr{r['config']['optim']['lr']:g}"}
+            for r in stored_rows()]
     families = sorted({r["family"] for r in rows}, key=lambda f: (f not in TOY_FAMILIES, f))
     result = {"families": ",".join(families)}
     for estimator in ESTIMATORS:

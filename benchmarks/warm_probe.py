@@ -6,8 +6,8 @@ move the student far (held-out reverse KL 6.6 -> ~1.3 in 16 steps), and its mism
 This measures the probe of every plan of a grid on the student after K steps of BF16 OPD (the grid's own recipe and
 one estimator, the first unless --estimator, each seed that has a BF16 run), K = 0 being the probe as the sweep
 stores it. Each (K, seed) trains once from the initial student and probes every plan on that student (the BF16 floor
-once). One JSON line per (K, estimator, seed, plan) is appended to --out; one already there is not measured again,
-so a stopped run resumes.
+once). One JSON line per (K, estimator, lr, seed, plan) is appended to --out; one already there is not measured
+again, so a stopped run resumes.
 
     python benchmarks/warm_probe.py --grid benchmarks/data/real_grid.yaml --warmup 4 \
         --out benchmarks/data/real_warm_probes.jsonl --results benchmarks/data/real_results.jsonl
@@ -56,7 +56,9 @@ def measure_grid(grid: dict, warmups: list[int], out: Path, estimator: str = "",
     specs = [s for s in specs if s["estimator"] == first]
     if not specs:
         sys.exit(f"warm_probe: the grid has no estimator {first!r}")
-    done = {(r["warmup"], r["seed"], r["plan"]) for r in read_lines(out) if r.get("estimator", first) == first}
+    lr = specs[0]["cfg"].optim.lr  # the warm-up's: a grid at another lr warms another student
+    done = {(r["warmup"], r["seed"], r["plan"]) for r in read_lines(out)
+            if r.get("estimator", first) == first and r["lr"] == lr}
     for k, seed in itertools.product(warmups, sorted({s["seed"] for s in specs})):
         todo = [s for s in specs if s["seed"] == seed and (k, seed, str(s["cfg"].plan)) not in done
                 and (only is None or (seed, str(s["cfg"].plan)) in only)]
@@ -76,7 +78,7 @@ def measure_grid(grid: dict, warmups: list[int], out: Path, estimator: str = "",
             numbers = probe(setup, parse_plan(spec["cfg"], layers), floor=floor)
             row = {"id": f"{spec['id']}@warmup{k}", "warmup": k, "plan": str(spec["cfg"].plan),
                    "source": spec["source"], "level": spec["level"], "family": spec["family"], "estimator": first,
-                   "seed": seed, "probe": numbers, "warm_seconds": warm_seconds}
+                   "lr": lr, "seed": seed, "probe": numbers, "warm_seconds": warm_seconds}
             append_result(out, row)
             print(f"warmup {k} {spec['source']}={spec['level']}: kl_k3 {numbers['kl_k3']:.3f} nsr "
                   f"{numbers['nsr']:.3f} ess_frac {numbers['ess_frac']:.3f} ({numbers['seconds']:.0f} s)",
@@ -105,10 +107,11 @@ def main() -> None:
     only = ({(r["seed"], str(r["config"]["plan"])) for r in read_results(args.results) if r["estimator"] == name}
             if args.only_stored and args.results else None)
     measure_grid(grid, args.warmup, out, args.estimator, only)
-    rows = [r for r in read_lines(out) if r.get("estimator", name) == name]
+    lr = next(s["cfg"].optim.lr for s in expand(grid) if s["estimator"] == name)
+    rows = [r for r in read_lines(out) if r.get("estimator", name) == name and r["lr"] == lr]
     by = {(r["warmup"], r["seed"], r["plan"]): r["probe"] for r in rows}
     if args.results:  # the sweep's stored probes are the K = 0 ones (the same numbers: tests/test_study.py)
-        stored = [r for r in read_results(args.results) if r["estimator"] == name]
+        stored = [r for r in read_results(args.results) if r["estimator"] == name and r["config"]["optim"]["lr"] == lr]
         by |= {(0, r["seed"], str(r["config"]["plan"])): r["probe"] for r in stored if (0, r["seed"], str(
             r["config"]["plan"])) not in by}
         rows += [{"warmup": 0, "seed": r["seed"], "plan": str(r["config"]["plan"]), "source": r["source"]}

@@ -253,7 +253,9 @@ def test_transfer_benchmark_reads_the_stored_studies():
     assert out.returncode == 0, out.stderr
     result = dict(kv.split("=") for kv in out.stdout.strip().splitlines()[-1].split()[1:])
     assert result["families"].split(",")[:2] == ["llama", "qwen3"]
-    assert "smollm2" in result["families"] and "spearman_llama_smollm2_full_rkl" in result  # the stored real runs
+    # the stored real runs, a column per learning rate
+    assert "smollm2@lr0.0001" in result["families"] and "spearman_llama_smollm2@lr0.0001_full_rkl" in result
+    assert "smollm2@lr3e-05" in result["families"]
     assert "| kv=fp8_e4m3 |" in out.stdout and "smollm2:student fp8_e4m3" in out.stdout
 
 
