@@ -113,6 +113,9 @@ def cmd_calibrate(results: Path, out: Path) -> None:
     write_atomic(out, json.dumps(thresholds, indent=2) + "\n")
     for cls, entry in thresholds["classes"].items():
         drift = "not calibrated" if entry["max_drift"] is None else f"{entry['max_drift']:.3g}"
+        if len(entry.get("max_drift_by_model") or {}) > 1:
+            drift += " (" + ", ".join(f"{m} {'-' if d is None else f'{d:.3g}'}"
+                                      for m, d in entry["max_drift_by_model"].items()) + ")"
         print(f"{cls:10} ADMIT {thresholds['metric']} <= {entry['max']:.3g}, REJECT > {entry['reject']:.3g} "
               f"({'knee' if entry['knee'] else 'no degradation seen'}; {entry['errors']} of {entry['runs']} runs "
               f"misclassified)  staleness x lr <= {drift}")

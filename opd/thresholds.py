@@ -28,6 +28,7 @@ class ClassThresholds(Schema):
     max: Annotated[float, Field(gt=0, allow_inf_nan=False)]
     reject: NonNegative | None = None
     max_drift: NonNegative | None = None
+    max_drift_by_model: dict[str, NonNegative | None] | None = None
     max_staleness: NonNegative | None = None
     knee: bool = False
 
@@ -94,12 +95,24 @@ def is_teacher_side(row: dict) -> bool:
     return stored_teacher(row.get("config", {})).served
 
 
+def drift_budget(stale: list[dict]) -> float | None:
+    """The largest staleness x lr among these staleness runs that the best cut on staleness x lr keeps (None without
+    any)."""
+    points = sorted((r["staleness"] * r["config"]["optim"]["lr"], r["degraded"]) for r in stale)
+    if not points:
+        return None
+    cut = best_cut(points)["max"]
+    return max((d for d, _ in points if d <= cut), default=0.0)
+
+
 def calibrate(rows: list[dict]) -> dict:
     """Per estimator class, from sweep results labelled by tolerance.label(): the cut on the probe's nsr that
     misclassifies the fewest synchronous runs (the widest gap among equally good cuts, its geometric middle); the
     band's upper edge `reject`, between the largest nsr that trained fine and the next run above it, all of which
     degraded (REJECT above it, UNCERTAIN between the cut and it); and the drift budget `max_drift`, the largest
-    staleness x lr among the runs whose only mismatch was staleness that the same best-cut rule keeps."""
+    staleness x lr among the runs whose only mismatch was staleness that the same best-cut rule keeps, over all of
+    them and per model (`max_drift_by_model`: how far a policy moves per step at a given lr is the model's own, so a
+    budget holds for the model it was measured on; admission.drift_budget_for picks the nearest)."""
     teacher = calibrate_teacher([r for r in rows if is_teacher_side(r)])
     rows = [r for r in rows if not is_teacher_side(r)]  # their rollouts are at the floor: a teacher's knee is not q's
     classes = {}
@@ -109,16 +122,13 @@ def calibrate(rows: list[dict]) -> dict:
                         if not r["staleness"] and r["probe"].get("ess_frac", 1.0) >= MIN_ESS_FRAC)
         if not points:
             continue
-        stale = sorted((r["staleness"] * r["config"]["optim"]["lr"], r["degraded"], r["staleness"])
-                       for r in mine  # at the floor
-                       if r["staleness"] and r["probe"][METRIC] <= FLOOR_FACTOR * r["probe"].get("floor_nsr", 0))
-        entry = cut_and_band(points)
-        safe = None
-        if stale:
-            cut = best_cut([(d, bad) for d, bad, _ in stale])["max"]
-            safe = max((d for d, _, _ in stale if d <= cut), default=0.0)
-        classes[cls] = entry | {"runs": len(points), "max_drift": safe,
-                                "staleness_seen": sorted({k for _, _, k in stale})}
+        stale = [r for r in mine  # at the floor: staleness is their only mismatch
+                 if r["staleness"] and r["probe"][METRIC] <= FLOOR_FACTOR * r["probe"].get("floor_nsr", 0)]
+        by_model = {name: drift_budget([r for r in stale if model_name(r) == name])
+                    for name in sorted({model_name(r) for r in stale} - {None})}
+        classes[cls] = cut_and_band(points) | {"runs": len(points), "max_drift": drift_budget(stale),
+                                               "staleness_seen": sorted({r["staleness"] for r in stale})} | (
+            {"max_drift_by_model": by_model} if by_model else {})
     require(classes, "no synchronous sweep results with probe measurements to calibrate from", "run `opd sweep` first")
     models = calibration_models(rows)
     return {"metric": METRIC, "classes": classes} | ({"teacher": teacher} if teacher else {}) | (
