@@ -18,7 +18,9 @@ reports beside them decides nothing (guard.py). Staleness cannot be probed befor
 on a probe batch from a fresh optimizer is a sign step of size lr on every weight, and overstated the real per-step
 drift 20-100x (dev/LOG.md). It is judged by its drift budget `max_staleness x lr` (Adam moves every weight by about
 lr a step, so that is about how far behind the policy of a stale rollout can be), against the largest budget the
-calibration runs trained fine at with the estimator.
+calibration runs trained fine at with the estimator on the nearest calibration model by the BF16 floor's nsr
+(`max_drift_by_model`: how far a policy moves per step at a given lr is the model's own; the smollm2 pair's
+full_rkl degraded at staleness 1 x lr 3e-5 where the toys' trained fine at 8 x 1e-3).
 
 **What is safe depends on the estimator**, so thresholds are kept per estimator class (`estimator_class`):
     full       full-distribution losses (full_rkl, topk_rkl, fkl, jsd): mu never enters the gradient; the mismatch
@@ -35,7 +37,9 @@ mismatch seen to train fine, so the check never extrapolates past what was obser
 trained fine and degraded: the verdict there is **UNCERTAIN** (not admitted; run it only under the runtime guard,
 which acts above `reject`). `max_drift` comes from the same best-cut rule applied to staleness x lr of the runs
 whose only mismatch was staleness; a class without such runs is judged by its form (`UNCALIBRATED_STALENESS`).
-A candidate whose nsr is within 2x of the BF16 floor always passes the mismatch test.
+A candidate whose nsr is within 2x of the BF16 floor always passes the mismatch test, on a model like the
+calibration's: a probe whose BF16 floor nsr is more than FAR (3x) from that of every calibration model (`distance`)
+is UNCERTAIN where it would be ADMIT (the toy pairs' limits admitted 8 degraded smollm2 runs from warm probes).
 A probe whose effective sample size fraction (`ess_frac`, importance weights q/mu) is under 0.5 is rejected
 whatever its nsr. For rollouts that broken, the teacher also rejects the sampled tokens, which inflates nsr's
 denominator, so nsr understates them: an FP8 cache saturating outlier keys has a large kl_k3 and a collapsed ESS
@@ -74,6 +78,10 @@ MIN_ESS_FRAC = 0.5  # below this effective sample size fraction the rollouts are
 # student's verdict and adds a hint.
 FAR_STUDENT_RKL = 1.0
 AUTO_WARMUP = 4
+# The estimator classes auto escalates. On the smollm2 pair (61 runs at lr 1e-4 and 3e-5), the warm probe turned 13
+# rejected full_rkl runs that trained fine into ADMITs and 3 degraded ones; for the sampled estimators it turned 5
+# degraded runs into ADMITs and rescued none (docs/admission.md, "Across models"): they keep the initial verdict.
+ESCALATE_CLASSES = ("full",)
 
 
 def estimator_class(loss: LossConfig) -> str:
@@ -121,8 +129,9 @@ def class_limits(thresholds: dict, cls: str) -> tuple[dict, str]:
 
 # Staleness no run of the class has measured: what the estimator's form implies (admission docstring).
 UNCALIBRATED_STALENESS = {
-    "full": ("ADMIT", "mu never enters a full-distribution loss's gradient: staleness, like the numerics the probe "
-                      "measured, only changes which prefixes are visited"),
+    "full": ("UNCERTAIN", "mu never enters a full-distribution loss's gradient, but the prefixes a stale policy "
+                          "visits do: full_rkl trained fine at staleness 8 on the toy pairs and degraded at staleness "
+                          "1 on the smollm2 pair at lr 3e-5 (docs/admission.md)"),
     "corrected": ("UNCERTAIN", "the importance correction bounds what stale mu can do, but no staleness run of this "
                                "class was measured"),
     "sampler": ("REJECT", "a stale mu lags the learner in the direction of its own updates and enters the advantage "
@@ -173,8 +182,16 @@ def decide(health: RolloutHealth, thresholds: dict | None, cls: str, staleness: 
                        "degraded; run it only under the runtime guard (guard.every > 0, guard.action=fallback)")
     elif verdicts[0] == "REJECT" and reject_at > limit:
         reasons.append(f"{METRIC} > {reject_at:.3g}, above every run of these estimators that trained fine")
+    far = distance(floor_nsr, thresholds) if floor_nsr is not None and how != "user-set limit" else None
+    if far is not None and far["far"] and verdicts[0] == "ADMIT":
+        verdicts[0] = "UNCERTAIN"
+        reasons.append(f"uncertain: this model's BF16 floor nsr is {far['factor']:.2g}x that of the nearest model the "
+                       f"thresholds were calibrated on ({far['nearest']}), more than {FAR:g}x: the limits were not "
+                       "measured on a model like it (calibrate on this model: opd sweep, then opd calibrate; or train "
+                       "under the runtime guard)")
     if staleness:
-        verdicts.append(_staleness_verdict(entry, cls, staleness, lr, reasons))
+        verdicts.append(_staleness_verdict(entry, cls, staleness, lr, reasons, floor_nsr,
+                                           (thresholds or {}).get("models")))
     if floor is not None and health.kl_k3 is not None and floor.kl_k3 is not None:
         reasons.append(f"kl_k3 {health.kl_k3:.3g} vs the BF16 engine's {floor.kl_k3:.3g}; nsr "
                        f"{value / max(floor_nsr, 1e-12):.2g}x the BF16 engine's")
@@ -256,15 +273,44 @@ def safe_staleness(budget: float, lr: float) -> int:
     return int(min(budget / lr * (1 + 1e-9), 2 ** 31))
 
 
-def _staleness_verdict(entry: dict, cls: str, staleness: int, lr: float, reasons: list[str]) -> str:
+def drift_budget_for(entry: dict, floor_nsr: float | None, models: dict | None) -> tuple[float | None, str, bool]:
+    """The class's drift budget for the probed model -> (budget, where it was measured, far). How far a policy moves
+    in a step at a given lr is the model's own (the smollm2 pair's per-step stale KL at lr 3e-5 was ~0.25 nats/token,
+    the toy pairs' 0.01-0.03 at lr 1e-3: docs/admission.md), so a budget holds for the model it was calibrated on:
+    with per-model budgets (`max_drift_by_model`) and the probe's BF16 floor, the budget of the nearest model by the
+    floor (admission.distance's scale), or far=True when even it is more than FAR away. Without them (an older file,
+    or no floor measured), the budget over every model."""
+    by_model, models = entry.get("max_drift_by_model") or {}, models or {}
+    known = {name: models[name]["floor_nsr"] for name in by_model if name in models}
+    if not known or not (floor_nsr and math.isfinite(floor_nsr) and floor_nsr > 0):
+        return entry.get("max_drift"), "", False
+    factor = {name: max(floor_nsr, f) / min(floor_nsr, f) for name, f in known.items()}
+    nearest = min(factor, key=factor.get)
+    where = f"{nearest}, whose BF16 floor nsr {known[nearest]:.3g} is {factor[nearest]:.2g}x this model's"
+    return by_model[nearest], where, factor[nearest] > FAR
+
+
+def _staleness_verdict(entry: dict, cls: str, staleness: int, lr: float, reasons: list[str],
+                       floor_nsr: float | None = None, models: dict | None = None) -> str:
     """Staleness is judged by its drift budget, staleness x lr: under Adam every step moves each weight by about lr,
-    so the policy a stale rollout lags behind is about that far away (dev/LOG.md: measured stale KL grows with both).
-    Old thresholds files without a drift budget judge the staleness count."""
-    drift, budget = staleness * lr, entry.get("max_drift")
+    so the policy a stale rollout lags behind is about that far away (dev/LOG.md: measured stale KL grows with both),
+    for a given model: the budget is the nearest calibration model's (drift_budget_for); on a model far from every
+    one of them the staleness is UNCERTAIN (REJECT where the estimator's form rejects uncalibrated staleness). Old
+    thresholds files without a drift budget judge the staleness count."""
+    drift = staleness * lr
+    budget, where, far = drift_budget_for(entry, floor_nsr, models)
+    if far and lr > 0:
+        verdict = max("UNCERTAIN", UNCALIBRATED_STALENESS[cls][0], key=ORDER.__getitem__)
+        reasons.append(f"max_staleness {staleness} x lr {lr:.3g} = drift {drift:.3g}: the drift budgets were measured "
+                       f"on other models (the nearest, {where}: more than {FAR:g}x), and how far a policy moves per "
+                       f"step at a given lr differs across models: {verdict} (calibrate staleness on this model, or "
+                       "train under the runtime guard)")
+        return verdict
     if budget is not None and lr > 0:  # (without a learning rate the drift is unknown: the prior below)
         ok = drift <= budget * (1 + 1e-9)
+        on = f" on {where}" if where else ""
         reasons.append(f"max_staleness {staleness} x lr {lr:.3g} = drift {drift:.3g} {'<=' if ok else '>'} "
-                       f"{budget:.3g}, the largest the calibration runs trained fine at with these estimators "
+                       f"{budget:.3g}, the largest the calibration runs trained fine at with these estimators{on} "
                        f"(staleness <= {safe_staleness(budget, lr)} at this lr)")
         return "ADMIT" if ok else "REJECT"
     safe = entry.get("max_staleness")
