@@ -170,7 +170,11 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, p
     health = TeacherHealth.of(numbers)
     teacher = decide_teacher(health, thresholds, cls, limit) if health is not None else None
     if not decision.admit and propose and math.isfinite(decision.value):
-        if teacher is not None and not teacher.admit and decision.value <= decision.limit:
+        if far is not None and far["far"] and not limit:  # no plan can be admitted on a model the limits never saw
+            out["proposal"] = {"plan": None, "layer_kl": [], "note": "no plan is admitted on a model this far from "
+                               "the calibration's: calibrate on this model (opd sweep, then opd calibrate), or pass "
+                               "--limit"}
+        elif teacher is not None and not teacher.admit and decision.value <= decision.limit:
             out["proposal"] = {"plan": None, "layer_kl": [], "note": "the rollout plan passes; the teacher engine "
                                "does not: score the teacher at a higher precision (teacher.plan), or in the trainer "
                                "(teacher.engine=trainer)"}

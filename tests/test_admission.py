@@ -108,6 +108,26 @@ def test_a_model_far_from_every_calibration_model_is_not_admitted():
     assert decide_numbers({"nsr": 4e-3, "floor_nsr": 4e-3}, thresholds, "full", limit=1e-2).admit
     assert decide_numbers({"nsr": 4e-3}, thresholds, "full").admit  # no floor measured: no distance to judge
 
+def test_admit_on_a_model_far_from_the_calibration_is_not_admitted_and_proposes_no_plan(pair, tmp_path):
+    """opd admit with thresholds whose only calibration model has a BF16 floor 100x+ from the probed pair's: even
+    BF16 rollouts are UNCERTAIN (ADMIT with the shipped thresholds, which saw this pair), and a rejected plan gets no
+    per-layer proposal (no plan could be admitted), only what to do."""
+    import json
+    import opd
+    from opd.thresholds import load_thresholds
+    shipped = load_thresholds()
+    far = tmp_path / "far.json"
+    far.write_text(json.dumps(shipped | {"models": {"elsewhere": {"floor_nsr": 5.0, "rkl": 1.0, "runs": 1}}}))
+    bf16 = config(pair, plan="forward=bf16 kv=bf16")
+    assert opd.admit(bf16, rollouts=4, warmup=0)["decision"] == "ADMIT"
+    at_floor = opd.admit(bf16, rollouts=4, thresholds=str(far), warmup=0)
+    assert at_floor["decision"] == "UNCERTAIN" and at_floor["calibration_distance"]["far"]
+    assert any("more than 3x" in r and "(elsewhere)" in r for r in at_floor["reasons"])
+    noisy = opd.admit(config(pair, plan="noise=0.5"), rollouts=4, thresholds=str(far), warmup=0)
+    assert noisy["decision"] != "ADMIT" and noisy["proposal"]["plan"] is None
+    assert noisy["proposal"]["layer_kl"] == [] and "this far from the calibration" in noisy["proposal"]["note"]
+
+
 def test_uncalibrated_staleness_follows_the_estimator():
     """No staleness run of the class in the calibration: full-distribution losses and corrected ones are uncertain
     (until 2026-12-05 full was admitted, mu not being in its gradient; full_rkl degraded at staleness 1 on the smollm2
