@@ -64,8 +64,9 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
     where it ships); limit > 0 replaces the calibrated nsr limit; warmup K > 0 probes the student after K steps of the
     run's own recipe with BF16 rollouts (probe.warm_weights; for a student whose first steps move it far, as a pruned
     one: docs/admission.md, "Across models"), 0 the initial student. "auto" (the default): with the shipped
-    thresholds, the initial student, and when that probe is not admitted and its student is far from its teacher
-    (probe reverse KL > admission.FAR_STUDENT_RKL), the student after admission.AUTO_WARMUP BF16 steps with the
+    thresholds, the initial student, and when that probe is not admitted, its student is far from its teacher
+    (probe reverse KL > admission.FAR_STUDENT_RKL) and its estimator class escalates (admission.ESCALATE_CLASSES:
+    the full-distribution losses), the student after admission.AUTO_WARMUP BF16 steps with the
     thresholds calibrated so (the initial verdict is kept as "initial_probe"); with a thresholds file, the warm-up it
     was calibrated at."""
     _not_in_a_starting_worker("opd.admit")

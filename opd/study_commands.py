@@ -134,8 +134,9 @@ def admit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=warmup_steps, default="auto",
                    help="probe the student after this many steps of the run's recipe with BF16 rollouts (a student "
                         "whose first steps move it far, as a pruned one); 0: the initial student; auto (default): the "
-                        "initial student, then, if that probe is not admitted and its student is far from the teacher, "
-                        "the student after 4 BF16 steps with the thresholds calibrated so")
+                        "initial student, then, if that probe is not admitted, its student is far from the teacher "
+                        "and its loss is a full-distribution one, the student after 4 BF16 steps with the thresholds "
+                        "calibrated so")
 
 
 def warmup_steps(text: str) -> int | str:
