@@ -182,12 +182,13 @@ def decide(health: RolloutHealth, thresholds: dict | None, cls: str, staleness: 
                        "degraded; run it only under the runtime guard (guard.every > 0, guard.action=fallback)")
     elif verdicts[0] == "REJECT" and reject_at > limit:
         reasons.append(f"{METRIC} > {reject_at:.3g}, above every run of these estimators that trained fine")
-    far = distance(floor_nsr, thresholds) if floor_nsr is not None and how != "user-set limit" else None
+    far = (distance(floor_nsr, thresholds, entry.get("models")) if floor_nsr is not None and how != "user-set limit"
+           else None)
     if far is not None and far["far"] and verdicts[0] == "ADMIT":
         verdicts[0] = "UNCERTAIN"
-        reasons.append(f"uncertain: this model's BF16 floor nsr is {far['factor']:.2g}x that of the nearest model the "
-                       f"thresholds were calibrated on ({far['nearest']}), more than {FAR:g}x: the limits were not "
-                       "measured on a model like it (calibrate on this model: opd sweep, then opd calibrate; or train "
+        reasons.append(f"uncertain: this model's BF16 floor nsr is {far['factor']:.2g}x that of the nearest model "
+                       f"these estimators' limits were calibrated on ({far['nearest']}), more than {FAR:g}x: they were "
+                       "not measured on a model like it (calibrate on this model: opd sweep, then opd calibrate; or train "
                        "under the runtime guard)")
     if staleness:
         verdicts.append(_staleness_verdict(entry, cls, staleness, lr, reasons, floor_nsr,
@@ -217,11 +218,15 @@ def decide(health: RolloutHealth, thresholds: dict | None, cls: str, staleness: 
 FAR = 3.0
 
 
-def distance(floor_nsr: float, thresholds: dict | None) -> dict | None:
+def distance(floor_nsr: float, thresholds: dict | None, among: list[str] | None = None) -> dict | None:
     """How far a probed model is from the models the thresholds were calibrated on, by the BF16 floor's nsr (the scale
     that differed most between the toy pairs and a real one): the nearest model, the factor between the floors (>= 1)
-    and a line for the reasons. None when the thresholds do not say what they were calibrated on."""
+    and a line for the reasons. among: only these models (an estimator class's, `models` in its entry: a class's
+    limits were measured on the models its runs trained). None when the thresholds do not say what they were
+    calibrated on."""
     models = (thresholds or {}).get("models")
+    if models and among and set(among) & set(models):
+        models = {name: m for name, m in models.items() if name in among}
     if not models or not (floor_nsr > 0 and math.isfinite(floor_nsr)):
         return None
     factor = {name: max(floor_nsr, m["floor_nsr"]) / min(floor_nsr, m["floor_nsr"]) for name, m in models.items()}

@@ -164,7 +164,8 @@ def admit(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 0.0, p
         out["reasons"].append(f"the thresholds were calibrated on probes after {calibrated_at} BF16 steps, this probe "
                               f"came after {warmup}: its numbers sit on another scale (use thresholds calibrated "
                               f"with --warmup {warmup}, or probe with --warmup {calibrated_at})")
-    if (far := distance(numbers["floor_nsr"], thresholds)) is not None and not limit:
+    among = class_limits(thresholds, cls)[0].get("models") if thresholds else None
+    if (far := distance(numbers["floor_nsr"], thresholds, among)) is not None and not limit:
         out["calibration_distance"] = {k: v for k, v in far.items() if k != "line"}
         out["reasons"].append(far["line"])
     health = TeacherHealth.of(numbers)

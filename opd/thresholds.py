@@ -31,6 +31,7 @@ class ClassThresholds(Schema):
     max_drift_by_model: dict[str, NonNegative | None] | None = None
     max_staleness: NonNegative | None = None
     knee: bool = False
+    models: list[str] | None = None  # the models this class's runs trained (admission.distance measures to these)
 
 
 class TeacherThresholds(Schema):
@@ -126,9 +127,10 @@ def calibrate(rows: list[dict]) -> dict:
                  if r["staleness"] and r["probe"][METRIC] <= FLOOR_FACTOR * r["probe"].get("floor_nsr", 0)]
         by_model = {name: drift_budget([r for r in stale if model_name(r) == name])
                     for name in sorted({model_name(r) for r in stale} - {None})}
+        names = sorted({model_name(r) for r in mine} - {None})  # the models this class's limits were measured on
         classes[cls] = cut_and_band(points) | {"runs": len(points), "max_drift": drift_budget(stale),
                                                "staleness_seen": sorted({r["staleness"] for r in stale})} | (
-            {"max_drift_by_model": by_model} if by_model else {})
+            {"max_drift_by_model": by_model} if by_model else {}) | ({"models": names} if names else {})
     require(classes, "no synchronous sweep results with probe measurements to calibrate from", "run `opd sweep` first")
     models = calibration_models(rows)
     return {"metric": METRIC, "classes": classes} | ({"teacher": teacher} if teacher else {}) | (

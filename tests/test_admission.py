@@ -92,8 +92,8 @@ def test_drift_budgets_are_per_model_and_do_not_reach_a_far_model():
 def test_a_model_far_from_every_calibration_model_is_not_admitted():
     """Calibrated on toys (floor nsr 1e-3), a model whose BF16 floor is more than FAR away is UNCERTAIN where the toys'
     limit (or its own floor) would admit it: the toy pairs' limits admitted 8 degraded real-pair runs from warm probes
-    before this (docs/admission.md). REJECT stays REJECT, a model within FAR is decided as before, and a user-set limit
-    is the user's call."""
+    before this (docs/admission.md). REJECT stays REJECT, a model within FAR is decided as before, a user-set limit
+    is the user's call, and the distance is to the models the class's own runs trained."""
     rows = [_row("full", v, bad, floor=1e-3) | {"family": "toy"} for v, bad in ((1e-3, False), (5e-3, False),
                                                                                (3e-2, True))]
     thresholds = calibrate(rows)
@@ -107,6 +107,12 @@ def test_a_model_far_from_every_calibration_model_is_not_admitted():
     assert decide_numbers({"nsr": 1.0, "floor_nsr": 4e-3}, thresholds, "full").reject
     assert decide_numbers({"nsr": 4e-3, "floor_nsr": 4e-3}, thresholds, "full", limit=1e-2).admit
     assert decide_numbers({"nsr": 4e-3}, thresholds, "full").admit  # no floor measured: no distance to judge
+    # a model the calibration saw with other estimators only: the full class's limits were still measured on toys
+    rows += [_row("sampler", v, bad, floor=4e-3) | {"family": "real"} for v, bad in ((4e-3, False), (1e-1, True))]
+    both = calibrate(rows)
+    assert set(both["models"]) == {"toy", "real"} and both["classes"]["full"]["models"] == ["toy"]
+    assert decide_numbers({"nsr": 4e-3, "floor_nsr": 4e-3}, both, "full").verdict == "UNCERTAIN"
+    assert decide_numbers({"nsr": 4e-3, "floor_nsr": 4e-3}, both, "sampler").admit
 
 def test_admit_on_a_model_far_from_the_calibration_is_not_admitted_and_proposes_no_plan(pair, tmp_path):
     """opd admit with thresholds whose only calibration model has a BF16 floor 100x+ from the probed pair's: even
