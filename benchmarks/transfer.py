@@ -30,7 +30,7 @@ from admission import DATA, TOY_FAMILIES, stored_rows  # noqa: E402  (benchmarks
 
 from opd.tolerance import QUALITY, band  # noqa: E402
 
-ESTIMATORS = ("full_rkl", "sampled_pi", "sampled_mu")
+ESTIMATORS = ("full_rkl", "sampled_pi", "sampled_mu", "sampled_tis")
 
 
 def per_model(rows: list[dict], family: str, estimator: str) -> dict | None:
