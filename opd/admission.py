@@ -285,14 +285,14 @@ def drift_budget_for(entry: dict, floor_nsr: float | None, models: dict | None) 
     with per-model budgets (`max_drift_by_model`) and the probe's BF16 floor, the budget of the nearest model by the
     floor (admission.distance's scale), or far=True when even it is more than FAR away. Without them (an older file,
     or no floor measured), the budget over every model."""
-    by_model, models = entry.get("max_drift_by_model") or {}, models or {}
-    known = {name: models[name]["floor_nsr"] for name in by_model if name in models}
-    if not known or not (floor_nsr and math.isfinite(floor_nsr) and floor_nsr > 0):
+    by_model = entry.get("max_drift_by_model") or {}
+    known = {name: m for name, m in (models or {}).items() if name in by_model}
+    near = distance(floor_nsr, {"models": known}) if floor_nsr is not None else None
+    if near is None:
         return entry.get("max_drift"), "", False
-    factor = {name: max(floor_nsr, f) / min(floor_nsr, f) for name, f in known.items()}
-    nearest = min(factor, key=factor.get)
-    where = f"{nearest}, whose BF16 floor nsr {known[nearest]:.3g} is {factor[nearest]:.2g}x this model's"
-    return by_model[nearest], where, factor[nearest] > FAR
+    nearest = near["nearest"]
+    where = f"{nearest}, whose BF16 floor nsr {known[nearest]['floor_nsr']:.3g} is {near['factor']:.2g}x this model's"
+    return by_model[nearest], where, near["far"]
 
 
 def _staleness_verdict(entry: dict, cls: str, staleness: int, lr: float, reasons: list[str],
