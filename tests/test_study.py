@@ -277,9 +277,30 @@ def test_recipe_counts_time_and_steps_before_the_first_evaluation_that_meets_the
     results = {"sync_bf16": {"rows": rows, "summary": {"after": {"eval/rkl": 1.0}}, "train_s": 100.0,
                              "tokens_per_s": 5.0, "kv_bytes": 8, "kl": 0.0}}
     checks = {"sync_fp8kv": {"decision": "REJECT", "nsr": 2.0, "limit": 1.0, "seconds": 3.0}}
-    recipe.write_runs(out, args, results, checks, (1.05, {"sync_bf16": 46.0}), (1.5, {"sync_bf16": math.inf}))
+    recipe.write_runs(out, args, results, checks, (1.05, {"sync_bf16": 46.0}), (1.5, {"sync_bf16": math.inf}), 3e-5)
     stored = [json.loads(line) for line in out.read_text().splitlines()]
+    assert stored[0]["lr"] == 3e-5
     assert [r["run"] for r in stored] == ["sync_bf16", "sync_fp8kv"] and "final_rkl" not in stored[1]
     assert stored[1]["admission"]["decision"] == "REJECT" and stored[0]["seed"] == 3
     assert stored[0]["time_to_target_s"] == 46.0 and stored[0]["time_to_best_s"] is None  # never reached
     assert [(e["step"], e["train_s_before"]) for e in stored[0]["evals"]] == [(0, 0), (4, 46.0), (8, 108.0)]
+
+
+def test_recipe_summary_compares_each_run_with_the_sync_bf16_run_of_its_own_invocation():
+    """benchmarks/recipe.py --summary: over stored invocations (seeds), each run's final reverse KL and seconds to
+    target against its own invocation's sync BF16 (hand-computed); a run that never reached the target counts in
+    `trained`, not in `reached` or the speed-ups; a rejected, untrained run only in the verdicts."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import recipe
+    run = lambda name, seed, file, final, t, verdict=None: {  # noqa: E731
+        "run": name, "seed": seed, "file": file, "final_rkl": final, "time_to_target_s": t, "train_s": 100.0,
+        "mean_kl": 0.5, "admission": {"decision": verdict} if verdict else None}
+    rows = [run("sync_bf16", 0, 0, 1.0, 40.0), run("async_fp8kv", 0, 0, 1.5, None, "REJECT"),
+            run("sync_bf16", 1, 1, 2.0, 60.0), run("async_fp8kv", 1, 1, 2.0, 30.0, "ADMIT"),
+            {"run": "sync_fp8kv", "seed": 1, "file": 1, "admission": {"decision": "REJECT"}}]
+    s = recipe.summarize(rows)
+    assert s["async_fp8kv"]["final_over_sync_bf16"] == [1.5, 1.0] and s["async_fp8kv"]["speedups"] == [2.0]
+    assert (s["async_fp8kv"]["reached"], s["async_fp8kv"]["trained"]) == (1, 2)
+    assert s["async_fp8kv"]["admission"] == ["REJECT", "ADMIT"] and s["async_fp8kv"]["final_rkl_mean"] == 1.75
+    assert s["sync_bf16"]["final_rkl_sd"] == pytest.approx(math.sqrt(0.5))
+    assert s["sync_fp8kv"]["trained"] == 0 and s["sync_fp8kv"]["admission"] == ["REJECT"]
