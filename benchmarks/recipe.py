@@ -34,6 +34,7 @@ import argparse
 import copy
 import json
 import math
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -261,15 +262,12 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else math.nan
+    return statistics.fmean(xs) if xs else math.nan
 
 
 def sd(xs: list[float]) -> float:
     """The sample standard deviation (nan below two values)."""
-    if len(xs) < 2:
-        return math.nan
-    m = mean(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    return statistics.stdev(xs) if len(xs) > 1 else math.nan
 
 
 def print_summary(summary: dict) -> None:
