@@ -28,12 +28,15 @@ microseconds), in the full mode the same measured here plus loading the pair. Th
 `RESULT accuracy_leave_source_out=... admitted_degraded_rate=... ...`.
 """
 import argparse
+import itertools
 import json
 import math
 import statistics
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 from opd.admission import ESCALATE_CLASSES, FAR_STUDENT_RKL, decide_numbers
 from opd.runlog import write_atomic
@@ -243,6 +246,55 @@ def label_noise(rows: list[dict]) -> tuple[list[str], float]:
     return lines, sum(len(set(v)) > 1 for v in multi) / max(1, len(multi))
 
 
+def _best_cuts(x: "np.ndarray", degraded: "np.ndarray", signs: tuple, budget: int) -> "np.ndarray":
+    """-> for a = 0..budget, the most runs decided right by a rule "not admitted iff s*x_i > t_i or s*x_j > t_j" over
+    every pair of columns i <= j, signs s and cuts t, with at most a runs admitted and degraded."""
+    best = np.full(budget + 1, -1)
+    for i, j in itertools.combinations_with_replacement(range(x.shape[1]), 2):
+        for si, sj in itertools.product(signs, repeat=2):
+            a, b = si * x[:, i], sj * x[:, j]
+            ta = np.concatenate([[-np.inf], np.unique(a)])
+            tb = np.concatenate([[-np.inf], np.unique(b), [np.inf]])
+            ra = (a[None, :] > ta[:, None]).astype(float)  # (cuts of a, runs): rejected by a
+            rb = (b[None, :] > tb[:, None]).astype(float)
+            w = np.where(degraded, 1.0, -1.0)  # right = the fine runs + w . rejected, rejected = ra + rb - ra * rb
+            right = (~degraded).sum() + (ra @ w)[:, None] + (rb @ w)[None, :] - (ra * w) @ rb.T
+            admitted_degraded = ((1 - ra) * degraded) @ (1 - rb).T
+            right, admitted_degraded = np.rint(right).ravel(), np.rint(admitted_degraded).ravel()
+            for n in range(budget + 1):
+                ok = right[admitted_degraded <= n]
+                best[n] = max(best[n], ok.max(initial=-1))
+    return best
+
+
+def ceiling(rows: list[dict], admitted_degraded_rate: float = 0.0) -> float:
+    """The best accuracy a rule of the check's kind reaches on these runs when fitted to the very runs it decides, with
+    at most that share of them admitted and degraded: per estimator class, ADMIT unless one of two probe statistics
+    (any pair of the probe's, either direction; nsr and ESS are one pair) is past a cut, and a class's staleness runs
+    by a cut on their drift (staleness x lr) per model. One calibration deciding these runs (cross-model) cannot do
+    better with such a rule, wherever it was fitted; held out by source each source gets its own calibration, so
+    there it is a yardstick, not a bound."""
+    runs = scored(rows)
+    budget = math.floor(admitted_degraded_rate * len(runs) + 1e-9)
+    parts = []
+    for cls in sorted({r["class"] for r in runs}):
+        mine = [r for r in runs if r["class"] == cls]
+        fresh = [r for r in mine if not r["staleness"]]
+        if fresh:
+            stats = sorted(k for k in set.intersection(*(set(r["probe"]) for r in fresh)) if not k.endswith("seconds")
+                           and all(math.isfinite(r["probe"][k]) for r in fresh))
+            x = np.array([[r["probe"][k] for k in stats] for r in fresh], dtype=float)
+            parts.append(_best_cuts(x, np.array([bool(r["degraded"]) for r in fresh]), (1, -1), budget))
+        for family in sorted({r["family"] for r in mine if r["staleness"]}):
+            stale = [r for r in mine if r["staleness"] and r["family"] == family]
+            x = np.array([[r["staleness"] * r["config"]["optim"]["lr"]] for r in stale])
+            parts.append(_best_cuts(x, np.array([bool(r["degraded"]) for r in stale]), (1,), budget))
+    total = np.zeros(budget + 1)  # the admitted-and-degraded budget shared out over the parts (max-plus)
+    for part in parts:
+        total = np.array([max(total[n - m] + part[m] for m in range(n + 1)) for n in range(budget + 1)])
+    return float(total[budget]) / max(1, len(runs))
+
+
 def check_seconds(row: dict) -> float:
     """What the check cost on its own: the candidate's probe and the BF16 floor's (a sweep shares the floor across a
     seed's runs and stores what it cost as floor_seconds; `opd admit` pays it each time)."""
@@ -368,6 +420,14 @@ def main() -> None:
     print("\nlabel noise (benchmarks/admission.py's label_noise):")
     print("\n".join(lines))
     print(f"  configurations with several seeds whose seeds disagree: {disagree:.2f}")
+    real_rows = [r for r in rows if not is_toy(r)]
+    ceilings = {"real": ceiling(real_rows) if real_rows else math.nan, "all": ceiling(rows, 0.02)}
+    print("\nthe ceiling: the best accuracy of a per-class cut on any two probe statistics (staleness: on the drift, per"
+          " model) fitted to the runs it decides (benchmarks/admission.py's ceiling):")
+    print(f"  the real pairs' {len(scored(real_rows))} runs, none admitted and degraded (the cross-model goal's terms): "
+          f"{ceilings['real']:.3f}")
+    print(f"  all {len(runs)} runs, at most 2% admitted and degraded (the leave-source-out goal's terms): "
+          f"{ceilings['all']:.3f}")
     costs = {}
     for name, mine in (("toy pairs", [r for r in rows if is_toy(r)]), ("real pairs", [r for r in rows if not is_toy(r)])):
         if mine:
@@ -398,7 +458,8 @@ def main() -> None:
              f"accuracy_cross_model_auto={auto['cross model: toy pairs -> real pairs']['accuracy']:.3f} "
              f"admitted_degraded_cross_model_auto={auto['cross model: toy pairs -> real pairs']['counts']['ADMIT & degraded']} "
              if warm else "")
-          + f"accuracy_real_to_toy={results['cross model: real pairs -> toy pairs']['accuracy']:.3f} "
+          + f"accuracy_ceiling_real={ceilings['real']:.3f} accuracy_ceiling_all={ceilings['all']:.3f} "
+          f"accuracy_real_to_toy={results['cross model: real pairs -> toy pairs']['accuracy']:.3f} "
           f"cost_fraction={cost:.4f} cost_fraction_real={costs.get('real pairs', (math.nan,))[0]:.4f} "
           f"runs={len(runs)} check_s={check:.2f} train_s={train:.1f}")
 
