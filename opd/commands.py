@@ -230,11 +230,12 @@ def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, r
     print(f"run directory: {run_dir}", flush=True)  # stdout: stderr is for progress and the one error line
     summary = train(cfg, run_dir, resume=resume, overwrite=overwrite, progress=not quiet)
     before, after = summary["before"] or {}, summary["after"]
-    print(f"{'':10} {'accuracy':>9} {'sampled':>9} {'rkl':>9}")
+    print(f"{'':10} {'accuracy':>9} {'sampled':>9} {'rkl':>9} {'entropy':>9}")  # entropy: eval/entropy (collapse)
     for name, row in (("before", before), ("after", after)):
         if row:
             cells = [f"{row[k]:>9.{digits}f}" if isinstance(row.get(k), (int, float)) else f"{'-':>9}"
-                     for k, digits in (("eval/accuracy", 3), ("eval/sampled_accuracy", 3), ("eval/rkl", 4))]
+                     for k, digits in (("eval/accuracy", 3), ("eval/sampled_accuracy", 3), ("eval/rkl", 4),
+                                       ("eval/entropy", 4))]
             print(f"{name:10} {' '.join(cells)}")
     print(f"{summary['steps']} steps in {summary['time/step']:.0f} s (+{summary['time/eval']:.0f} s eval), "
           f"plan: {summary['plan']}; logs in {run_dir}")

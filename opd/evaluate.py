@@ -55,23 +55,30 @@ def sampled_quality(student: Transformer, teacher, tok: TextTokenizer, examples:
                     micro_batch_size: int = 0, chunk_tokens: int = 0, scoring: str = "last_hash") -> dict:
     """Sampled-completion accuracy (absent under scoring "none") and the mean per-token reverse KL(student || teacher)
     on the student's own samples at full precision (teacher: a teacher.Teacher with whole rows), sampled as the
-    rollouts are (params: temperature, top-k, top-p): {"eval/sampled_accuracy", "eval/rkl"}."""
+    rollouts are (params: temperature, top-k, top-p): {"eval/sampled_accuracy", "eval/rkl", "eval/entropy"}.
+    eval/entropy is the mean of -log p_student(token) over the same samples (at the sampling temperature): a Monte
+    Carlo estimate of the student's per-token entropy (of the cross-entropy of the truncated sampler's tokens under
+    the student, with top-k or top-p). It is what the reverse KL cannot show: KL(student || teacher) = cross-entropy
+    to the teacher - entropy, and a student collapsed onto a string the teacher finds likely (one token repeated:
+    entropy 0) scores a low reverse KL (tolerance.label calls such a run degraded)."""
     scorer, params = get_scorer(scoring), replace(params or SamplingParams(), max_new_tokens=max_new_tokens)
     engine = Engine(student, tok.stop_ids, tok.pad_id)
     generator = torch.Generator(device=engine.device).manual_seed(seed)  # one stream across the batches
     batch_size = batch_size or chunk_size(student.cfg.vocab_size)
-    credit, scored, tokens, rkl_sum = 0.0, 0, 0, 0.0
+    credit, scored, tokens, rkl_sum, surprise = 0.0, 0, 0, 0.0, 0.0
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
         rollouts = engine.generate([tok.encode_prompt(ex.prompt) for ex in chunk], params, generator)
         batch = collate(rollouts, tok.pad_id)
-        rkl = score_batch(student, batch, teacher, Scoring(temperature=params.temperature or 1.0,
-                                                           micro_batch_size=micro_batch_size,
-                                                           chunk_tokens=chunk_tokens)).rkl
-        rkl_sum += masked_mean(rkl.double(), batch.mask).item() * batch.num_tokens
+        scores = score_batch(student, batch, teacher, Scoring(temperature=params.temperature or 1.0,
+                                                              micro_batch_size=micro_batch_size,
+                                                              chunk_tokens=chunk_tokens))
+        rkl_sum += masked_mean(scores.rkl.double(), batch.mask).item() * batch.num_tokens
+        surprise -= masked_mean(scores.pi.double(), batch.mask).item() * batch.num_tokens
         tokens += batch.num_tokens
         for ex, r in zip(chunk, rollouts):
             if scorer is not None and ex.answer is not None:
                 scored += 1
                 credit += scorer(tok.decode(r.completion_ids), ex.answer)
-    return {"eval/rkl": rkl_sum / max(1, tokens)} | ({"eval/sampled_accuracy": credit / scored} if scored else {})
+    quality = {"eval/rkl": rkl_sum / max(1, tokens), "eval/entropy": surprise / max(1, tokens)}
+    return quality | ({"eval/sampled_accuracy": credit / scored} if scored else {})

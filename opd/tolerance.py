@@ -12,6 +12,10 @@ tokens leave (`teacher_mismatch/tail_mass`).
 KL. A configuration is degraded when the mean final reverse KL of its seeds exceeds hi by more than that spread, or
 by 5% of the BF16 mean if the spread is narrower:  rkl > hi + max(hi - lo, 0.05 * mean).  A few seeds understate
 the spread, hence the margin. Each of its runs carries the configuration's label (`label(by="run")`: its own).
+A configuration is also degraded when its student **collapsed**: the mean held-out entropy of its seeds' samples
+(`eval/entropy`, recorded since 2026-12-05) is under COLLAPSE (1/4) of the lowest BF16 seed's. The reverse KL alone
+rewards collapse onto a string the teacher finds likely: on the smollm2 pair sampled_mu at staleness 8 ended with
+every held-out sample one token repeated (p = 1.0) at a reverse KL inside the BF16 band (docs/tolerance.md).
 
 **The knee** of a source (per family and estimator): the mismatch cut that puts the fewest of its runs (and the BF16
 runs) on the wrong side, fine below and degraded above: the geometric middle of the widest gap among equally good
@@ -30,7 +34,8 @@ from opd.figures import pyplot, save
 from opd.runlog import write_atomic
 from opd.thresholds import best_cut, calibrate_teacher, is_teacher_side
 
-QUALITY, MISMATCH = "eval/rkl", "stale/total_kl_k3"
+QUALITY, MISMATCH, ENTROPY = "eval/rkl", "stale/total_kl_k3", "eval/entropy"
+COLLAPSE = 0.25  # a student whose samples' entropy fell under this share of every BF16 seed's collapsed
 # the teacher study's axes: the exact KL(teacher engine || trainer's teacher) per position (the k3 estimate on the
 # student's tokens is dominated by tokens the teacher finds unlikely, where a low-precision teacher errs most), and
 # for a top-k teacher the mass its k tokens leave
@@ -67,17 +72,26 @@ def label(rows: list[dict], by: str = "config") -> list[dict]:
     require(by in ("config", "run"), f"unknown labelling {by!r}", "use config or run")
     out = []
     for group in groups(rows).values():
-        b = band(group)
-        seeds: dict[tuple, list[float]] = {}
+        b, floor = band(group), entropy_floor(group)
+        seeds: dict[tuple, list[dict]] = {}
         for row in group:
-            seeds.setdefault(configuration(row), []).append(row["after"][QUALITY])
+            seeds.setdefault(configuration(row), []).append(row["after"])
         for row in group:
             mismatch = mismatch_of(row)
-            value = sum(seeds[configuration(row)]) / len(seeds[configuration(row)]) if by == "config" \
-                else row["after"][QUALITY]
-            out.append(row | {"degraded": None if b is None else value > b["limit"],
-                              "mismatch": mismatch if mismatch is not None else math.nan})
+            after = seeds[configuration(row)] if by == "config" else [row["after"]]
+            value = sum(a[QUALITY] for a in after) / len(after)
+            entropy = [a[ENTROPY] for a in after if a.get(ENTROPY) is not None]
+            collapsed = None if floor is None or len(entropy) < len(after) else \
+                sum(entropy) / len(entropy) < COLLAPSE * floor
+            out.append(row | {"degraded": None if b is None else value > b["limit"] or bool(collapsed),
+                              "collapsed": collapsed, "mismatch": mismatch if mismatch is not None else math.nan})
     return out
+
+
+def entropy_floor(rows: list[dict]) -> float | None:
+    """The lowest held-out sample entropy among the BF16 seeds (None unless every one recorded it)."""
+    base = [r["after"].get(ENTROPY) for r in rows if r["source"] == "bf16"]
+    return min(base) if base and None not in base else None
 
 
 def configuration(row: dict) -> tuple:
@@ -133,7 +147,7 @@ def table(rows: list[dict]) -> str:
              "degraded |", "|---|---|---|---|---|---|---|---|---|"]
     for (family, estimator), group in groups(label(rows)).items():
         for r in sorted(group, key=lambda r: (r["source"] != "bf16", r["source"], r["mismatch"], r["seed"])):
-            flag = {None: "-", True: "**yes**", False: "no"}[r["degraded"]]
+            flag = "**yes (collapsed)**" if r["collapsed"] else {None: "-", True: "**yes**", False: "no"}[r["degraded"]]
             lines.append(f"| {family} | {estimator} | {r['source']} | {r['level']} | {r['seed']} | "
                          f"{r['mismatch']:.2g} | {r['before'][QUALITY]:.3f} -> {r['after'][QUALITY]:.3f} | "
                          f"{r['after']['eval/accuracy']:.2f} | {flag} |")

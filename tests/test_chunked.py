@@ -193,3 +193,26 @@ def test_output_layer_runs_only_where_it_is_used():
         score_batch(student, batch)  # one chunk: every completion token, none of the 33 + 5 positions before them
     assert mode.largest == batch.num_tokens * 3000 == 6 * 3000
     assert output_layer(student)(torch.zeros(3, 16)).shape == (3, 3000)
+
+
+def test_eval_entropy_is_the_students_surprise_at_its_own_samples():
+    """eval/entropy: the mean -log p_student of the held-out samples, equal to the unchunked oracle's on the same
+    samples, near the exact entropy of the student's distributions along them (its expectation), and 0 for a
+    student that collapsed onto one token (whose reverse KL need not be high)."""
+    V, N, seed = 300, 40, 3
+    student, teacher, tok = tiny(0, vocab=V).double(), tiny(1, vocab=V).double(), TextTokenizer.builtin()
+    examples = [Example(f"{i}+1=", "", "2") for i in range(8)]
+    got = sampled_quality(student, LocalTeacher(teacher), tok, examples, N, seed=seed, batch_size=8, chunk_tokens=7)
+    engine = Engine(student, tok.stop_ids, tok.pad_id)
+    rollouts = engine.generate([tok.encode_prompt(ex.prompt) for ex in examples], SamplingParams(N),
+                               torch.Generator().manual_seed(seed))
+    batch = collate(rollouts, tok.pad_id)
+    logp = completion_logprobs(student, batch)  # [B, N, V], the whole distributions
+    picked = logp.gather(-1, batch.tokens[..., None])[..., 0]
+    assert got["eval/entropy"] == pytest.approx(-picked[batch.mask].mean().item(), rel=1e-9)
+    exact = -(logp.exp() * logp).sum(-1)[batch.mask].mean().item()
+    assert got["eval/entropy"] == pytest.approx(exact, rel=0.15) and exact > 1.0
+    # sampled and scored at temperature 1e-4 the student is all but deterministic, as a collapsed one is at 1
+    collapsed = sampled_quality(student, LocalTeacher(teacher), tok, examples, N, seed=seed,
+                                params=SamplingParams(N, temperature=1e-4), batch_size=8)
+    assert collapsed["eval/entropy"] < 0.01 < got["eval/entropy"]

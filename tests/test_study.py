@@ -12,7 +12,7 @@ import yaml
 from opd.errors import OpdError
 from opd.sensitivity import layer_map, spread
 from opd.sweep import expand, load_grid, read_results, run_sweep
-from opd.tolerance import band, knees, label, report
+from opd.tolerance import band, knees, label, report, table
 from opd.setup import probe_setup
 
 from helpers import assert_one_line_error, config, opd
@@ -186,6 +186,25 @@ def test_degraded_is_relative_to_the_bf16_seed_spread():
     assert (b["lo"], b["hi"]) == (0.30, 0.32) and math.isclose(b["limit"], 0.32 + 0.02)  # spread 0.02 > 5% of 0.31
     degraded = {r["id"]: r["degraded"] for r in label(STUDY)}
     assert [degraded[r["id"]] for r in STUDY] == [False, False, False, False, True, False, True]
+
+
+def test_a_collapsed_student_is_degraded_whatever_its_reverse_kl():
+    """A configuration whose held-out samples' entropy fell under a quarter of every BF16 seed's is degraded even
+    inside the reverse-KL band (on the smollm2 pair a student emitting one token at p = 1 scored inside it); runs
+    without the entropy (stored before it was recorded) are labelled by the reverse KL alone."""
+    def with_entropy(row, entropy):
+        return row | {"after": row["after"] | {"eval/entropy": entropy}}
+    bf16 = [with_entropy(r, e) for r, e in zip(STUDY[:3], (0.8, 0.9, 1.0))]
+    runs = [with_entropy(synthetic("kv", "a", 0.31, 0.01), 0.19), with_entropy(synthetic("kv", "b", 0.31, 0.01), 0.21),
+            with_entropy(synthetic("kv", "c", 0.40, 0.01), 0.7), synthetic("kv", "d", 0.31, 0.01)]
+    labelled = {r["id"]: r for r in label(bf16 + runs)}
+    assert [labelled[r["id"]]["degraded"] for r in runs] == [True, False, True, False]
+    assert [labelled[r["id"]]["collapsed"] for r in runs] == [True, False, False, None]
+    seeds = [with_entropy(synthetic("kv", "a", 0.31, 0.01, seed=s), e) for s, e in ((0, 0.1), (1, 0.5))]
+    assert [r["collapsed"] for r in label(bf16 + seeds)[3:]] == [False, False]  # by configuration: mean 0.3 >= 0.2
+    assert [r["collapsed"] for r in label(bf16 + seeds, by="run")[3:]] == [True, False]
+    assert all(r["collapsed"] is None for r in label(STUDY))  # no BF16 entropy: nothing to compare with
+    assert "yes (collapsed)" in table(bf16 + runs)
 
 
 def test_knees_per_source_and_no_knee():
