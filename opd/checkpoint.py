@@ -31,6 +31,7 @@ from pydantic import AfterValidator, Field
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from opd import wire
 from opd.errors import OpdError, require
 from opd.hf_config import CONFIG_FIX, GenerationSchema, check_id, from_hf_config, stop_ids, to_hf_config
 from opd.model import ModelConfig, Transformer, empty_model
@@ -294,9 +295,9 @@ def hf_state_dict(state_dict: dict, tied: bool) -> dict:
 
 
 def save_checkpoint(folder, model: Transformer, tokenizer: TextTokenizer, extra_json: dict | None = None,
-                    extra_files: dict[str, bytes] | None = None) -> Path:
-    """Write config.json, model.safetensors, tokenizer files, any extra JSON or binary files, and the manifest,
-    atomically (see the module docstring)."""
+                    extra_files: dict[str, bytes] | None = None, extra_trees: dict | None = None) -> Path:
+    """Write config.json, model.safetensors, tokenizer files, any extra JSON or binary files, any trees of tensors
+    (wire.encode_file, streamed to disk), and the manifest, atomically (see the module docstring)."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
@@ -309,6 +310,8 @@ def save_checkpoint(folder, model: Transformer, tokenizer: TextTokenizer, extra_
             (tmp / name).write_text(json.dumps(payload, indent=2))
         for name, payload in (extra_files or {}).items():
             (tmp / name).write_bytes(payload)
+        for name, tree in (extra_trees or {}).items():
+            wire.encode_file(tree, tmp / name)
         files = {}
         for path in sorted(tmp.iterdir()):
             _fsync(path)

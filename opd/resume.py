@@ -55,7 +55,7 @@ def save_state(run_dir: Path, run: "Run", wait: bool = True) -> None:
     blob = {"optimizer": run.opt.state_dict(), **run.rollouts.state_dict(wait)}
     blob |= run.teacher.state_dict()  # a teacher engine's calibrated KV scales, kept for its lifetime
     save_checkpoint(run_dir / "checkpoint", run.student, run.tok, extra_json={"trainer_state.json": vars(run.state)},
-                    extra_files={STATE_FILE: wire.encode(blob)})
+                    extra_trees={STATE_FILE: blob})
 
 
 def load_state(run_dir: Path, run: "Run") -> tuple[State, dict]:
@@ -84,8 +84,7 @@ def load_state(run_dir: Path, run: "Run") -> tuple[State, dict]:
     require(state.version + state.skipped == state.step and state.bad_steps <= state.skipped,
             f"{folder / 'trainer_state.json'}: its counters disagree (step {state.step} = version {state.version} + "
             f"skipped {state.skipped}, bad_steps <= skipped)", fix)
-    blob = wire.decode((folder / STATE_FILE).read_bytes(), run.student.embed_tokens.weight.device,
-                       str(folder / STATE_FILE))
+    blob = wire.decode_file(folder / STATE_FILE, run.student.embed_tokens.weight.device, str(folder / STATE_FILE))
     scales = blob.get("engine_scales", {}) if isinstance(blob, dict) else None
     require(isinstance(blob, dict) and isinstance(blob.get("optimizer"), dict) and isinstance(scales, dict) and all(
         isinstance(k, int) and 0 <= k < run.student.cfg.num_layers and isinstance(v, list) and len(v) == 2 and

@@ -384,3 +384,30 @@ def test_a_worker_that_never_starts_stops_the_run_after_its_restarts_without_rec
     with pytest.raises(OpdError, match="restarted 3000 times already"):
         schedule._call(lost)
     _FlakyWorker.script = {}
+
+
+def test_a_tree_written_to_a_file_reads_back_as_the_bytes_path_gives_it(tmp_path):
+    """wire.encode_file / decode_file (checkpoints' optimizer state, streamed to disk) against encode / decode: the
+    same tree, tensors bit for bit, tied storages and tagged keys included; the two formats are one."""
+    weight = torch.randn(6, 4)
+    tree = {"optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(6, 4, dtype=torch.bfloat16)},
+                                    1: {"step": torch.tensor(3.0), "exp_avg": weight}},
+                          "param_groups": [{"lr": 1e-3, "params": [0, 1], "betas": (0.9, 0.999)}]},
+            "tied": [weight, weight[:2]], "none": None, "text": "x"}
+    wire.encode_file(tree, tmp_path / "state.safetensors")
+    from_file = wire.decode_file(tmp_path / "state.safetensors")
+    from_bytes = wire.decode(wire.encode(tree))
+    assert (tmp_path / "state.safetensors").read_bytes() == wire.encode(tree)
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        if isinstance(a, dict):
+            return type(b) is dict and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b and type(a) is type(b)
+    assert same(from_file, tree) and same(from_bytes, tree)
+    (tmp_path / "bad").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(OpdError, match="bad is not an opd tensors"):
+        wire.decode_file(tmp_path / "bad", what=str(tmp_path / "bad"))
