@@ -13,8 +13,8 @@ import struct
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load as load_tensors
-from safetensors.torch import load_file as load_tensor_file
 from safetensors.torch import save as save_tensors
 from safetensors.torch import save_file as save_tensor_file
 
@@ -85,8 +85,7 @@ def decode(data: bytes, device: str | torch.device = "cpu", what: str = "state")
         tree = json.loads(_metadata(data)[KEY])
         tensors = load_tensors(data)
     except Exception as e:  # malformed bytes of any kind: never executed, only refused
-        raise OpdError(f"{what} is not an opd tensors + JSON file ({type(e).__name__}: {e})",
-                       "it was not written by this version of opd, or it is damaged") from None
+        raise _refused(what, e) from None
     return _rebuild(tree, tensors, device, what)
 
 
@@ -94,15 +93,17 @@ def decode_file(path, device: str | torch.device = "cpu", what: str = "state") -
     """decode of a file encode_file (or encode) wrote, its tensors read from the file (memory-mapped by safetensors)
     rather than from a copy of its bytes."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            tree = json.loads(_metadata(head + f.read(min(size, 100_000_000)))[KEY])
-        tensors = load_tensor_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            tree = json.loads(f.metadata()[KEY])
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
     except Exception as e:  # malformed bytes of any kind: never executed, only refused
-        raise OpdError(f"{what} is not an opd tensors + JSON file ({type(e).__name__}: {e})",
-                       "it was not written by this version of opd, or it is damaged") from None
+        raise _refused(what, e) from None
     return _rebuild(tree, tensors, device, what)
+
+
+def _refused(what: str, error: Exception) -> OpdError:
+    return OpdError(f"{what} is not an opd tensors + JSON file ({type(error).__name__}: {error})",
+                    "it was not written by this version of opd, or it is damaged")
 
 
 def _rebuild(tree: Any, tensors: dict[str, torch.Tensor], device, what: str) -> Any:

@@ -596,8 +596,9 @@ def test_the_ceiling_equals_a_brute_force_over_every_rule():
 def test_admission_benchmark_quick_mode():
     """The stored studies decided with thresholds calibrated without the held-out runs: the numbers docs/admission.md
     quotes (accuracy >= 0.9 leaving sources out is not reached; 1.7% of the runs are admitted and degraded, the
-    goal's 2% met since sampled_mu's real group was re-run on 2026-12-05; staleness held out is UNCERTAIN for full_rkl since 2026-12-05), the real pair (lr 1e-4 and lr
-    3e-5) decided by the toy pairs' thresholds, probing the initial students and the students after 4 BF16 steps, and
+    goal's 2% met since sampled_mu's real group was re-run on 2026-12-05; staleness held out is UNCERTAIN for
+    full_rkl since 2026-12-05), the real pair (lr 1e-4 and lr 3e-5) decided by the toy pairs' thresholds, probing
+    the initial students and the students after 4 BF16 steps, and
     `opd admit`'s default between them (issue 38: the toy pairs' floors are more than admission.FAR from the real
     pair's, so nothing there is admitted; before that rule the warm probes admitted 8 degraded real runs), the
     ceiling of any two-statistic per-class cut fitted in sample (0.903 on the real pair: a rule of this kind reaches
