@@ -8,7 +8,7 @@ REAL_STAMP := $(VENV)/.installed-real
 # bring loopback up in a new network namespace: iproute2's ip, else the same ioctl (tests/loopback_up.py)
 LO_UP := { ip link set lo up 2>/dev/null || $(PY) tests/loopback_up.py; }
 
-.PHONY: demo test fuzz install clean
+.PHONY: demo test fuzz install sandbox clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,7 +34,15 @@ $(REAL_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[real]'
 	touch $(REAL_STAMP)
 
-install: $(STAMP)
+# bubblewrap, the sandbox that runs model-written code (opd/sandbox.py: HumanEval's scoring). A Debian package: installed
+# here when make runs as root, else the line to run is printed. Checked every time (instant): it is not in .venv.
+sandbox:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; }; }; } || \
+	  { echo "make: bubblewrap (bwrap) is missing: install it (sudo apt-get install bubblewrap), then rerun" >&2; exit 1; }
+
+install: $(STAMP) sandbox
 
 # The tour, on the shipped pairs (opd/pairs, no pretraining), 3-3.5 minutes on 2 cores after the install: admit the
 # FP8-KV async set-up of configs/demo.yaml, distill with it, write the report. admit exits 1 on REJECT (the demo
@@ -52,7 +60,7 @@ demo: $(STAMP)
 
 # The Ray tests run in a network namespace with only loopback (unshare -n; CI runs as root): a local Ray cluster
 # here would otherwise listen on the machine's own address. Without the namespace they skip, saying so.
-test: $(VLLM_STAMP) $(RAY_STAMP) $(REAL_STAMP)
+test: $(VLLM_STAMP) $(RAY_STAMP) $(REAL_STAMP) sandbox
 	$(PY) -m pytest -q -m "not ray" -n 2 --dist loadfile
 	@if unshare -n true 2>/dev/null; then \
 	  unshare -n sh -c '$(LO_UP) && exec $(PY) -m pytest -q -m ray'; \

@@ -72,20 +72,20 @@ def parity(folder: Path) -> dict:
 
 
 def sandbox() -> dict:
+    import json
     from opd import humaneval
-    from opd.sandbox import run_python
+    from opd.sandbox import Limits
     problems = humaneval.problems()
+    answers = [json.dumps({k: p[k] for k in humaneval.FIELDS}) for p in problems]
     with ThreadPoolExecutor(2) as pool:
-        passed = sum(r.passed for r in pool.map(lambda p: run_python(humaneval.program(p["canonical_solution"], p),
-                                                                     10), problems))
+        passed = sum(v.credit for v in pool.map(humaneval.judge, [p["canonical_solution"] for p in problems], answers))
     broken = {"wrong": "    return False\n", "loop": "    while True:\n        pass\n",
-              "write": "    open('/tmp/opd-sandbox-escape', 'w').write('x')\n",
-              "socket": "    import socket\n    socket.create_connection(('127.0.0.1', 22))\n",
-              "process": "    import os\n    os.system('true')\n"}
-    failed = {name: not run_python(humaneval.program(body, problems[0]), 3).passed for name, body in broken.items()}
-    print(f"3. HumanEval canonical solutions passing: {passed}/{len(problems)}; broken ones failing: {failed}",
-          flush=True)
-    return {"humaneval_canonical": passed, "broken_refused": sum(failed.values())}
+              "write": "    open('/usr/opd-sandbox-escape', 'w').write('x')\n",
+              "socket": "    import socket\n    socket.create_connection(('1.1.1.1', 53), timeout=1)\n",
+              "exit": "import os\nos._exit(0)\n"}
+    failed = {name: humaneval.judge(body, answers[0], Limits(timeout=3)).outcome for name, body in broken.items()}
+    print(f"3. HumanEval canonical solutions passing: {passed:.0f}/{len(problems)}; broken ones: {failed}", flush=True)
+    return {"humaneval_canonical": int(passed), "broken_refused": sum(v != "passed" for v in failed.values())}
 
 
 def fidelity(prompts: int) -> dict:
@@ -144,7 +144,7 @@ def pass_at_1(name: str) -> float:
         engine.close()
     texts = [tok.decode(r.completion_ids) for r in rollouts]
     with ThreadPoolExecutor(2) as pool:
-        credits = list(pool.map(lambda pair: humaneval.score(*pair), zip(texts, [ex.answer for ex in examples])))
+        credits = list(pool.map(humaneval.score, texts, [ex.answer for ex in examples]))
     score = 100 * sum(credits) / len(credits)
     print(f"6. HumanEval pass@1 {name}: {score:.1f} (report: {REPORT[name]}; difference {score - REPORT[name]:+.1f})",
           flush=True)

