@@ -9,6 +9,7 @@ Dtypes (`compute.dtype`, `compute.teacher_dtype`): `float32`, or `bf16`. For the
 it); for the frozen teacher it means weights stored in bf16, half the memory of float32. CPUs run bf16 in any
 PyTorch (slowly without native support); a GPU needs to support it (`torch.cuda.is_bf16_supported`).
 """
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -17,6 +18,37 @@ from opd.errors import OpdError, require
 from opd.sections import DTYPE_NAMES, check_dtype_name, check_name
 
 DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16)))
+
+
+def native_bf16(device: torch.device | str = "cpu") -> bool:
+    """Whether the device runs bf16 matmuls natively: a CUDA GPU that supports bf16, or a CPU with AMX or AVX512-BF16
+    (/proc/cpuinfo's amx_bf16, avx512_bf16). Elsewhere PyTorch emulates bf16 arithmetic, slower than float32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
+def cpu_description() -> str:
+    """This CPU's model name and its widest bf16/vector ISA (amx, avx512_bf16, avx512, avx2): deterministic results
+    differ across them, so a study records it with every run."""
+    flags, name = cpu_flags(), "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    except OSError:
+        pass
+    isa = next((isa for flag, isa in (("amx_bf16", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "avx512"),
+                                      ("avx2", "avx2")) if flag in flags), "other")
+    return f"{name} ({isa})"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
 
 
 def autocast_dtype(name: str) -> torch.dtype | None:
@@ -43,11 +75,16 @@ def resolve(name: str, what: str = "device") -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device, what: str = "dtype") -> torch.dtype:
+    """A dtype name -> its torch dtype on the device: bf16 on a GPU without it is refused; on a CPU without native bf16
+    it runs, slower than float32, and a one-line note says so."""
     check_dtype_name(name, what)
     dtype = DTYPES[name]
     if dtype == torch.bfloat16 and device.type == "cuda":
         require(torch.cuda.is_bf16_supported(), f"{what} bf16 is not supported by {device} "
                 f"({torch.cuda.get_device_name(device)})", f"set {what} to float32")
+    elif dtype == torch.bfloat16 and not native_bf16(device):
+        print(f"opd: note: {what} bf16 on a CPU without native bf16 (AMX or AVX512-BF16): PyTorch emulates it, slower "
+              "than float32 here", file=sys.stderr)
     return dtype
 
 

@@ -35,6 +35,7 @@ from dataclasses import replace
 
 import torch
 
+from opd.devices import native_bf16
 from opd.errors import OpdError, first_line, require
 from opd.kernels import apply_kernels
 from opd.kv_cache import KVCache
@@ -58,9 +59,12 @@ class Engine:
     hidden_states = True  # can return each step's hidden state (the exact KL) and count KV saturation (`stats`)
 
     def __init__(self, model: Transformer, stop_ids: int | list[int], pad_id: int, plan: Plan | str | None = None,
-                 version: int = 0, noise_seed: int = 0, compile: bool = False, shadows: bool | None = None):
+                 version: int = 0, noise_seed: int = 0, compile: bool = False, shadows: bool | None = None,
+                 bf16_gemm: str = "float32"):
         """shadows: keep dequantized copies of quantized weights and KV caches (weight_quant.QuantLinear, kv_cache);
-        default: on the CPU, where they make the emulation fast; the results are the same without them."""
+        default: on the CPU, where they make the emulation fast; the results are the same without them.
+        bf16_gemm (a forward=bf16 plan on a CPU with shadows): "float32" GEMMs of the bf16 weights (their float32
+        shadows), "native" bf16 GEMMs, or "auto" (native where devices.native_bf16 says the CPU runs them)."""
         n = model.cfg.num_layers
         plan = Plan.parse(plan, n) if isinstance(plan, str) else plan or Plan.full(n)
         require(len(plan.layers) == n, f"precision plan has {len(plan.layers)} layers, the model has {n}")
@@ -70,9 +74,10 @@ class Engine:
         self.device = model.embed_tokens.weight.device
         self.shadows = self.device.type == "cpu" if shadows is None else shadows
         # a bf16 forward's w=none layers hold bf16 weights; with shadows (the CPU) as QuantLinear's bf16 scheme,
-        # whose float32 shadow computes what a bf16 kernel does (float32 accumulation) 2x faster here than bf16
-        # matmuls; elsewhere as plain bf16 layers (a GPU's bf16 GEMM)
-        bf16 = plan.forward == "bf16" and self.shadows
+        # whose float32 shadow computes what a bf16 kernel does (float32 accumulation), 2x faster than bf16 matmuls
+        # on a CPU without native bf16; else as plain bf16 layers (a GPU's bf16 GEMM, AMX, AVX512-BF16)
+        native = bf16_gemm == "native" or (bf16_gemm == "auto" and native_bf16(self.device))
+        bf16 = plan.forward == "bf16" and self.shadows and not native
         self.weights = [LayerWeights("bf16" if bf16 and p.weights == "none" else p.weights, p.noise, p.key_outlier)
                         for p in plan.layers]
         self.scales: dict = {}  # layer -> [k_scale, v_scale], shared by every batch
@@ -104,9 +109,10 @@ class Engine:
 
     @classmethod
     def for_model(cls, model: Transformer, model_dir: str, stop_ids: int | list[int], pad_id: int, plan: Plan, *,
-                  version: int = 0, noise_seed: int = 0, compile: bool = False, **unused) -> "Engine":
+                  version: int = 0, noise_seed: int = 0, compile: bool = False, bf16_gemm: str = "float32",
+                  **unused) -> "Engine":
         """engines.make_engine's constructor: the engine runs `model` itself (no folder, no sizes)."""
-        return cls(model, stop_ids, pad_id, plan, version, noise_seed, compile)
+        return cls(model, stop_ids, pad_id, plan, version, noise_seed, compile, bf16_gemm=bf16_gemm)
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict, version: int) -> None:

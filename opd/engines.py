@@ -95,7 +95,8 @@ def worker_env(name: str, threads: int) -> dict[str, str]:
 
 def make_engine(name: str, model, stop_ids: int | list[int], pad_id: int, plan: Plan | str, *, model_dir: str = "",
                 version: int = 0, seed: int = 0, noise_seed: int = 0, compile: bool = False,
-                in_process: bool = False, context: int = 0, max_seqs: int = 1) -> RolloutEngine:
+                in_process: bool = False, context: int = 0, max_seqs: int = 1, bf16_gemm: str = "float32"
+                ) -> RolloutEngine:
     """The rollout engine `name` for `model` under `plan`. The built-in one runs `model`'s own tensors where the plan
     keeps full precision and its own copy of the layers the plan changes (engine.py); an `own_copy` kind loads the
     checkpoint in model_dir, to be sent `model`'s weights by `update_weights`, sized for `max_seqs` sequences of
@@ -109,4 +110,4 @@ def make_engine(name: str, model, stop_ids: int | list[int], pad_id: int, plan: 
     engine_cls = getattr(importlib.import_module(module), cls)  # an engine's dependencies load when it is built
     return engine_cls.for_model(model, model_dir, stop_ids, pad_id, plan, version=version, seed=seed,
                                 noise_seed=noise_seed, compile=compile, in_process=in_process, context=context,
-                                max_seqs=max_seqs)
+                                max_seqs=max_seqs, bf16_gemm=bf16_gemm)

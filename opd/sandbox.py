@@ -45,6 +45,7 @@ from opd.errors import OpdError
 
 UNSAFE_ENV = "OPD_UNSAFE_EXEC"
 REPORT_LIMIT = 64 << 10  # bytes of a report kept
+SHM_MB = 16  # /dev/shm (multiprocessing's semaphores)
 SITE = "/opd-site"  # where numpy's package is mounted inside (the prelude puts it on sys.path)
 INSTALL_FIX = ("install bubblewrap (apt-get install bubblewrap; make install does it as root) and let the kernel "
                "create user namespaces (sysctl kernel.unprivileged_userns_clone=1 or user.max_user_namespaces > 0), "
@@ -198,7 +199,9 @@ def wrap(argv: list[str], report_fd: int) -> list[str]:
     box = [bwrap(), "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
            "--hostname", "opd-sandbox", "--die-with-parent", "--new-session", "--clearenv", *_setenv(report_fd),
            *view(), "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(Limits.scratch_mb << 20),
-           "--tmpfs", "/tmp", "--chdir", "/tmp"]
+           "--tmpfs", "/tmp", "--perms", "1777", "--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm",
+           "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp"]  # the tmpfs bwrap makes, / and /dev: as
+    # the user's own in a user namespace, they would be writable and unbounded
     if os.geteuid() != 0:
         box[1:1] = ["--unshare-user", "--disable-userns"]
     user = []
@@ -230,8 +233,8 @@ def view() -> tuple[str, ...]:
         if prefix != "/usr" and not prefix.startswith("/usr/"):
             args += _parents(prefix, made) + ["--ro-bind", prefix, prefix]
             site = Path(prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-            if site.is_dir():
-                args += ["--tmpfs", str(site)]  # the base installation's own packages are not the program's
+            if site.is_dir():  # the base installation's own packages are not the program's
+                args += ["--tmpfs", str(site), "--remount-ro", str(site)]
     numpy = importlib.util.find_spec("numpy")
     if numpy is not None and numpy.submodule_search_locations:
         package = Path(list(numpy.submodule_search_locations)[0])
@@ -282,12 +285,12 @@ def _trivial(prefix: list[str]) -> subprocess.CompletedProcess | str:
 
 
 def isolation() -> str:
-    """What contains model-written code on this machine: "bubblewrap", "none (--unsafe-exec)", or "unavailable:
-    <why>"."""
+    """What contains model-written code on this machine: "bubblewrap+cgroup", "bubblewrap", "none (--unsafe-exec)",
+    or "unavailable: <why>"."""
     if os.environ.get(UNSAFE_ENV) == "1":
         return "none (--unsafe-exec)"
     problem = unavailable()
-    return f"unavailable: {problem}" if problem else "bubblewrap"
+    return f"unavailable: {problem}" if problem else "bubblewrap+cgroup" if _cgroups_work() else "bubblewrap"
 
 
 class Cgroup:

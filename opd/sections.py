@@ -19,6 +19,7 @@ DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
 SCHEDULES = ("sync", "async")
 BACKENDS = ("process", "ray")
 ENGINES = engines.NAMES  # the rollout engines' kinds (engines.KINDS)
+BF16_GEMMS = ("float32", "native", "auto")  # how the built-in engine computes a bf16 forward's matmuls on a CPU
 TEACHER_ENGINES = ("trainer", "builtin", "vllm")  # who scores the student's tokens for the teacher (teacher.py)
 TOPK_TEACHER_LOSSES = ("sampled_rkl", "topk_fkl", "topk_rkl_tail", "topk_rkl")  # what a top-k teacher can drive
 STALE_POLICIES = ("requeue", "drop")
@@ -164,6 +165,7 @@ class EvalConfig:
     prompts: str = ""  # JSONL held-out prompts; "": `fraction` of data.prompts (or the task's held-out set)
     fraction: float = 0.1  # share of data.prompts held out for evaluation (by a hash of the prompt)
     batch_size: int = 0  # held-out prompts per generation batch; 0: 2**24 floats / vocab (all, at vocab 100)
+    greedy: bool = True  # also decode greedily (eval/accuracy, eval/truncated); False: the sampled quality only
 
     def __post_init__(self):
         check_numbers(self, "eval.")
@@ -178,9 +180,14 @@ class EngineConfig:
     """The rollout engine (the precision it runs at is the top-level `plan`)."""
     name: str = "builtin"  # "builtin" (emulated precisions), "vllm" (vllm_engine.py), "hf" (hf_engine.py): engines.py
     compile: bool = False  # builtin engine: torch.compile its forward (faster decoding, ~1 min to compile)
+    # builtin engine, forward=bf16 plans on a CPU: "float32" GEMMs of the bf16 weights (exact bf16 products, float32
+    # sums), "native" bf16 GEMMs (float32 sums too; AMX or AVX512-BF16 run them faster), or "auto": native where the
+    # CPU has them. CUDA always runs bf16 GEMMs.
+    bf16_gemm: str = "float32"
 
     def __post_init__(self):
         _one_of(self, "engine", "name", ENGINES)
+        _one_of(self, "engine", "bf16_gemm", BF16_GEMMS)
         require(not self.compile or engines.kind(self.name).compiles, f"engine.compile applies to the builtin engine, "
                 f"not {self.name}", "drop engine.compile")
 

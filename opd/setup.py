@@ -102,7 +102,7 @@ def engine_builder(cfg: TrainConfig, student: Transformer, tok: TextTokenizer, s
     """plan -> the config's rollout engine for the student (engines.make_engine), sized for the run's sequences."""
     return lambda plan: make_engine(cfg.engine.name, student, tok.stop_ids, tok.pad_id, plan, model_dir=student_dir,
                                     seed=cfg.seed, noise_seed=cfg.noise_seed, compile=cfg.engine.compile,
-                                    **engine_size(cfg, prompts))
+                                    bf16_gemm=cfg.engine.bf16_gemm, **engine_size(cfg, prompts))
 
 
 def engine_size(cfg: TrainConfig, prompts: PromptSet) -> dict:
@@ -186,7 +186,7 @@ def worker_spec(cfg: TrainConfig, model: Transformer, tok, plan: Plan, params: S
                       return_hidden, recompute=settings.lookahead > 0, recompute_fraction=settings.recompute_fraction,
                       engine=cfg.engine.name, model_dir=str(model_dir), compile=cfg.engine.compile,
                       device=str(model.embed_tokens.weight.device), chunk_tokens=cfg.compute.chunk_tokens,
-                      dtype=cfg.compute.dtype, **engine_size(cfg, prompts))
+                      dtype=cfg.compute.dtype, bf16_gemm=cfg.engine.bf16_gemm, **engine_size(cfg, prompts))
 
 
 def probe_setup(cfg: TrainConfig, n: int) -> tuple[ProbeSetup, Plan]:

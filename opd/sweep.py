@@ -41,6 +41,7 @@ from pydantic import AfterValidator, ConfigDict, Field, ValidationError, model_v
 from opd.admission import CLASSES, estimator_class, staleness
 from opd.config import TrainConfig, resolve_generation
 from opd.config_file import build_config, known_settings, merge, migrate
+from opd.devices import cpu_description
 from opd.errors import OpdError, require
 from opd.plan import Plan
 from opd.runlog import read_metrics
@@ -216,7 +217,7 @@ class Eval(Schema):
 
 
 class EvalAfter(Eval):
-    accuracy: Finite = Field(alias="eval/accuracy")
+    accuracy: Finite | None = Field(None, alias="eval/accuracy")  # None: eval.greedy off
 
 
 class TrainMeans(Schema):
@@ -352,10 +353,12 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
                "seed": spec["seed"], "staleness": staleness(cfg), "config": cfg.to_dict(), "probe": numbers,
                "before": summary["before"], "after": summary["after"], "train": averages(rows),
                "curve": curve(rows), "train_s": summary["time/step"], "eval_s": summary["time/eval"],
-               "wall_s": time.perf_counter() - start, "git": git_sha(), "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+               "wall_s": time.perf_counter() - start, "git": git_sha(), "cpu": cpu_description(),
+               "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
         append_result(results_path, row)
         _note(progress, f"[{i}/{len(todo)}] {spec['id']}: rkl {row['before']['eval/rkl']:.3f} -> "
-                        f"{row['after']['eval/rkl']:.3f}, accuracy {row['after']['eval/accuracy']:.3f}, "
+                        f"{row['after']['eval/rkl']:.3f}, entropy {row['after'].get('eval/entropy', float('nan')):.3f}, "
+                        f"accuracy {row['after'].get('eval/accuracy', float('nan')):.3f}, "
                         f"total_kl_k3 {row['train'].get('stale/total_kl_k3', float('nan')):.3g}, "
                         f"{row['wall_s']:.0f} s")
         if stop is not None:

@@ -56,12 +56,13 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def evaluate(run: Run, cfg: TrainConfig) -> dict:
     """Held-out quality of the learner at full precision (the rollout plan is not used here) on the run's held-out
-    examples (prompts.py): greedy and sampled accuracy under `scoring` (none: no accuracy), and the reverse KL to the
-    teacher on the student's own samples."""
+    examples (prompts.py): greedy (unless eval.greedy is off) and sampled accuracy under `scoring` (none: no
+    accuracy), and the reverse KL to the teacher and the entropy on the student's own samples."""
     student, teacher, tok, start = run.student, run.teacher.trainer, run.tok, time.perf_counter()
     examples = run.prompts.held_out
     batch_size = cfg.eval.batch_size  # 0: chunked.chunk_size (all 500 prompts at once at the built-in vocabulary)
-    greedy = greedy_accuracy(student, tok, examples, cfg.new_tokens, batch_size, scoring=cfg.data.scoring)
+    greedy = greedy_accuracy(student, tok, examples, cfg.new_tokens, batch_size, scoring=cfg.data.scoring) \
+        if cfg.eval.greedy else {"eval/n": len(examples)}
     sampled = sampled_quality(student, teacher, tok, examples, cfg.new_tokens, cfg.seed + 1, run.params,
                               batch_size, cfg.compute.micro_batch_size, cfg.compute.chunk_tokens, cfg.data.scoring)
     return {**{k: v for k, v in greedy.items() if k in ("eval/accuracy", "eval/truncated", "eval/n", "eval/scored")}, **sampled,

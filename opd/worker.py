@@ -94,6 +94,7 @@ class WorkerSpec:
     dtype: str = "float32"  # the learner's compute dtype: q is recomputed as the learner computes
     context: int = 0  # an own-copy engine's size: the longest prompt + max_new_tokens (engines.make_engine)
     max_seqs: int = 1  # and the most sequences one generate call holds
+    bf16_gemm: str = "float32"  # the built-in engine's bf16 matmuls on a CPU (engine.py)
 
 
 # -- dataclasses <-> wire trees (plain values and tensors), rebuilt exactly --------------------------------------------
@@ -197,7 +198,7 @@ class WorkerCore:
         # weights; the built-in engine's base is `model`
         engine = make_engine(spec.engine, model, spec.stop_ids, spec.pad_id, spec.plan, model_dir=spec.model_dir,
                              version=first["version"], noise_seed=spec.noise_seed, compile=spec.compile,
-                             in_process=True, context=spec.context, max_seqs=spec.max_seqs)
+                             in_process=True, context=spec.context, max_seqs=spec.max_seqs, bf16_gemm=spec.bf16_gemm)
         if kind(spec.engine).own_copy:
             engine.update_weights(model.state_dict(), first["version"])
         engine.scales.update(scales)

@@ -33,7 +33,8 @@ from opd.trainer import train
 from opd.worker import (RolloutWorker, WorkerLost, WorkerSpec, plan_from_tree, plan_tree, recompute, rollout_from_tree,
                         rollout_tree, spec_from_tree, spec_tree)
 
-from helpers import assert_one_line_error, comparable, config, crash_at, opd, recorded_distributions, same_as_sync
+from helpers import (assert_one_line_error, comparable, config, crash_at, opd, recorded_distributions, same_as_sync,
+                     tiny)
 
 pytestmark = pytest.mark.slow
 
@@ -48,12 +49,15 @@ def no_worker_left():
     return multiprocessing.active_children() == []
 
 
-@pytest.mark.parametrize("plan", ["kv=fp8_e4m3", "forward=bf16 kv=fp8_e4m3"])
-def test_staleness_zero_reproduces_the_sync_run(pair, tmp_path, plan):
+@pytest.mark.parametrize("plan, gemm", [("kv=fp8_e4m3", "float32"), ("forward=bf16 kv=fp8_e4m3", "float32"),
+                                        ("forward=bf16 kv=fp8_e4m3", "native")])
+def test_staleness_zero_reproduces_the_sync_run(pair, tmp_path, plan, gemm):
     """Including the exact KL, which the trainer computes from the worker's hidden states with the sampling engine's
-    output layer (bf16 in a bf16 forward: that case used to fail on mixed dtypes)."""
-    train(config(pair, plan=plan), tmp_path / "sync", progress=False)
-    train(async_config(pair, max_staleness=0, plan=plan), tmp_path / "async", progress=False)
+    output layer (bf16 in a bf16 forward: that case used to fail on mixed dtypes), and the engine's bf16 GEMMs (the
+    worker builds its engine with the run's engine.bf16_gemm)."""
+    engine = {"bf16_gemm": gemm}
+    train(config(pair, plan=plan, engine=engine), tmp_path / "sync", progress=False)
+    train(async_config(pair, max_staleness=0, plan=plan, engine=engine), tmp_path / "async", progress=False)
     sync, asyn = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "async")
     assert len(sync) == 7 and same_as_sync(asyn, sync)
     assert all(row.get("async/requeued", 0) == 0 for row in asyn)
@@ -281,6 +285,20 @@ def test_a_plan_round_trips_exactly(text):
     assert plan_from_tree(through_wire(plan_tree(plan))) == plan
     if text == "kv_group=64 kv=fp8_e4m3":  # why not str(plan): the canonical string drops kv_group off int4
         assert Plan.parse(str(plan), 4) != plan
+
+
+@pytest.mark.parametrize("gemm", ["float32", "native"])
+def test_the_worker_builds_its_engine_with_the_runs_bf16_gemm(gemm):
+    from opd import wire
+    from opd.weight_quant import QuantLinear
+    from opd.worker import WorkerCore, weights_message
+    model = tiny(0).float()
+    spec = WorkerSpec(asdict(model.cfg), [2], 0, Plan.parse("forward=bf16 kv=bf16", model.cfg.num_layers), 0,
+                      SamplingParams(4), 1, return_hidden=False, recompute=False, recompute_fraction=1.0,
+                      bf16_gemm=gemm)
+    core = WorkerCore(wire.encode({"spec": spec_tree(spec), "scales": {}}), weights_message(model.state_dict(), 0))
+    up = core.engine.model.layers[0].mlp.up_proj
+    assert (isinstance(up, QuantLinear) and up.dequantized is not None) == (gemm == "float32")
 
 
 def test_a_worker_spec_and_rollouts_round_trip_exactly():

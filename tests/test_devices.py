@@ -66,6 +66,22 @@ def test_the_bf16_forward_with_bf16_matmuls_is_the_shadowed_one_up_to_summation_
     assert (logp["shadowed"] - logp["bf16"]).abs().mean() < 0.1 * (logp["shadowed"] - logp["fp32"]).abs().mean()
 
 
+def test_bf16_gemm_chooses_the_bf16_forward_s_matmuls(monkeypatch):
+    """engine.bf16_gemm: "float32" keeps float32 shadows of a bf16 forward's weights on the CPU, "native" runs bf16
+    layers, "auto" follows the CPU's flags (an async run's worker gets the setting: test_async.py)."""
+    import opd.engine
+    from opd.weight_quant import QuantLinear
+    model = tiny(0).float()
+
+    def shadowed(gemm):
+        proj = Engine(model, -1, 0, "forward=bf16 kv=bf16", bf16_gemm=gemm).model.layers[0].mlp.up_proj
+        return isinstance(proj, QuantLinear) and proj.dequantized is not None
+    assert shadowed("float32") and not shadowed("native")
+    for native in (True, False):
+        monkeypatch.setattr(opd.engine, "native_bf16", lambda device, native=native: native)
+        assert shadowed("auto") == (not native)
+
+
 def test_the_engine_holds_only_what_the_plan_changes():
     model = tiny(0).float()
     assert Engine(model, -1, 0, "kv=fp8_e4m3").model is model  # a KV-only plan runs the given weights

@@ -264,10 +264,18 @@ def test_it_runs_unprivileged_with_no_capabilities():
 
 
 def test_files_are_bounded_and_the_scratch_folder_is_private():
-    verdict, done = run(probes("open('/tmp/big', 'wb').write(b'x' * (64 << 20)); print('LEAK big file')",
-                               "print('tmp holds', os.listdir('/tmp'))"))
-    assert "PROBES-RAN" in done.output and "LEAK" not in done.output
+    """/tmp (64 MB) and /dev/shm (16 MB) are the only writable places; the folders bwrap makes (/, /dev) are not."""
+    verdict, done = run(probes(*SCRATCH_PROBES))
+    assert "PROBES-RAN" in done.output and "LEAK" not in done.output, done.output
     assert "tmp holds ['big']" in done.output  # the cut file, and nothing of the machine's /tmp
+
+
+SCRATCH_PROBES = (
+    "open('/tmp/big', 'wb').write(b'x' * (64 << 20)); print('LEAK big file')",
+    "for d in ('/', '/dev', '/usr', '/opd-site'):\n    try:\n        open(d.rstrip('/') + '/x', 'w').write('x')\n"
+    "        print('LEAK write', d)\n    except OSError:\n        pass",
+    "for i in range(40):\n    open(f'/dev/shm/{i}', 'wb').write(b'x' * (1 << 20))\nprint('LEAK shm')",
+    "print('tmp holds', os.listdir('/tmp'))")
 
 
 # ---- where there is no sandbox -------------------------------------------------------------------------------------
@@ -323,10 +331,10 @@ def test_the_user_namespace_path_runs_as_an_unprivileged_user(tmp_path):
         for name in ("sandbox.py", "errors.py", "judge.py"):
             (copy / "opd" / name).write_bytes((Path(sandbox.__file__).parent / name).read_bytes())
         (copy / "opd" / "__init__.py").write_text("")
-        (copy / "program.py").write_text(
-            "import os, socket\nprint('uid', os.getuid())\nif os.fork() == 0:\n    os.setsid()\n"
-            "    os.execvp('sleep', ['sleep', '77.25'])\ntry:\n    socket.create_connection(('1.1.1.1', 53), timeout=1)\n"
-            "    print('LEAK')\nexcept OSError:\n    print('no network')\n")
+        (copy / "program.py").write_text(probes(
+            "print('uid', os.getuid())", "if os.fork() == 0:\n    os.setsid()\n    os.execvp('sleep', ['sleep', '77.25'])",
+            "import socket; socket.create_connection(('1.1.1.1', 53), timeout=1); print('LEAK network')",
+            *SCRATCH_PROBES))
         script = (f"import json, sys; sys.path.insert(0, {str(copy)!r})\nfrom opd import sandbox\n"
                   f"done = sandbox.run(open({str(copy / 'program.py')!r}).read())\n"
                   "print(json.dumps([done.returncode, done.output, done.isolation]))\n")
@@ -339,7 +347,8 @@ def test_the_user_namespace_path_runs_as_an_unprivileged_user(tmp_path):
         shutil.rmtree(copy)
     assert result.returncode == 0, result.stderr
     returncode, output, isolation = json.loads(result.stdout.strip().splitlines()[-1])
-    assert returncode == 0 and isolation == "bubblewrap" and "uid 65534" in output and "no network" in output, output
+    assert returncode == 0 and isolation == "bubblewrap" and "uid 65534" in output, output
+    assert "PROBES-RAN" in output and "LEAK" not in output and "tmp holds ['big']" in output, output
     time.sleep(0.5)
     assert leftovers("77.25") == []
 

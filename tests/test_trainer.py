@@ -198,6 +198,14 @@ def test_exact_kl_off_leaves_the_estimates(pair, tmp_path):
     assert "mismatch/kl_exact" not in row and row["mismatch/kl_k3"] > 0
 
 
+def test_eval_without_greedy_decoding_keeps_the_sampled_quality(pair, tmp_path):
+    summary = train(config(pair, steps=1, eval=dict(every=0, examples=4, greedy=False)), tmp_path / "run",
+                    progress=False)
+    for row in (summary["before"], summary["after"]):
+        assert row["eval/rkl"] > 0 and row["eval/entropy"] > 0 and row["eval/n"] == 4
+        assert "eval/accuracy" not in row and "eval/truncated" not in row
+
+
 def test_the_readme_yaml_example_is_a_valid_config(tmp_path):
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     block = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
