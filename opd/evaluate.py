@@ -59,17 +59,21 @@ def _why(verdict: Verdict | None) -> dict:
 @torch.no_grad()
 def sampled_quality(student: Transformer, teacher, tok: TextTokenizer, examples: list[Example],
                     max_new_tokens: int, seed: int, params: SamplingParams | None = None, batch_size: int = 0,
-                    micro_batch_size: int = 0, chunk_tokens: int = 0, scoring: str = "last_hash") -> dict:
+                    micro_batch_size: int = 0, chunk_tokens: int = 0, scoring: str = "last_hash",
+                    autocast: torch.dtype | None = None) -> dict:
     """Sampled-completion accuracy (absent under scoring "none") and the mean per-token reverse KL(student || teacher)
-    on the student's own samples at full precision (teacher: a teacher.Teacher with whole rows), sampled as the
-    rollouts are (params: temperature, top-k, top-p): {"eval/sampled_accuracy", "eval/rkl", "eval/entropy"}.
+    on the student's own samples at the learner's compute precision (autocast None: float32; bf16: the samples from a
+    bf16 forward on native bf16 GEMMs where the CPU has them, the scoring under autocast, as the learner computes)
+    (teacher: a teacher.Teacher with whole rows), sampled as the rollouts are (params: temperature, top-k, top-p):
+    {"eval/sampled_accuracy", "eval/rkl", "eval/entropy"}.
     eval/entropy is the mean of -log p_student(token) over the same samples (at the sampling temperature): a Monte
     Carlo estimate of the student's per-token entropy (of the cross-entropy of the truncated sampler's tokens under
     the student, with top-k or top-p). It is what the reverse KL cannot show: KL(student || teacher) = cross-entropy
     to the teacher - entropy, and a student collapsed onto a string the teacher finds likely (one token repeated:
     entropy 0) scores a low reverse KL (tolerance.label calls such a run degraded)."""
     scorer, params = get_scorer(scoring), replace(params or SamplingParams(), max_new_tokens=max_new_tokens)
-    engine = Engine(student, tok.stop_ids, tok.pad_id)
+    plan = "forward=bf16 kv=bf16" if autocast == torch.bfloat16 else ""
+    engine = Engine(student, tok.stop_ids, tok.pad_id, plan, bf16_gemm="auto")
     generator = torch.Generator(device=engine.device).manual_seed(seed)  # one stream across the batches
     batch_size = batch_size or chunk_size(student.cfg.vocab_size)
     credit, scored, tokens, rkl_sum, surprise = 0.0, 0, 0, 0.0, 0.0
@@ -79,7 +83,7 @@ def sampled_quality(student: Transformer, teacher, tok: TextTokenizer, examples:
         batch = collate(rollouts, tok.pad_id)
         scores = score_batch(student, batch, teacher, Scoring(temperature=params.temperature or 1.0,
                                                               micro_batch_size=micro_batch_size,
-                                                              chunk_tokens=chunk_tokens))
+                                                              chunk_tokens=chunk_tokens, autocast=autocast))
         rkl_sum += masked_mean(scores.rkl.double(), batch.mask).item() * batch.num_tokens
         surprise -= masked_mean(scores.pi.double(), batch.mask).item() * batch.num_tokens
         tokens += batch.num_tokens

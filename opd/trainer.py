@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from opd.config import TrainConfig
-from opd.devices import restored_threads
+from opd.devices import autocast_dtype, restored_threads
 from opd.errors import OpdError
 from opd.evaluate import greedy_accuracy, sampled_quality
 from opd.learner import Scores, Scoring, collate, numerics_mu, score_batch
@@ -64,7 +64,8 @@ def evaluate(run: Run, cfg: TrainConfig) -> dict:
     greedy = greedy_accuracy(student, tok, examples, cfg.new_tokens, batch_size, scoring=cfg.data.scoring) \
         if cfg.eval.greedy else {"eval/n": len(examples)}
     sampled = sampled_quality(student, teacher, tok, examples, cfg.new_tokens, cfg.seed + 1, run.params,
-                              batch_size, cfg.compute.micro_batch_size, cfg.compute.chunk_tokens, cfg.data.scoring)
+                              batch_size, cfg.compute.micro_batch_size, cfg.compute.chunk_tokens, cfg.data.scoring,
+                              autocast_dtype(cfg.compute.dtype))
     return {**{k: v for k, v in greedy.items() if k in ("eval/accuracy", "eval/truncated", "eval/n", "eval/scored")}, **sampled,
             "time/eval": time.perf_counter() - start}
 

@@ -184,3 +184,18 @@ def test_checkpoints_load_onto_the_device_in_the_dtype(tmp_path, device):
     with torch.no_grad():  # bf16 weights and activations: logits within a few percent of the largest
         want, got = model(x), loaded(x.to(device)).float().cpu()
     assert (got - want).abs().max() <= 0.1 * want.abs().max()
+
+
+def test_evaluation_at_bf16_compute_stays_near_float32s():
+    """compute.dtype bf16: the held-out samples come from a bf16 forward and are scored under autocast (as the learner
+    computes); the reverse KL and entropy stay within a few percent of float32's on the same seed (bf16's rounding,
+    and the few tokens it changes)."""
+    from opd.evaluate import sampled_quality
+    from opd.task import Example
+    student, teacher, tok = tiny(0, vocab=300).float(), tiny(1, vocab=300).float(), TextTokenizer.builtin()
+    examples = [Example(f"{i}+1=", "", "2") for i in range(16)]
+    got = {dtype: sampled_quality(student, LocalTeacher(teacher), tok, examples, 24, seed=3, batch_size=16,
+                                  autocast=dtype) for dtype in (None, torch.bfloat16)}
+    for key in ("eval/rkl", "eval/entropy"):
+        assert got[torch.bfloat16][key] == pytest.approx(got[None][key], rel=0.05), key
+        assert got[torch.bfloat16][key] != got[None][key]  # it did run in bf16
