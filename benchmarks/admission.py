@@ -311,7 +311,8 @@ def remeasure(rows: list[dict], warmup: int = 0) -> list[float]:
     does not depend on the loss, so the runs of one (family, seed, plan, sampling) share one measurement. warmup > 0:
     on the student after that many steps of the run's own recipe with BF16 rollouts (trained once per recipe and
     seed), which then depends on the loss too; the seconds are the probe's alone."""
-    from opd.probe import probe, warm_weights
+    from opd.check import warm_weights
+    from opd.probe import probe
     from opd.setup import probe_setup
     from opd.sweep_shared import shared_key
     seconds, done, students = [], {}, {}

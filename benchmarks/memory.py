@@ -71,7 +71,7 @@ def worker(job: dict) -> dict:
                              job.get("set", {})))
     if job["kind"] == "admit":
         from opd.thresholds import load_thresholds
-        from opd.probe import admit
+        from opd.check import decide_plan as admit
         from opd.setup import probe_setup
         setup, plan = probe_setup(cfg, job["batch"])
         devices.reset_peak_memory(device)

@@ -20,7 +20,7 @@ import torch
 from opd.config_file import build_config
 from opd.kv_cache import KVCache
 from opd.plan import Plan
-from opd.probe import admit
+from opd.check import decide_plan as admit
 from opd.setup import probe_setup
 from opd.stress import add_outlier_keys
 from opd.sweep import PROBE_ROLLOUTS

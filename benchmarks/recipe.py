@@ -41,7 +41,7 @@ from pathlib import Path
 import opd
 from opd.config_file import build_config, merge
 from opd.engine import Engine
-from opd.probe import admit
+from opd.check import decide_plan as admit
 from opd.sections import FAMILIES
 from opd.runlog import read_metrics
 from opd.setup import load_pair, parse_plan, probe_setup

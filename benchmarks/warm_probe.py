@@ -30,7 +30,8 @@ from pathlib import Path
 from opd.schema import read_jsonl
 from opd.setup import parse_plan, probe_setup
 from opd.sweep import PROBE_ROLLOUTS, expand, load_grid, read_results
-from opd.probe import measure, probe, warm_weights
+from opd.check import warm_weights
+from opd.probe import measure, probe
 from opd.sweep_shared import append_result
 from opd.plan import Plan
 from opd.admission import FLOOR_PLAN

@@ -19,7 +19,6 @@ would run again in each of them (train, admit and generate refuse to run there, 
 hang). Notebooks and `python -c` need no guard.
 """
 import multiprocessing
-import time
 from pathlib import Path
 
 from opd.errors import OpdError
@@ -62,7 +61,7 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
     "proposal" (a plan that passes, or what to change). rollouts: the probe's batch of the run's own prompts;
     thresholds: a file from `opd calibrate` ("" = the shipped one: with warmup, the one calibrated at that warm-up
     where it ships); limit > 0 replaces the calibrated nsr limit; warmup K > 0 probes the student after K steps of the
-    run's own recipe with BF16 rollouts (probe.warm_weights; for a student whose first steps move it far, as a pruned
+    run's own recipe with BF16 rollouts (check.warm_weights; for a student whose first steps move it far, as a pruned
     one: docs/admission.md, "Across models"), 0 the initial student. "auto" (the default): with the shipped
     thresholds, the initial student, and when that probe is not admitted, its student is far from its teacher
     (probe reverse KL > admission.FAR_STUDENT_RKL) and its estimator class escalates (admission.ESCALATE_CLASSES:
@@ -70,9 +69,6 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
     thresholds calibrated so (the initial verdict is kept as "initial_probe"); with a thresholds file, the warm-up it
     was calibrated at."""
     _not_in_a_starting_worker("opd.admit")
-    from opd.admission import AUTO_WARMUP, FAR_STUDENT_RKL
-    from opd.thresholds import load_thresholds, warm_thresholds
-    from opd.probe import admit as check
     from opd.errors import require
     require(_number(limit) and limit >= 0, f"limit must be a number >= 0, got {limit!r}", "0 uses the calibrated limit")
     require(isinstance(rollouts, int) and not isinstance(rollouts, bool) and 0 < rollouts <= 4096,
@@ -82,49 +78,8 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
             "so a student whose first steps move it far; \"auto\" the first, then the second where it applies")
     require(isinstance(thresholds, (str, Path)), f"thresholds must be a path, got {thresholds!r}",
             "\"\" uses the shipped thresholds")
-    cfg = _checked(cfg)
-    escalate = warmup == "auto" and not thresholds and warm_thresholds(AUTO_WARMUP).is_file()
-    if warmup == "auto":
-        warmup = load_thresholds(thresholds).get("probe_warmup", 0) if thresholds else 0
-    if warmup and not thresholds and warm_thresholds(warmup).is_file():
-        thresholds = warm_thresholds(warmup)
-    limits = load_thresholds(thresholds)
-    from opd.devices import restored_threads
-    from opd.engines import require_installed
-    require_installed(cfg.engine.name)
-    with restored_threads():  # the probe sets the run's thread count; the caller's comes back
-        result = _probe(cfg, rollouts, warmup, lambda setup, plan: check(setup, plan, limits, limit, propose, warmup,
-                                                                         escalate))
-        if not result.get("far_student"):
-            return result
-        # the initial student is far from its teacher and not admitted: decide on it after AUTO_WARMUP BF16 steps
-        warm = _probe(cfg, rollouts, AUTO_WARMUP, lambda setup, plan: check(
-            setup, plan, load_thresholds(warm_thresholds(AUTO_WARMUP)), limit, propose, AUTO_WARMUP))
-    initial = {key: result[key] for key in ("decision", "nsr", "limit", "reasons", "seconds")}
-    warm["reasons"].insert(0, f"the initial student's probe said {result['decision']} (nsr {result['nsr']:.3g}), but "
-                              f"its student is far from its teacher (probe reverse KL {result['probe']['rkl']:.2f} > "
-                              f"{FAR_STUDENT_RKL:g} nats/token), where such probes overstated runs' mismatch 4-12x "
-                              f"(docs/admission.md, \"Across models\"): decided on the student after {AUTO_WARMUP} "
-                              "BF16 steps of the run's recipe (--warmup 0 keeps the initial student's verdict)")
-    return warm | {"initial_probe": initial | {"rkl": result["probe"]["rkl"]},
-                   "seconds": result["seconds"] + warm["seconds"]}
-
-
-def _probe(cfg, rollouts: int, warmup: int, decide) -> dict:
-    """decide(setup, plan) on cfg's probe set-up, its student after `warmup` BF16 steps; "warmup_seconds" added. The
-    warm-up trains before the set-up loads, so that the pair is never in memory twice."""
-    from opd.probe import warm_weights
-    from opd.setup import probe_setup
-    start = time.perf_counter()
-    weights = warm_weights(cfg, warmup) if warmup else None
-    warmup_seconds = time.perf_counter() - start
-    setup, plan = probe_setup(cfg, rollouts)
-    try:
-        if weights is not None:
-            setup.student.load_state_dict(weights)
-        return decide(setup, plan) | {"warmup_seconds": warmup_seconds}
-    finally:
-        setup.teacher.close()
+    from opd.check import check
+    return check(_checked(cfg), rollouts, thresholds, limit, propose, warmup)
 
 
 def generate(model: str | Path, prompts: list, max_new_tokens: int = 64, plan: str = "", seed: int = 0,

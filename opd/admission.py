@@ -85,11 +85,8 @@ ESCALATE_CLASSES = ("full",)
 
 
 def estimator_class(loss: LossConfig) -> str:
-    if loss.name != "sampled_rkl":
-        return "full"
-    if loss.correction != "none":
-        return "corrected"
-    return "sampler" if loss.student_term == "sampler" else "learner"
+    """The class the loss declares (sections.LOSS_FAMILIES): each class has limits of its own."""
+    return loss.estimator_class
 
 
 @dataclass
@@ -161,18 +158,14 @@ def decide(health: RolloutHealth, thresholds: dict | None, cls: str, staleness: 
     floor's and the teacher's; `admit` is True only for ADMIT."""
     require(thresholds is not None or limit > 0, "no admission thresholds and no limit", "pass one of them")
     entry, how = class_limits(thresholds, cls) if thresholds else ({}, "")
-    if limit > 0:
-        limit, reject_at, how = limit, limit, "user-set limit"
-    else:
-        limit = float(entry["max"])
-        reject_at = max(limit, float(entry.get("reject") or limit))
+    limit, reject_at, how = band(entry, how, limit)
     value = health.nsr
     if not math.isfinite(value):
         return Decision("REJECT", ["the rollouts' log-probs are not finite (NaN/Inf): the engine is broken, not "
                                    "merely mismatched"], limit, value, reject_at)
     floor_nsr = None if floor is None else floor.nsr
     at_floor = floor_nsr is not None and value <= FLOOR_FACTOR * floor_nsr
-    verdicts = ["ADMIT" if value <= limit or at_floor else "UNCERTAIN" if value <= reject_at else "REJECT"]
+    verdicts = ["ADMIT" if at_floor else in_band(value, limit, reject_at)]
     reasons = [f"noise-to-signal {METRIC} {value:.3g} {'<=' if value <= limit else '>'} limit {limit:.3g} ({how})"]
     if at_floor and value > limit:
         reasons.append(f"but within {FLOOR_FACTOR:g}x of the BF16 engine's own {floor_nsr:.3g}: BF16 rollouts are "
@@ -214,6 +207,20 @@ def decide(health: RolloutHealth, thresholds: dict | None, cls: str, staleness: 
     return Decision(max(verdicts, key=ORDER.__getitem__), reasons, limit, value, reject_at)
 
 
+def band(entry: dict, how: str, limit: float = 0.0) -> tuple[float, float, str]:
+    """(limit, reject_at, how): a class entry's admitted limit and the top of its UNCERTAIN band, or the user's limit
+    (> 0: no band)."""
+    if limit > 0:
+        return limit, limit, "user-set limit"
+    limit = float(entry["max"])
+    return limit, max(limit, float(entry.get("reject") or limit)), how
+
+
+def in_band(value: float, limit: float, reject_at: float) -> str:
+    """ADMIT up to the limit, UNCERTAIN in the band up to reject_at, REJECT above."""
+    return "ADMIT" if value <= limit else "UNCERTAIN" if value <= reject_at else "REJECT"
+
+
 # A model whose BF16 floor is more than this factor from every calibration model's is outside what the thresholds saw.
 FAR = 3.0
 
@@ -247,16 +254,13 @@ def decide_teacher(teacher: TeacherHealth, thresholds: dict | None, cls: str, li
     limit > 0 (the user's) replaces both. A top-k teacher's tail mass is reported beside it."""
     value = teacher.nsr
     side = (thresholds or {}).get("teacher")
-    if limit > 0:
-        how, limit, reject_at = "user-set limit", limit, limit
-    else:
-        entry, how = class_limits(side or thresholds, cls)
-        how = how if side else f"no teacher-side calibration in these thresholds: the student side's limit ({how})"
-        limit = float(entry["max"])
-        reject_at = max(limit, float(entry.get("reject") or limit))
+    entry, how = ({}, "") if limit > 0 else class_limits(side or thresholds, cls)
+    if limit <= 0 and not side:
+        how = f"no teacher-side calibration in these thresholds: the student side's limit ({how})"
+    limit, reject_at, how = band(entry, how, limit)
     if not math.isfinite(value):
         return Decision("REJECT", ["the teacher engine's log-probs are not finite (NaN/Inf)"], limit, value, reject_at)
-    verdict = "ADMIT" if value <= limit else "UNCERTAIN" if value <= reject_at else "REJECT"
+    verdict = in_band(value, limit, reject_at)
     reasons = [f"teacher engine: teacher_nsr {value:.3g} {'<=' if value <= limit else '>'} teacher-side limit "
                f"{limit:.3g} ({how.replace('calibrated knee', 'teacher-side calibrated knee')})"]
     if verdict == "UNCERTAIN":

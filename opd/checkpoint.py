@@ -17,7 +17,6 @@ the schemas cannot see are checked by name too: heads that do not divide, ids ou
 config.json implies against the shapes in the weights' headers (read before any tensor is built). A malformed
 manifest means a damaged checkpoint, like a file that does not match it.
 """
-import hashlib
 import json
 import os
 import shutil
@@ -33,6 +32,7 @@ from safetensors.torch import save_file
 
 from opd import wire
 from opd.errors import OpdError, require
+from opd.registry import sha256_of
 from opd.hf_config import CONFIG_FIX, GenerationSchema, check_id, from_hf_config, stop_ids, to_hf_config
 from opd.model import ModelConfig, Transformer, empty_model
 from opd.schema import Schema, check, read_json, read_object
@@ -148,14 +148,6 @@ def _read_tensors(folder: Path, files: list[Path], dtype: torch.dtype, device: t
     return tensors
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def read_manifest(folder: Path) -> dict:
     """The files a folder's manifest lists ({} without one); call it on a verified folder."""
     path = Path(folder) / MANIFEST
@@ -182,7 +174,7 @@ def manifest_problem(folder: Path) -> str | None:
         size = file.stat().st_size
         if size != want.bytes:
             return f"{name} has {size} bytes, its manifest says {want.bytes}"
-        if _sha256(file) != want.sha256:
+        if sha256_of(file) != want.sha256:
             return f"{name} does not match the SHA-256 in its manifest"
     return None
 
@@ -315,7 +307,7 @@ def save_checkpoint(folder, model: Transformer, tokenizer: TextTokenizer, extra_
         files = {}
         for path in sorted(tmp.iterdir()):
             _fsync(path)
-            files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+            files[path.name] = {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
         (tmp / MANIFEST).write_text(json.dumps({"format": 1, "files": files}, indent=2))
         _fsync(tmp / MANIFEST)
         _fsync(tmp)

@@ -18,7 +18,8 @@ from opd.engines import NAMES as ENGINE_KINDS, kind, make_engine, require_instal
 from opd.errors import OpdError, require
 from opd.evaluate import greedy_accuracy
 from opd.plan import Plan
-from opd.pretrain import FAMILIES, ROLES, PretrainConfig, check_cache_dir, pretrain
+from opd.pretrain import FAMILIES, ROLES, PretrainConfig, pretrain
+from opd.registry import check_cache_dir
 from opd.prompts import PromptFormat, read_prompts
 from opd.sampling import SamplingParams
 from opd.scoring import SCORERS

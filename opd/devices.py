@@ -9,15 +9,27 @@ Dtypes (`compute.dtype`, `compute.teacher_dtype`): `float32`, or `bf16`. For the
 it); for the frozen teacher it means weights stored in bf16, half the memory of float32. CPUs run bf16 in any
 PyTorch (slowly without native support); a GPU needs to support it (`torch.cuda.is_bf16_supported`).
 """
+import re
 import sys
 from contextlib import contextmanager
 
 import torch
 
 from opd.errors import OpdError, require
-from opd.sections import DTYPE_NAMES, check_dtype_name, check_name
 
+DTYPE_NAMES = ("float32", "bf16")  # the learner's and teacher's dtypes (DTYPES: their torch dtypes)
+DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
 DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16)))
+
+
+def check_name(name: str, what: str = "device") -> None:
+    """A device name a config may use (whether this machine has it: resolve, when a run is set up)."""
+    require(isinstance(name, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", name) is not None,
+            f"config: unknown {what} {name!r}", f"use {DEVICE_FORMS}")
+
+
+def check_dtype_name(name: str, what: str = "dtype") -> None:
+    require(name in DTYPE_NAMES, f"config: unknown {what} {name!r}", f"use one of {', '.join(DTYPE_NAMES)}")
 
 
 def native_bf16(device: torch.device | str = "cpu") -> bool:

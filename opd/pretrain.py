@@ -25,9 +25,7 @@ the models, train into the cache, and `compare_to_shipped` says whether the resu
 import hashlib
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +41,7 @@ from opd.checkpoint import MANIFEST, manifest_problem, save_checkpoint
 from opd.data import IGNORE, sft_batch
 from opd.errors import OpdError, require
 from opd.evaluate import greedy_accuracy
+from opd.registry import SHIPPED_DIR, check_cache_dir
 from opd.model import ModelConfig, Transformer
 from opd.schema import Schema, parse_json, problem, read_text
 from opd.sections import FAMILIES
@@ -50,7 +49,6 @@ from opd.task import get_task, held_out_examples, train_examples
 from opd.tokenizer import TextTokenizer
 
 RECIPE_VERSION = 1
-SHIPPED_DIR = Path(__file__).parent / "pairs"  # the default models, read-only (see the module docstring)
 ROLES = ("teacher", "student")
 # Students are teacher-sized but stopped early: smaller models of the llama family did not learn the long-form task
 # in 1,000 steps at all (dev/LOG.md), so they could not be distilled up to the teacher either.
@@ -60,33 +58,7 @@ DEFAULT_STEPS = {("llama", "teacher"): 1500, ("qwen3", "teacher"): 1500,
                  ("llama", "student"): 420, ("qwen3", "student"): 470}
 
 
-def default_cache_dir() -> Path:
-    """$OPD_CACHE, else ~/.cache/opd. Set but empty is an error: Path("") would silently be the current folder."""
-    value = os.environ.get("OPD_CACHE")
-    require(value != "", "OPD_CACHE is set but empty", "set it to a folder for the pretrained models, or unset it "
-            "to use ~/.cache/opd")
-    return Path(value) if value else Path.home() / ".cache" / "opd"
 
-
-def check_cache_dir(path: Path | None = None, write: bool = True) -> Path:
-    """The pretrain cache folder (path, default: default_cache_dir()), created if missing, once it is known to be
-    usable: a folder (not a file) that can be created and, with write, written to (a real file is made and removed:
-    permission bits do not tell for root or a read-only mount). Call it before minutes of work; one line otherwise."""
-    path = Path(path) if path is not None else default_cache_dir()
-    fix = "set OPD_CACHE (or --cache-dir) to a writable folder"
-    require(not path.exists() or path.is_dir(), f"the pretrain cache {path} is not a folder", fix)
-    require(SHIPPED_DIR.resolve() not in (path.resolve(), *path.resolve().parents),
-            f"the pretrain cache {path} is inside the shipped models' folder {SHIPPED_DIR}",
-            "choose another OPD_CACHE or --cache-dir: the shipped models are read-only")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if write:
-            with tempfile.NamedTemporaryFile(dir=path, prefix=".opd-write-test-"):
-                pass
-    except OSError as e:
-        raise OpdError(f"the pretrain cache {path} cannot be {'written' if path.is_dir() else 'created'}: "
-                       f"{e.strerror or e}", fix) from None
-    return path
 
 
 class EvalSchema(Schema):

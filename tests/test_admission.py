@@ -9,7 +9,8 @@ from opd.admission import decide, decide_numbers, distance, estimator_class
 from opd.errors import OpdError
 from opd.losses import LossConfig
 from opd.plan import Plan
-from opd.probe import measure, probe, propose_plan
+from opd.check import propose_plan
+from opd.probe import measure, probe
 from opd.setup import probe_setup
 from opd.thresholds import DEFAULT_THRESHOLDS, best_cut, calibrate, load_thresholds
 
@@ -163,6 +164,10 @@ def test_estimator_classes():
     assert estimator_class(LossConfig(name="sampled_rkl", student_term="sampler")) == "sampler"
     assert estimator_class(LossConfig(name="sampled_rkl")) == "learner"
     assert estimator_class(LossConfig(name="sampled_rkl", student_term="sampler", correction="tis")) == "corrected"
+    from opd.sections import LOSS_FAMILIES, LOSSES
+    assert set(LOSSES) == set(LOSS_FAMILIES) and set(LOSS_FAMILIES.values()) == {"sampled", "full"}
+    # every loss has its declared class: none falls through to another's limits
+    assert {LossConfig(name=name).estimator_class for name in LOSSES if LOSS_FAMILIES[name] == "full"} == {"full"}
 
 
 def _row(cls, kl, degraded, staleness=0, floor=1e-5, lr=1e-3, ess=1.0, rkl=0.1):
@@ -327,7 +332,7 @@ def test_admit_with_warmup_probes_the_student_after_k_bf16_steps(pair, tmp_path)
 def test_a_rejected_student_far_from_its_teacher_gets_the_warmup_hint(pair, monkeypatch):
     """A probe whose student is far from its teacher (reverse KL above FAR_STUDENT_RKL) and is not admitted gets a
     reason suggesting --warmup; a near one, an admitted one and a warm probe do not."""
-    import opd.probe
+    import opd.check
     from opd.admission import FAR_STUDENT_RKL
     setup, plan = probe_setup(config(pair, plan="kv=fp8_e5m2"), 4)
     collapsed = {"nsr": 0.3, "floor_nsr": 0.025, "kl_k3": 1.3, "floor_kl_k3": 0.02, "ess_frac": 0.14,
@@ -335,8 +340,8 @@ def test_a_rejected_student_far_from_its_teacher_gets_the_warmup_hint(pair, monk
     hint = "probe with --warmup 4"
     for rkl, ess, warmup, expected in ((6.4, 0.14, 0, True), (0.3, 0.14, 0, False), (6.4, 0.95, 0, False),
                                        (6.4, 0.14, 4, False)):
-        monkeypatch.setattr(opd.probe, "probe", lambda *a, **k: collapsed | {"rkl": rkl, "ess_frac": ess})
-        out = opd.probe.admit(setup, plan, load_thresholds(), propose=False, warmup=warmup)
+        monkeypatch.setattr(opd.check, "probe", lambda *a, **k: collapsed | {"rkl": rkl, "ess_frac": ess})
+        out = opd.check.decide_plan(setup, plan, load_thresholds(), propose=False, warmup=warmup)
         assert (out["decision"] != "ADMIT") == (ess < 0.5)
         assert any(hint in r for r in out["reasons"]) == expected, (rkl, ess, warmup, out["reasons"])
     assert 0.55 < FAR_STUDENT_RKL < 6.4  # above every toy student's, below the pruned smollm2 student's
@@ -348,14 +353,14 @@ def test_admit_auto_decides_a_far_rejected_student_after_the_warmup(pair, monkey
     thresholds, the same decision and numbers as --warmup 4 (the oracle), the initial verdict kept beside it; a far
     one of the sampled estimators keeps its initial verdict (admission.ESCALATE_CLASSES)."""
     import opd
-    import opd.probe
+    import opd.check
     from opd.admission import AUTO_WARMUP
     cfg = config(pair, plan="kv=fp8_e5m2")
     near = opd.admit(cfg, rollouts=4, propose=False)  # toy students are near (probe reverse KL 0.1-0.55)
     cold = opd.admit(cfg, rollouts=4, propose=False, warmup=0)
     same = lambda a, b: {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
     assert near["warmup_steps"] == 0 and "initial_probe" not in near and same(near["probe"], cold["probe"])
-    monkeypatch.setattr(opd.probe, "FAR_STUDENT_RKL", 0.0)  # every student counts as far
+    monkeypatch.setattr(opd.check, "FAR_STUDENT_RKL", 0.0)  # every student counts as far
     admitted = opd.admit(cfg, rollouts=4, propose=False, limit=1e3)
     assert admitted["decision"] == "ADMIT" and admitted["warmup_steps"] == 0 and "initial_probe" not in admitted
     far = opd.admit(cfg, rollouts=4, propose=False, limit=1e-6)

@@ -24,7 +24,8 @@ from opd.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
 from opd.config_file import build_config
 from opd.errors import OpdError
 from opd.model import ModelConfig, Transformer
-from opd.pretrain import PretrainConfig, check_cache_dir, default_cache_dir, pretrain
+from opd.pretrain import PretrainConfig, pretrain
+from opd.registry import check_cache_dir, default_cache_dir
 from opd.prompts import PromptSet, read_prompts
 from opd.tokenizer import TextTokenizer
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from fuzzlib import FUZZ, mutated_file, outcome
 from opd import cli
-from opd.checkpoint import MANIFEST, _sha256
+from opd.checkpoint import MANIFEST
+from opd.registry import sha256_of as _sha256
 from opd.config_file import load_config
 from opd.setup import parse_plan
 

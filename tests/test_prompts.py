@@ -7,7 +7,8 @@ import pytest
 from opd.config_file import build_config
 from opd.errors import OpdError
 from opd.prompts import PromptFormat, PromptSet, held_out_share, read_prompts
-from opd.scoring import boxed, get_scorer, gsm8k, number
+from opd.evaluate import get_scorer
+from opd.scoring import boxed, gsm8k, number
 from opd.task import Example
 from opd.tokenizer import TextTokenizer
 

@@ -337,7 +337,8 @@ def test_a_state_file_carrying_a_pickle_is_refused_and_never_run(pair, tmp_path,
     """A run directory handed over by someone else: its state file is a pickle payload and its manifest was rewritten
     to match (the manifest guards against damage, not against an author). --resume refuses it, and nothing runs."""
     import pickle
-    from opd.checkpoint import MANIFEST, _sha256
+    from opd.checkpoint import MANIFEST
+    from opd.registry import sha256_of as _sha256
     run_dir, marker = tmp_path / "run", tmp_path / "pwned"
     code, err = cli_outcome(train_args(pair, run_dir, steps=4)[3:], capsys)
     assert code == 0, err

@@ -11,7 +11,8 @@ import opd.pretrain as pretrain_mod
 from opd.checkpoint import MANIFEST, manifest_problem
 from opd.cli import main
 from opd.errors import OpdError
-from opd.pretrain import (FAMILIES, ROLES, SHIPPED_DIR, PretrainConfig, cached_problem, compare_to_shipped, pretrain,
+from opd.registry import SHIPPED_DIR
+from opd.pretrain import (FAMILIES, ROLES, PretrainConfig, cached_problem, compare_to_shipped, pretrain,
                           shipped_entry, weight_difference)
 
 DEFAULTS = [PretrainConfig(family=f, role=r) for f in FAMILIES for r in ROLES]
