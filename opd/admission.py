@@ -60,7 +60,7 @@ import math
 from dataclasses import dataclass, replace
 
 from opd.errors import require
-from opd.losses import LossConfig
+from opd.sections import LossConfig
 from opd.metrics import RolloutHealth, TeacherHealth
 from opd.plan import LayerPrecision, Plan
 from opd.quant import FP8_DTYPES

@@ -22,8 +22,8 @@ from opd.devices import restored_threads
 from opd.engines import require_installed
 from opd.metrics import TeacherHealth
 from opd.plan import Plan, describe_layer
-from opd.probe import ProbeSetup, measure, probe
-from opd.setup import probe_setup
+from opd.probe import measure, probe
+from opd.setup import ProbeSetup, probe_setup
 from opd.thresholds import load_thresholds, warm_thresholds
 from opd.trainer import Interrupted, train
 

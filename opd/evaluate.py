@@ -15,7 +15,7 @@ from opd.engine import Engine
 from opd import humaneval
 from opd.errors import OpdError, require
 from opd.learner import Scoring, collate, score_batch
-from opd.losses import masked_mean
+from opd.metrics import masked_mean
 from opd.model import Transformer
 from opd.plan import Plan
 from opd.sampling import SamplingParams

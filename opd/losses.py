@@ -46,13 +46,10 @@ import math
 import torch
   # the loss section of the training config (its names and checks)
 from opd.errors import require
+from opd.metrics import masked_mean
 from opd.sections import LossConfig
 
 CLOSED_FORM = ("full_rkl", "fkl", "sampled_rkl")  # losses whose logit gradient logit_gradient() computes
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def kl(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,9 @@ from typing import ClassVar
 
 import torch
 
-from opd.losses import masked_mean
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def _values(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

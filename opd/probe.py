@@ -5,36 +5,18 @@ trainer's full-precision forward and the teacher score the same tokens (`measure
 import functools
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from opd.admission import FLOOR_PLAN, METRIC
 from opd.engines import kind
 from opd.learner import Scoring, collate, numerics_mu, score_batch
-from opd.losses import masked_mean
+from opd.metrics import masked_mean
 from opd.metrics import exact_kl_metric, rollout_health, teacher_mismatch_metrics, truncation_metrics
 from opd.plan import Plan
 from opd.rollouts import sampler_seed
 from opd.sampling import SamplingParams
-
-# The probe's completions are the run's max_new_tokens long, at most this: its statistics are per-token means, and at
-# real size sampling is most of its cost (benchmarks/realspeed.py: 16 x 128 tokens on the smollm2 pair, the candidate
-# and the BF16 floor, 94-111 s, where the run's 512 would take ~4x that). The statistical error this leaves is
-# nsr_se, a bootstrap over the rollouts (5% there).
-PROBE_TOKENS = 128
-
-
-@dataclass
-class ProbeSetup:
-    """What a probe needs from a training run: the config, the student, the run's teacher and an engine factory."""
-    cfg: object  # TrainConfig
-    student: torch.nn.Module
-    teacher: object  # teacher.Teacher: the run's (a served one is checked against its `trainer`)
-    tok: object
-    make_engine: object  # (plan) -> engine
-    prompts: list[list[int]] = field(default_factory=list)
-
+from opd.setup import ProbeSetup
 
 def probe(setup: ProbeSetup, plan: Plan, floor: dict | None = None) -> dict:
     """The candidate plan's mismatch on the probe batch (+ the BF16 floor, measured unless given)."""

@@ -7,7 +7,7 @@ token, no NaN/Inf weights), so a bad pair fails before minutes of work.
 """
 import functools
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -24,7 +24,6 @@ from opd.guard import Guard
 from opd.model import Transformer
 from opd.plan import Plan
 from opd.pretrain import PretrainConfig, pretrain
-from opd.probe import PROBE_TOKENS, ProbeSetup
 from opd.prompts import PromptSet
 from opd.real_pairs import build_pair
 from opd.resume import State
@@ -34,6 +33,24 @@ from opd.sections import DataConfig, REAL_PAIRS
 from opd.teacher import LocalTeacher, Teacher, make_teacher
 from opd.tokenizer import TextTokenizer, first_difference
 from opd.worker import RolloutWorker, WorkerSpec
+
+
+# The probe's completions are the run's max_new_tokens long, at most this: its statistics are per-token means, and at
+# real size sampling is most of its cost (benchmarks/realspeed.py: 16 x 128 tokens on the smollm2 pair, the candidate
+# and the BF16 floor, 94-111 s, where the run's 512 would take ~4x that). The statistical error this leaves is
+# nsr_se, a bootstrap over the rollouts (5% there).
+PROBE_TOKENS = 128
+
+
+@dataclass
+class ProbeSetup:
+    """What a probe needs from a training run: the config, the student, the run's teacher and an engine factory."""
+    cfg: object  # TrainConfig
+    student: torch.nn.Module
+    teacher: object  # teacher.Teacher: the run's (a served one is checked against its `trainer`)
+    tok: object
+    make_engine: object  # (plan) -> engine
+    prompts: list[list[int]] = field(default_factory=list)
 
 
 def load_pair(cfg: TrainConfig) -> tuple[Transformer, Transformer, TextTokenizer, Path]:

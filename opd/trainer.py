@@ -33,7 +33,7 @@ from opd.devices import autocast_dtype, restored_threads
 from opd.errors import OpdError
 from opd.evaluate import greedy_accuracy, sampled_quality
 from opd.learner import Scores, Scoring, collate, numerics_mu, score_batch
-from opd.losses import masked_mean
+from opd.metrics import masked_mean
 from opd.metrics import (exact_kl_metric, noise_to_signal, rollout_health, rollout_metrics, staleness_metrics,
                          teacher_mismatch_metrics, truncation_metrics)
 from opd.model import Transformer
