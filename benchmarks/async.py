@@ -2,7 +2,7 @@
 
 Every run distills the same built-in pair (pretrained and cached on first use) with the same config (batch size,
 the task's 105 new tokens, BF16 rollouts, full-vocabulary reverse KL, seed) for the same number of steps, through
-`opd.trainer.train`, so a step is everything the product does: sampling, teacher scoring, learner forward and
+`opd.training.trainer.train`, so a step is everything the product does: sampling, teacher scoring, learner forward and
 backward, optimizer, per-step metrics, logging, weight publishing. The CPU budget is the same: `threads` (2) for
 sync; async gives the rollout worker one thread and the trainer the rest. Throughput is steps over the summed step
 times of the steps after `--warmup` (the pipeline fill and first-call costs excluded on both sides); evaluations are
@@ -19,9 +19,9 @@ import json
 import os
 import tempfile
 
-from opd.config_file import build_config
-from opd.runlog import read_metrics
-from opd.trainer import train
+from opd.config.files import build_config
+from opd.config.runlog import read_metrics
+from opd.training.trainer import train
 
 
 def steps_per_second(run_dir, warmup: int) -> tuple[float, dict]:

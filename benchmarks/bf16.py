@@ -65,9 +65,9 @@ def matmul_rates(hidden: int, inner: int, rows: list[int], rounds: int) -> dict:
 # ---- 2. the engine -----------------------------------------------------------------------------------------------
 
 def engine_speed(folder: Path, prompts: list[list[int]], new_tokens: int, rounds: int) -> dict:
-    from opd.checkpoint import load_checkpoint
-    from opd.engine import Engine
-    from opd.sampling import SamplingParams
+    from opd.models.checkpoint import load_checkpoint
+    from opd.engines.builtin import Engine
+    from opd.engines.sampling import SamplingParams
     model, tok = load_checkpoint(folder)
     params = SamplingParams(new_tokens, temperature=1.0)
     engines = {"shadowed": Engine(model, tok.stop_ids, tok.pad_id, "forward=bf16 kv=bf16", bf16_gemm="float32"),
@@ -133,14 +133,14 @@ def step_speed(family: str, batch: int, new_tokens: int, steps: int, rounds: int
 def logprob_agreement(family: str, batch: int, new_tokens: int) -> dict:
     """On one batch of the student's rollouts: the learner's log-probs under bf16 autocast and the bf16 teacher's,
     each against float32's."""
-    from opd.checkpoint import load_checkpoint
-    from opd.engine import Engine
-    from opd.learner import Scoring, collate, score_batch
-    from opd.prompts import PromptFormat, read_prompts
-    from opd.humaneval import prompt_file
-    from opd.real_pairs import build_pair
-    from opd.sampling import SamplingParams
-    from opd.teacher import LocalTeacher
+    from opd.models.checkpoint import load_checkpoint
+    from opd.engines.builtin import Engine
+    from opd.training.learner import Scoring, collate, score_batch
+    from opd.data.prompts import PromptFormat, read_prompts
+    from opd.data.humaneval import prompt_file
+    from opd.data.real_pairs import build_pair
+    from opd.engines.sampling import SamplingParams
+    from opd.training.teacher import LocalTeacher
     student_dir, teacher_dir = build_pair(family, progress=False)
     student, tok = load_checkpoint(student_dir)
     examples = read_prompts(prompt_file(), PromptFormat(chat=True), tok)[:batch]
@@ -168,8 +168,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    from opd.real_pairs import build_pair
-    from opd.checkpoint import load_checkpoint
+    from opd.data.real_pairs import build_pair
+    from opd.models.checkpoint import load_checkpoint
     family = "smollm2" if args.quick else "qwen2.5-coder"
     print(f"CPU: {cpu()}, {os.cpu_count()} threads; torch {torch.__version__}; pair {family}", flush=True)
     start = time.perf_counter()
@@ -177,8 +177,8 @@ def main() -> None:
     model, tok = load_checkpoint(student_dir)
     cfg = model.cfg
     result = matmul_rates(cfg.hidden_size, cfg.intermediate_size, [8, 2048], 2 if args.quick else 5)
-    from opd.humaneval import prompt_file
-    from opd.prompts import PromptFormat, read_prompts
+    from opd.data.humaneval import prompt_file
+    from opd.data.prompts import PromptFormat, read_prompts
     prompts = [tok.encode_prompt(ex.prompt) for ex in read_prompts(prompt_file(), PromptFormat(chat=True), tok)[:8]]
     result |= engine_speed(student_dir, prompts[:4 if args.quick else 8], 16 if args.quick else 64,
                            1 if args.quick else 3)

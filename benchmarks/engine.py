@@ -23,14 +23,14 @@ import time
 import torch
 import transformers
 
-from opd.checkpoint import load_checkpoint, save_checkpoint
-from opd.engine import Engine
-from opd.naive import left_pad
-from opd.model import ModelConfig, Transformer
-from opd.pretrain import MODEL_SIZE
-from opd.sampling import SamplingParams
-from opd.task import get_task, held_out_examples
-from opd.tokenizer import TextTokenizer
+from opd.models.checkpoint import load_checkpoint, save_checkpoint
+from opd.engines.builtin import Engine
+from opd.engines.naive import left_pad
+from opd.models.model import ModelConfig, Transformer
+from opd.training.pretrain import MODEL_SIZE
+from opd.engines.sampling import SamplingParams
+from opd.data.task import get_task, held_out_examples
+from opd.models.tokenizer import TextTokenizer
 
 PLANS = {"fp32": "", "bf16_kv": "kv=bf16", "fp8_e4m3_kv": "kv=fp8_e4m3", "fp8_e5m2_kv": "kv=fp8_e5m2",
          "int8_kv": "kv=int8 kv_scale=calibrate", "int4_kv": "kv=int4", "fp8_w8a8": "w=fp8",
@@ -164,8 +164,8 @@ def start_vllm(folder, tok, cfg, max_seqs: int):
     except ImportError:
         print("vllm not installed: no vLLM row (pip install -e '.[vllm]')")
         return None
-    from opd.plan import Plan
-    from opd.vllm_engine import EngineSize, VllmEngine
+    from opd.numerics.plan import Plan
+    from opd.engines.vllm import EngineSize, VllmEngine
     return VllmEngine(folder, tok.eos_id, tok.pad_id, Plan.parse("", cfg.num_layers), EngineSize.of(cfg, 0, max_seqs),
                       tied=cfg.tie_word_embeddings)
 

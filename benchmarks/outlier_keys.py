@@ -1,6 +1,6 @@
 """Outlier keys: why an FP8 KV cache breaks some models, and whether the admission check sees it.
 
-Each built-in student gets a function-preserving outlier (opd/stress.py: one RoPE channel pair of every key scaled
+Each built-in student gets a function-preserving outlier (opd/numerics/stress.py: one RoPE channel pair of every key scaled
 by alpha, the matching queries by 1/alpha, in every layer): its full-precision logits stay the same, but the keys
 in its cache grow alpha times in that pair. For each alpha and KV plan the admission probe runs as `opd admit`
 does (the run's own 16 training prompts, the BF16 floor, the shipped thresholds, the default full_rkl estimator),
@@ -17,14 +17,14 @@ import copy
 
 import torch
 
-from opd.config_file import build_config
-from opd.kv_cache import KVCache
-from opd.plan import Plan
-from opd.check import decide_plan as admit
-from opd.setup import probe_setup
-from opd.stress import add_outlier_keys
-from opd.sweep import PROBE_ROLLOUTS
-from opd.thresholds import load_thresholds
+from opd.config.files import build_config
+from opd.numerics.kv_cache import KVCache
+from opd.numerics.plan import Plan
+from opd.admission.check import decide_plan as admit
+from opd.training.setup import probe_setup
+from opd.numerics.stress import add_outlier_keys
+from opd.study.sweep import PROBE_ROLLOUTS
+from opd.health.thresholds import load_thresholds
 
 PLANS = {"fp8 fixed": "kv=fp8_e4m3", "fp8 calibrated": "kv=fp8_e4m3 kv_scale=calibrate",
          "int8 calibrated": "kv=int8 kv_scale=calibrate",

@@ -1,12 +1,12 @@
 """Outlier keys, trained: does OPD degrade where the admission check rejects? (benchmarks/outlier_keys.py, trained)
 
-The tolerance study's short runs (opd/sweep.py's built-in grid: 60 steps of batch 32, `full_rkl` at lr 3e-4 and
+The tolerance study's short runs (opd/study/sweep.py's built-in grid: 60 steps of batch 32, `full_rkl` at lr 3e-4 and
 `sampled_mu` at lr 1e-4, 100 held-out prompts) with rollouts from an engine whose copy of the student has outlier
-keys (the plan setting `key_outlier=alpha`, opd/stress.py). The learner trains the original weights; only the
+keys (the plan setting `key_outlier=alpha`, opd/numerics/stress.py). The learner trains the original weights; only the
 engine's KV cache holds keys alpha times larger in one RoPE channel pair, as a real outlier model's engine would.
 Points: BF16 rollouts with the outlier (a control: it must train like plain BF16), FP8-e4m3 KV with vLLM's fixed
 scale 1.0 at alpha 100 and 300, calibrated FP8 scales at alpha 300, and calibrated INT8 at alpha 300. Each run is
-labelled as in the study (opd/tolerance.py: degraded when its final reverse KL to the teacher is above the worst
+labelled as in the study (opd/study/tolerance.py: degraded when its final reverse KL to the teacher is above the worst
 of the study's 5 BF16 seeds by more than their spread), and its probe is decided with the *shipped* thresholds
 (opd/thresholds.json). Since 2026-12-01 (issue 22) those are calibrated on these runs too, so the decisions here
 are in sample; held out, the outlier source is a row of benchmarks/admission.py's leave-one-source-out.
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import yaml
 
-from opd.sweep import DEFAULT_GRID
-from opd.thresholds import load_thresholds
-from opd.tolerance import QUALITY, out_of_sample
+from opd.study.sweep import DEFAULT_GRID
+from opd.health.thresholds import load_thresholds
+from opd.study.tolerance import QUALITY, out_of_sample
 from studies import grid_rows, parse_args, print_counts
 
 STORED = Path(__file__).parent / "data" / "outlier_results.jsonl"

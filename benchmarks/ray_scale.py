@@ -35,7 +35,7 @@ def loopback_only() -> bool:
 
 def rollout_throughput(cfg, batches: int) -> float:
     """Tokens per second sampling `batches` batches through the config's rollouts (sync: one after another)."""
-    from opd.setup import setup
+    from opd.training.setup import setup
     run = setup(cfg)
     weights = {k: v.detach().clone() for k, v in run.student.state_dict().items()}
     run.rollouts.start(weights, 0, {})
@@ -55,8 +55,8 @@ def rollout_throughput(cfg, batches: int) -> float:
 
 
 def step_time(cfg, warmup: int) -> float:
-    from opd.runlog import read_metrics
-    from opd.trainer import train
+    from opd.config.runlog import read_metrics
+    from opd.training.trainer import train
     with tempfile.TemporaryDirectory() as root:
         train(cfg, os.path.join(root, "run"), progress=False)
         rows = [r for r in read_metrics(os.path.join(root, "run")) if "time/step" in r][warmup:]
@@ -74,7 +74,7 @@ def main() -> None:
         cmd = " ".join(["ip link set lo up && exec", sys.executable, *map(lambda a: f"'{a}'", sys.argv)])
         raise SystemExit(subprocess.call(["unshare", "-n", "sh", "-c", cmd]))
     import ray
-    from opd.config_file import build_config
+    from opd.config.files import build_config
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
              _node_ip_address="127.0.0.1")
     batch = args.batch_size or (16 if args.quick else 32)

@@ -74,13 +74,13 @@ SEEDS = 4
 def collect(variant: str, rows: int, pairs: tuple[str, ...]) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process, so force_variant reaches vLLM
     force_variant(variant)
-    from opd.checkpoint import load_checkpoint
-    from opd.humaneval import prompt_file
-    from opd.plan import Plan
-    from opd.prompts import PromptFormat, read_prompts
-    from opd.real_pairs import build_pair
-    from opd.sampling import SamplingParams
-    from opd.vllm_engine import EngineSize, VllmEngine
+    from opd.models.checkpoint import load_checkpoint
+    from opd.data.humaneval import prompt_file
+    from opd.numerics.plan import Plan
+    from opd.data.prompts import PromptFormat, read_prompts
+    from opd.data.real_pairs import build_pair
+    from opd.engines.sampling import SamplingParams
+    from opd.engines.vllm import EngineSize, VllmEngine
     import vllm
     out = DATA / variant
     out.mkdir(parents=True, exist_ok=True)
@@ -148,9 +148,9 @@ def compare_all(rows: int, pairs: tuple[str, ...], variants: tuple[str, ...], kv
     """The main table: each stored variant x pair x KV cache, the `fused` emulation and the variant's own kernels.
     Returns the worst max(r, 1/r) of the variants' own kernels."""
     import torch
-    from opd.checkpoint import load_checkpoint
-    from opd.fidelity import compare, headline, read_records
-    from opd.real_pairs import build_pair
+    from opd.models.checkpoint import load_checkpoint
+    from opd.study.fidelity import compare, headline, read_records
+    from opd.data.real_pairs import build_pair
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     print("ratio: KL against the float32 trainer on each engine's own rollouts, ours (exact) / vLLM's (k3) [90% "
           "bootstrap CI]; k3: ours by k3 too;\nforced: kl_k3 ratio on vLLM's tokens; bias: forced's bias scale; |d|: mean "
@@ -181,10 +181,10 @@ def ablation(rows: int, pairs: tuple[str, ...], variants: tuple[str, ...], kvs: 
     """Each knob of a variant's kernels alone on `fused`, and the kernels without it: per-token distance to vLLM
     and kl_k3 ratio."""
     import torch
-    from opd.checkpoint import load_checkpoint
-    from opd.fidelity import compare, read_records
-    from opd.kernels import PRESETS
-    from opd.real_pairs import build_pair
+    from opd.models.checkpoint import load_checkpoint
+    from opd.study.fidelity import compare, read_records
+    from opd.numerics.kernels import PRESETS
+    from opd.data.real_pairs import build_pair
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     print("\nablation, on vLLM's tokens: kl_k3 ratio and mean |log p ours - log p vLLM| with each knob alone (+knob) "
           "and without it (-knob)")
@@ -221,14 +221,14 @@ def ops(variant: str, pairs: tuple[str, ...], as_json: bool) -> list[dict]:
     force_variant(variant)
     import torch
     import torch.nn.functional as F
-    from opd.checkpoint import load_checkpoint
-    from opd.engine import Engine
-    from opd.kernels import PRESETS, engine_attention, to_bf16
-    from opd.model import apply_rope, rope_cos_sin
-    from opd.plan import Plan
-    from opd.real_pairs import build_pair
-    from opd.sampling import SamplingParams
-    from opd.vllm_engine import EngineSize, VllmEngine
+    from opd.models.checkpoint import load_checkpoint
+    from opd.engines.builtin import Engine
+    from opd.numerics.kernels import PRESETS, engine_attention, to_bf16
+    from opd.models.model import apply_rope, rope_cos_sin
+    from opd.numerics.plan import Plan
+    from opd.data.real_pairs import build_pair
+    from opd.engines.sampling import SamplingParams
+    from opd.engines.vllm import EngineSize, VllmEngine
     knobs = PRESETS[PRESET[variant]]
     rows = []
     for pair in pairs:

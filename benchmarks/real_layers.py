@@ -8,7 +8,7 @@ for the toys) with 64 tokens the model samples itself at full precision, fixed f
   vLLM on GPUs), the plan `forward=bf16 kv=bf16; i: kv=<fp8>` scores the sequences by one prefill through its KV cache
   (Engine.prefill_hidden: attention reads the stored FP8 keys and values) and the cell is the exact
   KL(engine || float32 trainer) per completion token, minus the BF16 floor's (the same plan without the FP8 layer).
-  Spread: the most sensitive layer's cell over the median layer's. Not `opd sensitivity` (opd.sensitivity.layer_map):
+  Spread: the most sensitive layer's cell over the median layer's. Not `opd sensitivity` (opd.study.sensitivity.layer_map):
   that samples new rollouts under each cell's plan through a student/teacher set-up; here every cell scores the same
   fixed tokens by one prefill, which any model (a teacher too) allows and which a 30-layer map on 2 cores needs.
 - **Keys and values**: per layer, max |K| (after RoPE, what the cache stores) against e4m3's largest finite value
@@ -38,17 +38,17 @@ E4M3_MAX, E4M3_TINY = 448.0, 2.0 ** -6
 
 def load(name: str):
     """(model, tokenizer, prompts as ids) of a real model `PAIR:role` or a built-in student `FAMILY-student`."""
-    from opd.checkpoint import load_checkpoint
+    from opd.models.checkpoint import load_checkpoint
     if ":" in name:
-        from opd.humaneval import prompt_file
-        from opd.prompts import PromptFormat, read_prompts
-        from opd.real_pairs import resolve_model
+        from opd.data.humaneval import prompt_file
+        from opd.data.prompts import PromptFormat, read_prompts
+        from opd.data.real_pairs import resolve_model
         model, tok = load_checkpoint(resolve_model(name))
         examples = read_prompts(prompt_file(), PromptFormat(chat=True), tok)[:SEQUENCES]
     else:
         from opd import make_config
-        from opd.setup import pair_folders
-        from opd.task import get_task, held_out_examples
+        from opd.training.setup import pair_folders
+        from opd.data.task import get_task, held_out_examples
         model, tok = load_checkpoint(pair_folders(make_config(family=name.split("-")[0]))[0])
         examples = held_out_examples(get_task("chain"), SEQUENCES)
     return model.eval(), tok, [tok.encode_prompt(ex.prompt) for ex in examples]
@@ -57,7 +57,7 @@ def load(name: str):
 @torch.no_grad()
 def kl_per_token(model, tok, plan: str, prompts, completions, trainer) -> float:
     """Mean exact KL(engine under plan || float32 trainer) over the completion tokens, by one prefill each."""
-    from opd.engine import Engine
+    from opd.engines.builtin import Engine
     engine = Engine(model, tok.stop_ids, tok.pad_id, plan)
     total, count = 0.0, 0
     for i in range(len(prompts)):
@@ -94,8 +94,8 @@ def key_value_stats(model, prompts, completions) -> list[dict]:
 
 
 def run_model(name: str, done: set, out) -> None:
-    from opd.engine import Engine
-    from opd.sampling import SamplingParams
+    from opd.engines.builtin import Engine
+    from opd.engines.sampling import SamplingParams
     if all((name, s) in done for s in (*SETTINGS, "kv")):
         return
     start = time.perf_counter()
@@ -141,7 +141,7 @@ def summary(row: dict) -> str:
 
 
 def spread(cells: list[float]) -> float:
-    """The most sensitive layer's cell over the median layer's (not over the least one's, as opd.sensitivity.spread:
+    """The most sensitive layer's cell over the median layer's (not over the least one's, as opd.study.sensitivity.spread:
     a cell here is net of the BF16 floor and can be ~0 or below it)."""
     median = statistics.median(cells)
     return max(cells) / median if median > 0 else float("inf")

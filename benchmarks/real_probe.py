@@ -1,6 +1,6 @@
 """The admission probe's statistics on the real pairs next to the built-in (toy) pairs, for the same precision plans.
 
-Per pair and plan, one probe (opd/probe.py `measure`: the student's rollouts of the pair's own prompts under the plan,
+Per pair and plan, one probe (opd/admission/probe.py `measure`: the student's rollouts of the pair's own prompts under the plan,
 scored by the float32 trainer and the teacher): kl_k3 and the exact KL(rollout || trainer), nsr (the admission
 statistic: mean |delta| / mean |A_q|, the numerics' noise against the OPD signal), ess_frac, adv_sign_flip, and rkl
 (the student's exact reverse KL to its teacher: the size of the OPD signal itself). The plans:
@@ -32,7 +32,7 @@ COLUMNS = ("kl_k3", "kl_exact", "nsr", "ess_frac", "adv_sign_flip", "rkl", "seco
 
 
 def plans() -> dict[str, str]:
-    from opd.kernels import vllm_cpu_kernels
+    from opd.numerics.kernels import vllm_cpu_kernels
     return {"bf16": "forward=bf16 kv=bf16", "fp8_e4m3": "forward=bf16 kv=fp8_e4m3",
             "fp8_e5m2": "forward=bf16 kv=fp8_e5m2",
             "cpu_fp8_e4m3": f"forward=bf16 kernels={vllm_cpu_kernels()} kv=fp8_e4m3 kv_round=zero",
@@ -42,9 +42,9 @@ def plans() -> dict[str, str]:
 
 def measure_pair(pair: str, rollouts: int, tokens: int, done: set, out) -> None:
     from opd import make_config
-    from opd.plan import Plan
-    from opd.probe import measure
-    from opd.setup import probe_setup
+    from opd.numerics.plan import Plan
+    from opd.admission.probe import measure
+    from opd.training.setup import probe_setup
     todo = {name: plan for name, plan in plans().items() if (pair, name, rollouts, tokens) not in done}
     if not todo:
         return

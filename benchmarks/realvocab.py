@@ -28,7 +28,7 @@ VERSION = 1  # part of the folder name: a changed recipe builds a new pair
 
 
 def default_dir() -> Path:
-    from opd.registry import default_cache_dir
+    from opd.io.registry import default_cache_dir
     return default_cache_dir() / f"bench-realvocab-v{VERSION}"
 
 

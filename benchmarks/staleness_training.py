@@ -5,7 +5,7 @@ rollout k versions old differs from the learner by k optimizer steps, so its dri
 the demo trains at lr 1e-3. This grid trains the full-vocabulary loss with the demo's recipe cut to 60 steps (batch
 64, lr 1e-3, 10 warm-up steps, cosine, 100 held-out prompts) on both built-in pairs: BF16 rollouts (5 seeds, the
 band), and async BF16 rollouts with max_staleness 1, 2, 4 (3 seeds each) and 8 (1 seed). Each run is labelled as in
-the study (opd/tolerance.py) and decided with the *shipped* thresholds (opd/thresholds.json). Since 2026-12-01
+the study (opd/study/tolerance.py) and decided with the *shipped* thresholds (opd/thresholds.json). Since 2026-12-01
 (issue 22) those are calibrated on these runs too, so the decisions here are in sample; held out, the staleness
 source is a row of benchmarks/admission.py's leave-one-source-out. A run's probe is at the BF16 floor, so the
 decision is its drift budget max_staleness x lr against the class's. Beside
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import yaml
 
-from opd.sweep import DEFAULT_GRID
-from opd.thresholds import load_thresholds
-from opd.tolerance import QUALITY, out_of_sample, pivot
+from opd.study.sweep import DEFAULT_GRID
+from opd.health.thresholds import load_thresholds
+from opd.study.tolerance import QUALITY, out_of_sample, pivot
 from studies import grid_rows, parse_args, print_counts
 
 STORED = Path(__file__).parent / "data" / "staleness_results.jsonl"

@@ -5,9 +5,9 @@ import argparse
 import json
 from pathlib import Path
 
-from opd.runlog import write_atomic
-from opd.sweep import read_results, run_sweep
-from opd.tolerance import latest, result_line
+from opd.config.runlog import write_atomic
+from opd.study.sweep import read_results, run_sweep
+from opd.study.tolerance import latest, result_line
 
 
 def parse_args(doc: str, stored: Path, default_out: str) -> argparse.Namespace:

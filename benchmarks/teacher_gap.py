@@ -21,13 +21,13 @@ import time
 import torch
 
 from opd import make_config
-from opd.checkpoint import load_checkpoint
-from opd.engine import Engine
-from opd.learner import collate, completion_logprobs, token_logprobs
-from opd.plan import Plan
-from opd.pretrain import PretrainConfig, pretrain
-from opd.prompts import PromptSet
-from opd.sampling import SamplingParams
+from opd.models.checkpoint import load_checkpoint
+from opd.engines.builtin import Engine
+from opd.training.learner import collate, completion_logprobs, token_logprobs
+from opd.numerics.plan import Plan
+from opd.training.pretrain import PretrainConfig, pretrain
+from opd.data.prompts import PromptSet
+from opd.engines.sampling import SamplingParams
 
 BUILTIN = {"bf16": "forward=bf16 kv=bf16", "fp8_e4m3": "forward=bf16 kv=fp8_e4m3",
            "fp8_e4m3_trunc": "forward=bf16 kv=fp8_e4m3 kv_round=zero", "fp8_e5m2": "forward=bf16 kv=fp8_e5m2",
@@ -46,7 +46,7 @@ def prompts_of(family: str, tok, n: int) -> list[list[int]]:
 
 
 def trainer_logprobs(model, prompts, completions, pad_id) -> list[torch.Tensor]:
-    from opd.sampling import Rollout
+    from opd.engines.sampling import Rollout
     batch = collate([Rollout(p, c, [0.0] * len(c), [0.0] * len(c), "stop", 0) for p, c in zip(prompts, completions)],
                     pad_id)
     with torch.no_grad():
@@ -67,7 +67,7 @@ def builtin_gap(model, tok, prompts, plan: str):
 
 
 def vllm_gap(folder, tok, prompts, plan: str, cfg):
-    from opd.vllm_engine import EngineSize, VllmEngine
+    from opd.engines.vllm import EngineSize, VllmEngine
     engine = VllmEngine(folder, tok.stop_ids, tok.pad_id, Plan.parse(plan, cfg.num_layers),
                         EngineSize.of(cfg, 256, len(prompts)), max_logprobs=1)
     try:

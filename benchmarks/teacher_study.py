@@ -6,7 +6,7 @@ Two grids on both built-in pairs, the study's recipe (60 steps of batch 32, BF16
   estimator, and beside them the same kinds of mismatch on the student's side (FP8 e5m2 KV, noise 0.3 and 1.0);
 - benchmarks/data/teacher_topk_grid.yaml: a teacher that returns only its top k = 1, 8, 64 log-probs, for the top-k
   forward KL and the top-k reverse KL with a tail bucket (k = V = 100: the full losses).
-Each run is labelled as in the tolerance study (opd/tolerance.py: its final held-out reverse KL to the *trainer's*
+Each run is labelled as in the tolerance study (opd/study/tolerance.py: its final held-out reverse KL to the *trainer's*
 teacher against its BF16 seeds). Printed: the table; the knees (teacher-side sources on `teacher_mismatch/kl_exact`, a
 top-k teacher on its tail mass, student-side sources on `stale/total_kl_k3`); the comparison of the two sides at the
 same measured KL; the teacher-side admission limits calibrated on these runs (thresholds.calibrate_teacher) and their
@@ -35,13 +35,13 @@ from pathlib import Path
 
 import yaml
 
-from opd.admission import decide_teacher
-from opd.config_file import stored_teacher
-from opd.metrics import TeacherHealth
-from opd.runlog import write_atomic
-from opd.sweep import read_results, run_sweep
-from opd.thresholds import best_cut, calibrate_teacher, is_teacher_side
-from opd.tolerance import QUALITY, band, groups, knees, label, latest, pivot, teacher_thresholds
+from opd.health.rules import decide_teacher
+from opd.config.files import stored_teacher
+from opd.health.metrics import TeacherHealth
+from opd.config.runlog import write_atomic
+from opd.study.sweep import read_results, run_sweep
+from opd.health.thresholds import best_cut, calibrate_teacher, is_teacher_side
+from opd.study.tolerance import QUALITY, band, groups, knees, label, latest, pivot, teacher_thresholds
 from studies import parse_args
 
 DATA = Path(__file__).parent / "data"

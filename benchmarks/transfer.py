@@ -2,7 +2,7 @@
 
 Per model (the built-in llama and qwen3 pairs, 0.8M parameters; the smollm2 pair, SmolLM2-135M-Instruct and its
 15-layer pruned student) and estimator: the BF16 seeds' band (mean, standard deviation, the `degraded` limit of
-opd/tolerance.py), the probe's BF16 floor nsr and its reverse KL to the teacher (the OPD signal's scale); then per
+opd/study/tolerance.py), the probe's BF16 floor nsr and its reverse KL to the teacher (the OPD signal's scale); then per
 mismatch source and level, the probe's nsr (and as a multiple of the model's own floor), the mismatch the run
 measured while training (`stale/total_kl_k3`), the final held-out reverse KL's change against the BF16 seeds' mean,
 and whether the run degraded. Then the sources ordered by that change on each model, and how far the orderings agree
@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from admission import DATA, TOY_FAMILIES, stored_rows  # noqa: E402  (benchmarks/ is not a package)
 
-from opd.tolerance import QUALITY, band  # noqa: E402
+from opd.study.tolerance import QUALITY, band  # noqa: E402
 
 ESTIMATORS = ("full_rkl", "sampled_pi", "sampled_mu", "sampled_tis")
 

@@ -27,14 +27,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from opd.schema import read_jsonl
-from opd.setup import parse_plan, probe_setup
-from opd.sweep import PROBE_ROLLOUTS, expand, load_grid, read_results
-from opd.check import warm_weights
-from opd.probe import measure, probe
-from opd.sweep_shared import append_result
-from opd.plan import Plan
-from opd.admission import FLOOR_PLAN
+from opd.io.schema import read_jsonl
+from opd.training.setup import parse_plan, probe_setup
+from opd.study.sweep import PROBE_ROLLOUTS, expand, load_grid, read_results
+from opd.admission.check import warm_weights
+from opd.admission.probe import measure, probe
+from opd.study.sweep_shared import append_result
+from opd.numerics.plan import Plan
+from opd.health.rules import FLOOR_PLAN
 
 QUICK_GRID = {"families": ["llama"], "base": {"steps": 4, "batch_size": 8, "eval": {"every": 0, "examples": 4},
                                               "save_every": 0, "threads": 2, "optim": {"warmup_steps": 1}},

@@ -21,17 +21,17 @@ hang). Notebooks and `python -c` need no guard.
 import multiprocessing
 from pathlib import Path
 
-from opd.errors import OpdError
+from opd.io.errors import OpdError
 
 __all__ = ["OpdError", "admit", "generate", "make_config", "train"]
 
 
 def make_config(path: str | Path | None = None, /, **values):
-    """A checked training config (opd.config.TrainConfig): the YAML file at `path` (optional) with `values` on top,
+    """A checked training config (opd.config.run.TrainConfig): the YAML file at `path` (optional) with `values` on top,
     given as the file's keys, a section as a dict (`loss={"name": "full_rkl"}`; the async section as `async_=`, since
     `async` is a Python keyword). Unknown keys, wrong types and values out of range raise OpdError naming the key, as
-    in a config file. (Not `opd.config`: that name is the module opd/config.py.)"""
-    from opd.config_file import build_config, expand_shorthand, load_config, merge
+    in a config file. (Not `opd.config.run`: that name is the module opd/config/run.py.)"""
+    from opd.config.files import build_config, expand_shorthand, load_config, merge
     if path is not None and not isinstance(path, (str, Path)):
         raise OpdError(f"the config path must be a str or Path, got {type(path).__name__}", "e.g. \"configs/demo.yaml\"")
     base = load_config(Path(path)).to_dict() if path is not None else {}
@@ -44,8 +44,8 @@ def train(cfg, run_dir: str | Path, resume: bool = False, overwrite: bool = Fals
     """Run (or with resume, continue) one OPD run of `cfg` in run_dir, as `opd train`; returns its summary (held-out
     metrics before and after, steps, the plan it ended with, time), also written to run_dir/summary.json."""
     _not_in_a_starting_worker("opd.train")
-    from opd.errors import from_os_error, require
-    from opd.trainer import train as run
+    from opd.io.errors import from_os_error, require
+    from opd.training.trainer import train as run
     require(isinstance(run_dir, (str, Path)) and str(run_dir), f"run_dir must be a path, got {run_dir!r}",
             "e.g. \"runs/my-run\"")
     try:
@@ -69,7 +69,7 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
     thresholds calibrated so (the initial verdict is kept as "initial_probe"); with a thresholds file, the warm-up it
     was calibrated at."""
     _not_in_a_starting_worker("opd.admit")
-    from opd.errors import require
+    from opd.io.errors import require
     require(_number(limit) and limit >= 0, f"limit must be a number >= 0, got {limit!r}", "0 uses the calibrated limit")
     require(isinstance(rollouts, int) and not isinstance(rollouts, bool) and 0 < rollouts <= 4096,
             f"rollouts must be an integer in [1, 4096], got {rollouts!r}", "the probe needs 16 or so")
@@ -78,7 +78,7 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
             "so a student whose first steps move it far; \"auto\" the first, then the second where it applies")
     require(isinstance(thresholds, (str, Path)), f"thresholds must be a path, got {thresholds!r}",
             "\"\" uses the shipped thresholds")
-    from opd.check import check
+    from opd.admission.check import check
     return check(_checked(cfg), rollouts, thresholds, limit, propose, warmup)
 
 
@@ -90,12 +90,12 @@ def generate(model: str | Path, prompts: list, max_new_tokens: int = 64, plan: s
     through the model's chat template as one user message) or lists of chat messages. Sampling settings not given
     come from the checkpoint's generation_config.json, else temperature 1 with no top-k/top-p."""
     _not_in_a_starting_worker("opd.generate")
-    from opd import devices
-    from opd.checkpoint import load_checkpoint
-    from opd.config import generation_defaults
-    from opd.errors import require
-    from opd.engines import NAMES, kind, make_engine, require_installed
-    from opd.sampling import SamplingParams
+    from opd.models import devices
+    from opd.models.checkpoint import load_checkpoint
+    from opd.config.run import generation_defaults
+    from opd.io.errors import require
+    from opd.engines.kinds import NAMES, kind, make_engine, require_installed
+    from opd.engines.sampling import SamplingParams
     require(isinstance(prompts, list) and prompts, "prompts must be a non-empty list", "e.g. [\"3 + 4 =\"]")
     require(all(isinstance(p, str) or (isinstance(p, list) and all(isinstance(m, dict) for m in p)) for p in prompts),
             "each prompt must be a string or a list of chat messages", 'e.g. ["3 + 4 ="] or '
@@ -138,7 +138,7 @@ def _number(x) -> bool:
 
 
 def _checked(cfg):
-    from opd.config import TrainConfig
+    from opd.config.run import TrainConfig
     if isinstance(cfg, dict):
         return make_config(**cfg)
     if not isinstance(cfg, TrainConfig):

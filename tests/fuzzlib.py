@@ -20,7 +20,7 @@ import yaml
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from opd.errors import OpdError
+from opd.io.errors import OpdError
 
 _level = os.environ.get("OPD_FUZZ", "")
 EXAMPLES = 500 if _level == "full" else int(_level) if _level.isdigit() else 20

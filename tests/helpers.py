@@ -8,14 +8,14 @@ from pathlib import Path
 import torch
 
 from opd import make_config
-from opd.checkpoint import save_checkpoint
-from opd.config import TrainConfig
-from opd.config_file import merge
-from opd.engine import Engine
-from opd.learner import collate
-from opd.model import ModelConfig, Transformer
-from opd.sampling import SamplingParams, process_logits, raw_logprobs
-from opd.tokenizer import TextTokenizer
+from opd.models.checkpoint import save_checkpoint
+from opd.config.run import TrainConfig
+from opd.config.files import merge
+from opd.engines.builtin import Engine
+from opd.training.learner import collate
+from opd.models.model import ModelConfig, Transformer
+from opd.engines.sampling import SamplingParams, process_logits, raw_logprobs
+from opd.models.tokenizer import TextTokenizer
 
 # ---- the CLI in a subprocess -----------------------------------------------------------------------------------------
 

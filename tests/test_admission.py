@@ -5,14 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from opd.admission import decide, decide_numbers, distance, estimator_class
-from opd.errors import OpdError
-from opd.losses import LossConfig
-from opd.plan import Plan
-from opd.check import propose_plan
-from opd.probe import measure, probe
-from opd.setup import probe_setup
-from opd.thresholds import DEFAULT_THRESHOLDS, best_cut, calibrate, load_thresholds
+from opd.health.rules import decide, decide_numbers, distance, estimator_class
+from opd.io.errors import OpdError
+from opd.training.losses import LossConfig
+from opd.numerics.plan import Plan
+from opd.admission.check import propose_plan
+from opd.admission.probe import measure, probe
+from opd.training.setup import probe_setup
+from opd.health.thresholds import DEFAULT_THRESHOLDS, best_cut, calibrate, load_thresholds
 
 from helpers import assert_one_line_error, comparable, config, crash_at, make_checkpoint, opd
 from helpers import opd as opd_cli
@@ -121,7 +121,7 @@ def test_admit_on_a_model_far_from_the_calibration_is_not_admitted_and_proposes_
     per-layer proposal (no plan could be admitted), only what to do."""
     import json
     import opd
-    from opd.thresholds import load_thresholds
+    from opd.health.thresholds import load_thresholds
     shipped = load_thresholds()
     far = tmp_path / "far.json"
     far.write_text(json.dumps(shipped | {"models": {"elsewhere": {"floor_nsr": 5.0, "rkl": 1.0, "runs": 1}}}))
@@ -164,7 +164,7 @@ def test_estimator_classes():
     assert estimator_class(LossConfig(name="sampled_rkl", student_term="sampler")) == "sampler"
     assert estimator_class(LossConfig(name="sampled_rkl")) == "learner"
     assert estimator_class(LossConfig(name="sampled_rkl", student_term="sampler", correction="tis")) == "corrected"
-    from opd.sections import LOSS_FAMILIES, LOSSES
+    from opd.config.sections import LOSS_FAMILIES, LOSSES
     assert set(LOSSES) == set(LOSS_FAMILIES) and set(LOSS_FAMILIES.values()) == {"sampled", "full"}
     # every loss has its declared class: none falls through to another's limits
     assert {LossConfig(name=name).estimator_class for name in LOSSES if LOSS_FAMILIES[name] == "full"} == {"full"}
@@ -238,7 +238,7 @@ def test_thresholds_file_errors(tmp_path):
     with pytest.raises(OpdError, match="what it says it was calibrated on is invalid .*models.m.floor_nsr"):
         load_thresholds(bad)
     assert DEFAULT_THRESHOLDS.is_file()
-    from opd.thresholds import warm_thresholds  # the shipped warm calibration (`opd admit --warmup 4`)
+    from opd.health.thresholds import warm_thresholds  # the shipped warm calibration (`opd admit --warmup 4`)
     assert load_thresholds(warm_thresholds(4))["probe_warmup"] == 4 and load_thresholds().get("probe_warmup", 0) == 0
 
 
@@ -254,9 +254,9 @@ def test_probe_measures_mismatch_above_the_floor(pair):
 def test_the_probe_samples_at_most_probe_tokens_and_states_its_error(pair, monkeypatch):
     """A run's long completions are probed PROBE_TOKENS long (its statistics are per-token means: sampling is what
     costs); its nsr comes with a bootstrap standard error over rollouts, which shrinks with more rollouts."""
-    import opd.probe
-    import opd.setup
-    monkeypatch.setattr(opd.setup, "PROBE_TOKENS", 6)
+    import opd.admission.probe
+    import opd.training.setup
+    monkeypatch.setattr(opd.training.setup, "PROBE_TOKENS", 6)
     setup, plan = probe_setup(config(pair, plan="kv=fp8_e5m2", sampling=dict(max_new_tokens=12)), 8)
     assert setup.cfg.new_tokens == 6
     numbers = measure(setup, plan)
@@ -267,9 +267,9 @@ def test_the_probe_samples_at_most_probe_tokens_and_states_its_error(pair, monke
     g = torch.Generator().manual_seed(0)
     t, q = torch.randn(64, 5, generator=g), torch.randn(64, 5, generator=g)
     mu, mask = q + 0.1 * torch.randn(64, 5, generator=g), torch.ones(64, 5, dtype=torch.bool)
-    se_all, se_few = opd.probe.nsr_standard_error(t, mu, q, mask), opd.probe.nsr_standard_error(t[:8], mu[:8], q[:8],
+    se_all, se_few = opd.admission.probe.nsr_standard_error(t, mu, q, mask), opd.admission.probe.nsr_standard_error(t[:8], mu[:8], q[:8],
                                                                                                mask[:8])
-    assert 0 < se_all < se_few and opd.probe.nsr_standard_error(t, q, q, mask) == 0
+    assert 0 < se_all < se_few and opd.admission.probe.nsr_standard_error(t, q, q, mask) == 0
 
 
 def test_rejection_proposes_a_plan_that_passes(pair):
@@ -305,14 +305,14 @@ def test_admit_with_warmup_probes_the_student_after_k_bf16_steps(pair, tmp_path)
     """`opd admit --warmup K` probes the student a BF16 run of the same recipe has after K steps (the oracle: that
     run's checkpoint, probed), says when the thresholds were calibrated at another warm-up, and refuses a bad K."""
     import opd
-    from opd.trainer import train
+    from opd.training.trainer import train
     cfg = config(pair, plan="kv=fp8_e5m2", steps=8)
     warm = opd.admit(cfg, rollouts=4, warmup=2)
     assert warm["warmup_steps"] == 2 and warm["warmup_seconds"] > 0
     assert any("calibrated on probes after 0 BF16 steps, this probe came after 2" in r for r in warm["reasons"])
     train(config(pair, plan="forward=bf16 kv=bf16", steps=2), tmp_path / "bf16", progress=False)
     setup, plan = probe_setup(cfg, 4)
-    from opd.checkpoint import load_checkpoint
+    from opd.models.checkpoint import load_checkpoint
     setup.student.load_state_dict(load_checkpoint(tmp_path / "bf16" / "checkpoint")[0].state_dict())
     oracle = probe(setup, plan)
     for key in ("nsr", "kl_k3", "ess_frac", "floor_nsr"):
@@ -332,16 +332,16 @@ def test_admit_with_warmup_probes_the_student_after_k_bf16_steps(pair, tmp_path)
 def test_a_rejected_student_far_from_its_teacher_gets_the_warmup_hint(pair, monkeypatch):
     """A probe whose student is far from its teacher (reverse KL above FAR_STUDENT_RKL) and is not admitted gets a
     reason suggesting --warmup; a near one, an admitted one and a warm probe do not."""
-    import opd.check
-    from opd.admission import FAR_STUDENT_RKL
+    import opd.admission.check
+    from opd.health.rules import FAR_STUDENT_RKL
     setup, plan = probe_setup(config(pair, plan="kv=fp8_e5m2"), 4)
     collapsed = {"nsr": 0.3, "floor_nsr": 0.025, "kl_k3": 1.3, "floor_kl_k3": 0.02, "ess_frac": 0.14,
                  "adv_sign_flip": 0.06}
     hint = "probe with --warmup 4"
     for rkl, ess, warmup, expected in ((6.4, 0.14, 0, True), (0.3, 0.14, 0, False), (6.4, 0.95, 0, False),
                                        (6.4, 0.14, 4, False)):
-        monkeypatch.setattr(opd.check, "probe", lambda *a, **k: collapsed | {"rkl": rkl, "ess_frac": ess})
-        out = opd.check.decide_plan(setup, plan, load_thresholds(), propose=False, warmup=warmup)
+        monkeypatch.setattr(opd.admission.check, "probe", lambda *a, **k: collapsed | {"rkl": rkl, "ess_frac": ess})
+        out = opd.admission.check.decide_plan(setup, plan, load_thresholds(), propose=False, warmup=warmup)
         assert (out["decision"] != "ADMIT") == (ess < 0.5)
         assert any(hint in r for r in out["reasons"]) == expected, (rkl, ess, warmup, out["reasons"])
     assert 0.55 < FAR_STUDENT_RKL < 6.4  # above every toy student's, below the pruned smollm2 student's
@@ -353,14 +353,14 @@ def test_admit_auto_decides_a_far_rejected_student_after_the_warmup(pair, monkey
     thresholds, the same decision and numbers as --warmup 4 (the oracle), the initial verdict kept beside it; a far
     one of the sampled estimators keeps its initial verdict (admission.ESCALATE_CLASSES)."""
     import opd
-    import opd.check
-    from opd.admission import AUTO_WARMUP
+    import opd.admission.check
+    from opd.health.rules import AUTO_WARMUP
     cfg = config(pair, plan="kv=fp8_e5m2")
     near = opd.admit(cfg, rollouts=4, propose=False)  # toy students are near (probe reverse KL 0.1-0.55)
     cold = opd.admit(cfg, rollouts=4, propose=False, warmup=0)
     same = lambda a, b: {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
     assert near["warmup_steps"] == 0 and "initial_probe" not in near and same(near["probe"], cold["probe"])
-    monkeypatch.setattr(opd.check, "FAR_STUDENT_RKL", 0.0)  # every student counts as far
+    monkeypatch.setattr(opd.admission.check, "FAR_STUDENT_RKL", 0.0)  # every student counts as far
     admitted = opd.admit(cfg, rollouts=4, propose=False, limit=1e3)
     assert admitted["decision"] == "ADMIT" and admitted["warmup_steps"] == 0 and "initial_probe" not in admitted
     far = opd.admit(cfg, rollouts=4, propose=False, limit=1e-6)
@@ -383,8 +383,8 @@ def test_admit_auto_decides_a_far_rejected_student_after_the_warmup(pair, monkey
 
 
 def test_guard_falls_back_to_bf16_on_an_injected_mismatch(pair, tmp_path):
-    from opd.runlog import read_metrics
-    from opd.trainer import train
+    from opd.config.runlog import read_metrics
+    from opd.training.trainer import train
     cfg = config(pair, plan="noise=0.5", steps=6, guard=dict(every=2, action="fallback", limit=GUARD_LIMIT),
                  sampling=dict(max_new_tokens=12))
     summary = train(cfg, tmp_path / "run", progress=False)
@@ -401,9 +401,9 @@ def test_guard_falls_back_to_bf16_on_an_injected_mismatch(pair, tmp_path):
 def test_guard_rejects_on_the_live_ess_even_when_nsr_is_under_its_limit(pair, tmp_path):
     """The probe's ESS floor holds live too: noise=0.5 on the tiny pair has is/ess_frac ~0.3-0.5, and a limit of 100
     on nsr would admit it."""
-    from opd.admission import MIN_ESS_FRAC
-    from opd.runlog import read_metrics
-    from opd.trainer import train
+    from opd.health.rules import MIN_ESS_FRAC
+    from opd.config.runlog import read_metrics
+    from opd.training.trainer import train
     cfg = config(pair, plan="noise=0.5", steps=4, guard=dict(every=2, action="fallback", limit=100.0),
                  sampling=dict(max_new_tokens=12), save_every=0)
     summary = train(cfg, tmp_path / "run", progress=False)
@@ -417,7 +417,7 @@ def test_guard_rejects_on_the_live_ess_even_when_nsr_is_under_its_limit(pair, tm
 
 
 def test_guard_stop_and_warn(pair, tmp_path):
-    from opd.trainer import train
+    from opd.training.trainer import train
     cfg = config(pair, plan="noise=0.5", steps=4, guard=dict(every=1, action="stop", limit=GUARD_LIMIT),
                  sampling=dict(max_new_tokens=12))
     with pytest.raises(OpdError, match="guard: the rollouts' mismatch"):
@@ -430,8 +430,8 @@ def test_guard_stop_and_warn(pair, tmp_path):
 
 
 def test_guard_fallback_survives_resume(pair, tmp_path):
-    from opd.runlog import read_metrics
-    from opd.trainer import train
+    from opd.config.runlog import read_metrics
+    from opd.training.trainer import train
     cfg = config(pair, plan="noise=0.5", steps=6, save_every=3, guard=dict(every=2, action="fallback",
                                                                            limit=GUARD_LIMIT), sampling=dict(max_new_tokens=12))
     train(cfg, tmp_path / "full", progress=False)
@@ -445,7 +445,7 @@ def test_guard_fallback_survives_resume(pair, tmp_path):
 def test_decide_reads_the_typed_health():
     """decide takes metrics.RolloutHealth (and the floor's, the teacher side's); decide_numbers reads the same from a
     probe's stored numbers: the same decision, reason for reason."""
-    from opd.metrics import RolloutHealth, TeacherHealth
+    from opd.health.metrics import RolloutHealth, TeacherHealth
     health, floor = RolloutHealth(nsr=0.03, kl_k3=0.01, adv_sign_flip=0.0), RolloutHealth(nsr=0.015, kl_k3=1e-4)
     typed = decide(health, LIMITS, "sampler", floor=floor, teacher=TeacherHealth(nsr=0.001))
     stored = decide_numbers({"nsr": 0.03, "kl_k3": 0.01, "adv_sign_flip": 0.0, "floor_nsr": 0.015,
@@ -459,8 +459,8 @@ def test_the_guards_window_means():
     for that step) is skipped as unknown; an empty window has no mean. Every field the check judges is averaged:
     one added to RolloutHealth reaches the guard without a change here."""
     import math
-    from opd.guard import window_entry
-    from opd.metrics import RolloutHealth
+    from opd.health.guard import window_entry
+    from opd.health.metrics import RolloutHealth
     steps = [{"opd/nsr": 0.1, "is/ess_frac": 0.9, "mismatch/kl_k3": 0.01},
              {"opd/nsr": math.nan, "is/ess_frac": math.nan},
              {"opd/nsr": 0.3, "is/ess_frac": 0.7, "mismatch/kl_k3": 0.03, "stale/total_nsr": 0.5}]
@@ -475,7 +475,7 @@ def test_the_guards_window_means():
 
 
 def test_the_guards_fallback_ladder():
-    from opd.guard import safer_plan
+    from opd.health.guard import safer_plan
     n, floor = 4, Plan.parse("forward=bf16 kv=bf16", 4)  # admission.FLOOR_PLAN
     fixed = Plan.parse("kv=fp8_e4m3 w=bf16 key_outlier=300; 0: kv=bf16", n)
     calibrated = "kv=fp8_e4m3 kv_scale=calibrate w=bf16 key_outlier=300; 0: kv=bf16 kv_scale=fixed"
@@ -488,8 +488,8 @@ def test_the_guards_fallback_ladder():
 def test_guard_falls_back_to_calibrated_fp8_scales_first_and_keeps_them_on_resume(pair, tmp_path):
     """Outlier keys saturate a fixed-scale FP8 cache (nsr 0.13-0.20 per step on the tiny pair); calibrated scales
     fix it (0.03-0.04), so the run keeps its FP8 cache instead of dropping to BF16. A resumed run does the same."""
-    from opd.runlog import read_metrics
-    from opd.trainer import train
+    from opd.config.runlog import read_metrics
+    from opd.training.trainer import train
     cfg = config(pair, plan="kv=fp8_e4m3 key_outlier=1000", steps=6, save_every=3, guard=dict(every=2,
                                                                                               action="fallback", limit=0.08), sampling=dict(max_new_tokens=12))
     summary = train(cfg, tmp_path / "full", progress=False)
@@ -507,8 +507,8 @@ def test_guard_falls_back_to_calibrated_fp8_scales_first_and_keeps_them_on_resum
 
 @pytest.mark.slow
 def test_guard_fallback_in_the_async_schedule(pair, tmp_path):
-    from opd.runlog import read_metrics
-    from opd.trainer import train
+    from opd.config.runlog import read_metrics
+    from opd.training.trainer import train
     cfg = config(pair, plan="noise=0.5", steps=6, guard=dict(every=2, action="fallback", limit=GUARD_LIMIT),
                  sampling=dict(max_new_tokens=12), async_=dict(max_staleness=1), schedule="async", threads=2, save_every=0)
     summary = train(cfg, tmp_path / "run", progress=False)
@@ -522,8 +522,8 @@ def test_the_guard_judges_the_numerics_not_the_staleness(pair, tmp_path):
     """Full-precision rollouts two versions stale: the numerics' nsr (q vs mu, ~3e-7 here) is what the limit was
     calibrated on and passes; the staleness drift (pi vs mu, 0.016-0.04 by step 3) is reported as guard/total_nsr
     and stops nothing, although it is over the limit. Staleness is max_staleness's call, and no plan can fix it."""
-    from opd.runlog import read_metrics
-    from opd.trainer import train
+    from opd.config.runlog import read_metrics
+    from opd.training.trainer import train
     cfg = config(pair, plan="", steps=8, guard=dict(every=2, action="stop", limit=1e-3),
                  sampling=dict(max_new_tokens=12), async_=dict(max_staleness=2),
                  schedule="async", threads=2, save_every=0)
@@ -647,7 +647,7 @@ def test_staleness_training_benchmark_quick_mode():
     guard's own metric (the numerics' opd/nsr) stayed at the BF16 floor in all of them."""
     import subprocess
     import sys
-    from opd.sweep import read_results
+    from opd.study.sweep import read_results
     root = Path(__file__).parents[1]
     out = subprocess.run([sys.executable, root / "benchmarks" / "staleness_training.py", "--quick"],
                          capture_output=True, text=True, timeout=120)
@@ -668,8 +668,8 @@ def test_outlier_keys_keep_the_function_and_break_fixed_scale_fp8_kv(pair, tmp_p
     on the outlier, loses the other channels. (The decisions on the built-in pairs: benchmarks/outlier_keys.py.)"""
     import copy
     import torch
-    from opd.kv_cache import KVCache
-    from opd.stress import add_outlier_keys
+    from opd.numerics.kv_cache import KVCache
+    from opd.numerics.stress import add_outlier_keys
     models = pair if arch == "llama" else (make_checkpoint(tmp_path / "s", 0, arch="qwen3", qk_norm=True),
                                            make_checkpoint(tmp_path / "t", 1, arch="qwen3", qk_norm=True))
     setup, _ = probe_setup(config(models, plan=""), 8)
@@ -712,10 +712,10 @@ def test_the_key_outlier_plan_setting_is_the_stressed_model_in_the_engine(tmp_pa
     given the stressed weights themselves."""
     import copy
     import torch
-    from opd.checkpoint import load_checkpoint
-    from opd.engine import Engine
-    from opd.sampling import SamplingParams
-    from opd.stress import add_outlier_keys
+    from opd.models.checkpoint import load_checkpoint
+    from opd.engines.builtin import Engine
+    from opd.engines.sampling import SamplingParams
+    from opd.numerics.stress import add_outlier_keys
     model, tok = load_checkpoint(make_checkpoint(tmp_path / "s", 0, arch=arch, qk_norm=arch == "qwen3"))
     update, _ = load_checkpoint(make_checkpoint(tmp_path / "u", 1, arch=arch, qk_norm=arch == "qwen3"))
     prompts, params = [[1, 5, 6, 7], [1, 8, 9]], SamplingParams(12)
@@ -736,10 +736,10 @@ def test_training_under_a_key_outlier_plan_trains_the_original_parametrization(p
     """The learner never sees the outlier: with full-precision rollouts, `key_outlier=300` changes the run by float
     rounding only (the stressed engine computes the same function), unlike a stressed checkpoint, whose 1/alpha query
     rows AdamW would move alpha times faster (stress.py)."""
-    from opd.checkpoint import load_checkpoint, save_checkpoint
-    from opd.runlog import read_metrics
-    from opd.stress import add_outlier_keys
-    from opd.trainer import train
+    from opd.models.checkpoint import load_checkpoint, save_checkpoint
+    from opd.config.runlog import read_metrics
+    from opd.numerics.stress import add_outlier_keys
+    from opd.training.trainer import train
     student, tok = load_checkpoint(pair[0])
     save_checkpoint(tmp_path / "stressed", add_outlier_keys(student, 300.0), tok)
     runs = {}
@@ -761,7 +761,7 @@ def test_training_under_a_key_outlier_plan_trains_the_original_parametrization(p
 
 def test_a_broken_rollout_engine_is_rejected_by_its_ess_whatever_its_nsr():
     """nsr understates rollouts that are garbage (the teacher disagrees with them too); the ESS floor catches them."""
-    from opd.admission import MIN_ESS_FRAC
+    from opd.health.rules import MIN_ESS_FRAC
     assert decide_numbers({"nsr": 0.01, "ess_frac": MIN_ESS_FRAC}, LIMITS, "full").admit
     broken = decide_numbers({"nsr": 0.01, "ess_frac": 0.075}, LIMITS, "full")
     assert not broken.admit and "ess_frac 0.075 < 0.5" in broken.reasons[-1]

@@ -14,23 +14,23 @@ from functools import partial
 import pytest
 import torch
 
-from opd import wire
-from opd.async_rollouts import AsyncRollouts, Result
-from opd.channel import Channel
-from opd.checkpoint import load_checkpoint
-from opd.engine import Engine
-from opd.errors import OpdError
-from opd.learner import collate, completion_logprobs
-from opd.losses import kl
-from opd.metrics import exact_kl_metric
-from opd.model import ModelConfig
-from opd.plan import Plan
-from opd.runlog import read_metrics
-from opd.sampling import Rollout
-from opd.sampling import SamplingParams
-from opd.sections import AsyncConfig
-from opd.trainer import train
-from opd.worker import (RolloutWorker, WorkerLost, WorkerSpec, plan_from_tree, plan_tree, recompute, rollout_from_tree,
+from opd.io import wire
+from opd.training.async_rollouts import AsyncRollouts, Result
+from opd.io.channel import Channel
+from opd.models.checkpoint import load_checkpoint
+from opd.engines.builtin import Engine
+from opd.io.errors import OpdError
+from opd.training.learner import collate, completion_logprobs
+from opd.training.losses import kl
+from opd.health.metrics import exact_kl_metric
+from opd.models.model import ModelConfig
+from opd.numerics.plan import Plan
+from opd.config.runlog import read_metrics
+from opd.engines.sampling import Rollout
+from opd.engines.sampling import SamplingParams
+from opd.config.sections import AsyncConfig
+from opd.training.trainer import train
+from opd.training.worker import (RolloutWorker, WorkerLost, WorkerSpec, plan_from_tree, plan_tree, recompute, rollout_from_tree,
                         rollout_tree, spec_from_tree, spec_tree)
 
 from helpers import (assert_one_line_error, comparable, config, crash_at, opd, recorded_distributions, same_as_sync,
@@ -289,9 +289,9 @@ def test_a_plan_round_trips_exactly(text):
 
 @pytest.mark.parametrize("gemm", ["float32", "native"])
 def test_the_worker_builds_its_engine_with_the_runs_bf16_gemm(gemm):
-    from opd import wire
-    from opd.weight_quant import QuantLinear
-    from opd.worker import WorkerCore, weights_message
+    from opd.io import wire
+    from opd.numerics.weight_quant import QuantLinear
+    from opd.training.worker import WorkerCore, weights_message
     model = tiny(0).float()
     spec = WorkerSpec(asdict(model.cfg), [2], 0, Plan.parse("forward=bf16 kv=bf16", model.cfg.num_layers), 0,
                       SamplingParams(4), 1, return_hidden=False, recompute=False, recompute_fraction=1.0,

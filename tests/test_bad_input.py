@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
+from opd.models.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
 from opd.cli import main
-from opd.config_file import build_config, dump_config
+from opd.config.files import build_config, dump_config
 
 from helpers import make_checkpoint
 
@@ -560,7 +560,7 @@ def resume_a_state_whose_step_is_a_string(ctx):
     (folder / "trainer_state.json").write_text(json.dumps(state))
     manifest = json.loads((folder / MANIFEST).read_text())
     manifest["files"]["trainer_state.json"]["bytes"] = (folder / "trainer_state.json").stat().st_size
-    from opd.registry import sha256_of as _sha256
+    from opd.io.registry import sha256_of as _sha256
     manifest["files"]["trainer_state.json"]["sha256"] = _sha256(folder / "trainer_state.json")
     (folder / MANIFEST).write_text(json.dumps(manifest))
     return ctx.train("steps=6") + ["--resume"]

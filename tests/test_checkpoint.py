@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-import opd.checkpoint as checkpoint
-from opd.checkpoint import load_checkpoint, save_checkpoint
-from opd.errors import OpdError
-from opd.model import ModelConfig, Transformer
-from opd.tokenizer import TextTokenizer
+import opd.models.checkpoint as checkpoint
+from opd.models.checkpoint import load_checkpoint, save_checkpoint
+from opd.io.errors import OpdError
+from opd.models.model import ModelConfig, Transformer
+from opd.models.tokenizer import TextTokenizer
 
 CFG = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                   head_dim=16)

@@ -5,15 +5,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from opd.chunked import Source, Student, chunk_size, log_probs, output_layer, score
-from opd.engine import Engine
-from opd.evaluate import sampled_quality
-from opd.learner import Scoring, collate, completion_index, completion_logprobs, pack, packed_hidden, score_batch
-from opd.losses import LossConfig, kl, opd_loss
-from opd.sampling import SamplingParams
-from opd.task import Example
-from opd.teacher import LocalTeacher
-from opd.tokenizer import TextTokenizer
+from opd.training.chunked import Source, Student, chunk_size, log_probs, output_layer, score
+from opd.engines.builtin import Engine
+from opd.training.evaluate import sampled_quality
+from opd.training.learner import Scoring, collate, completion_index, completion_logprobs, pack, packed_hidden, score_batch
+from opd.training.losses import LossConfig, kl, opd_loss
+from opd.engines.sampling import SamplingParams
+from opd.data.task import Example
+from opd.training.teacher import LocalTeacher
+from opd.models.tokenizer import TextTokenizer
 
 from helpers import batch_of, grads, recorded_distributions, tiny
 

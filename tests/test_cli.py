@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
-from opd.checkpoint import save_checkpoint
-from opd.model import ModelConfig, Transformer
-from opd.tokenizer import TextTokenizer
+from opd.models.checkpoint import save_checkpoint
+from opd.models.model import ModelConfig, Transformer
+from opd.models.tokenizer import TextTokenizer
 
 from helpers import opd
 

@@ -6,10 +6,10 @@ from dataclasses import fields
 import pytest
 import yaml
 
-from opd.config import SECTIONS, TrainConfig, attribute
-from opd.config_file import MOVED, build_config, dump_config, flatten, load_config, migrate
-from opd.errors import OpdError
-from opd.sections import AsyncConfig, EvalConfig, GuardConfig
+from opd.config.run import SECTIONS, TrainConfig, attribute
+from opd.config.files import MOVED, build_config, dump_config, flatten, load_config, migrate
+from opd.io.errors import OpdError
+from opd.config.sections import AsyncConfig, EvalConfig, GuardConfig
 
 from helpers import config
 
@@ -90,8 +90,8 @@ def test_an_old_key_is_refused_naming_its_new_one(old):
 
 def test_a_saved_config_from_before_the_sections_is_moved_not_refused(pair, tmp_path):
     """A run directory written by the release before the sections still reads, and resumes."""
-    from opd.runlog import read_run_config
-    from opd.trainer import train
+    from opd.config.runlog import read_run_config
+    from opd.training.trainer import train
     cfg = config(pair, steps=2, save_every=1, schedule="async", threads=2, async_=dict(max_staleness=1),
                  optim=dict(lr=3e-3), guard=dict(every=1, limit=100.0), sampling=dict(max_new_tokens=8))
     run = tmp_path / "run"
@@ -109,7 +109,7 @@ def test_a_saved_config_from_before_the_sections_is_moved_not_refused(pair, tmp_
 
 def test_a_results_line_from_before_the_sections_reads_in_todays_layout(tmp_path):
     from pathlib import Path
-    from opd.sweep import read_results
+    from opd.study.sweep import read_results
     stored = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "numerics_results.jsonl"
     row = json.loads(stored.read_text().splitlines()[0])
     (tmp_path / "results.jsonl").write_text(json.dumps(row | {"config": old_layout(build_config(row["config"]))}))
@@ -137,7 +137,7 @@ def test_the_teacher_section_and_its_shorthand(tmp_path):
     """teacher: DIR is teacher.path, in a file, in --set (before or after teacher.* keys) and in Python; the keys
     from before the section are refused in a user's config and moved in a config opd stored."""
     from opd import make_config
-    from opd.sections import TeacherConfig
+    from opd.config.sections import TeacherConfig
     assert load_config(None, ["student=s", "teacher=t"]).teacher == TeacherConfig(path="t")
     for order in (["teacher.engine=builtin", "teacher=t"], ["teacher=t", "teacher.engine=builtin"]):
         assert load_config(None, ["student=s", *order]).teacher == TeacherConfig(path="t", engine="builtin")
@@ -152,3 +152,18 @@ def test_the_teacher_section_and_its_shorthand(tmp_path):
     with pytest.raises(OpdError, match="give both student and teacher"):
         build_config({"teacher": {"engine": "builtin", "plan": "kv=bf16"}, "student": "s"})
     assert TeacherConfig(topk=3).served and TeacherConfig(engine="vllm").served and not TeacherConfig().served
+
+
+def test_the_config_and_the_devices_know_the_same_names():
+    from opd.config import sections
+    from opd.models import devices
+    assert sections.DTYPE_NAMES == devices.DTYPE_NAMES == tuple(devices.DTYPES)
+    for name in ("auto", "cpu", "cuda", "cuda:3", "gpu", "cuda:x", "", "CPU"):
+        outcomes = []
+        for check in (sections.check_name, devices.check_name):
+            try:
+                check(name)
+                outcomes.append(True)
+            except Exception:
+                outcomes.append(False)
+        assert outcomes[0] == outcomes[1], name

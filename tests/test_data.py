@@ -1,6 +1,6 @@
-from opd.data import IGNORE, sft_batch
-from opd.task import Example
-from opd.tokenizer import TextTokenizer
+from opd.data.supervised import IGNORE, sft_batch
+from opd.data.task import Example
+from opd.models.tokenizer import TextTokenizer
 
 
 def test_sft_batch_masks_prompt_and_padding():

@@ -4,16 +4,16 @@ error of float32; loading puts a checkpoint on its device and dtype without a se
 import pytest
 import torch
 
-from opd.checkpoint import load_checkpoint, save_checkpoint
-from opd.engine import Engine
-from opd.learner import Scoring, collate, completion_logprobs, score_batch
-from opd.losses import LossConfig, opd_loss
-from opd.naive import naive_sample
-from opd.runlog import read_metrics
-from opd.sampling import SamplingParams
-from opd.teacher import LocalTeacher
-from opd.tokenizer import TextTokenizer
-from opd.trainer import train
+from opd.models.checkpoint import load_checkpoint, save_checkpoint
+from opd.engines.builtin import Engine
+from opd.training.learner import Scoring, collate, completion_logprobs, score_batch
+from opd.training.losses import LossConfig, opd_loss
+from opd.engines.naive import naive_sample
+from opd.config.runlog import read_metrics
+from opd.engines.sampling import SamplingParams
+from opd.training.teacher import LocalTeacher
+from opd.models.tokenizer import TextTokenizer
+from opd.training.trainer import train
 
 from helpers import batch_of, config, grads, tiny
 
@@ -69,8 +69,8 @@ def test_the_bf16_forward_with_bf16_matmuls_is_the_shadowed_one_up_to_summation_
 def test_bf16_gemm_chooses_the_bf16_forward_s_matmuls(monkeypatch):
     """engine.bf16_gemm: "float32" keeps float32 shadows of a bf16 forward's weights on the CPU, "native" runs bf16
     layers, "auto" follows the CPU's flags (an async run's worker gets the setting: test_async.py)."""
-    import opd.engine
-    from opd.weight_quant import QuantLinear
+    import opd.engines.builtin
+    from opd.numerics.weight_quant import QuantLinear
     model = tiny(0).float()
 
     def shadowed(gemm):
@@ -78,7 +78,7 @@ def test_bf16_gemm_chooses_the_bf16_forward_s_matmuls(monkeypatch):
         return isinstance(proj, QuantLinear) and proj.dequantized is not None
     assert shadowed("float32") and not shadowed("native")
     for native in (True, False):
-        monkeypatch.setattr(opd.engine, "native_bf16", lambda device, native=native: native)
+        monkeypatch.setattr(opd.engines.builtin, "native_bf16", lambda device, native=native: native)
         assert shadowed("auto") == (not native)
 
 
@@ -137,7 +137,7 @@ def test_the_async_worker_recomputes_q_as_the_learner_computes():
     """With a bf16 learner, q (the sampling weights' log-probs) is the bf16-autocast forward, as the learner's pi of
     the same weights is: the numerics mismatch is measured against the policy the trainer differentiates."""
     from functools import partial
-    from opd.worker import recompute
+    from opd.training.worker import recompute
     student = tiny(0, vocab=300).float()
     engine = Engine(student, -1, 0, "kv=bf16 w=bf16")
     params = SamplingParams(10)
@@ -158,7 +158,7 @@ def test_the_async_worker_recomputes_q_as_the_learner_computes():
 def test_a_run_on_the_device_with_bf16_learner_and_teacher(pair, tmp_path, device, schedule):
     """A short run with dtype bf16 and teacher_dtype bf16: master weights and optimizer state stay float32, the teacher
     is stored in bf16, and the loss comes down as in float32."""
-    from opd.setup import setup
+    from opd.training.setup import setup
     cfg = config(pair, steps=8, batch_size=8, optim=dict(lr=1e-2, warmup_steps=0), loss={"name": "full_rkl"},
                  compute=dict(device=device, dtype="bf16", teacher_dtype="bf16", micro_batch_size=4), schedule=schedule,
                  **({"threads": 2, "async_": {"max_staleness": 1}} if schedule == "async" else {}))
@@ -190,8 +190,8 @@ def test_evaluation_at_bf16_compute_stays_near_float32s():
     """compute.dtype bf16: the held-out samples come from a bf16 forward and are scored under autocast (as the learner
     computes); the reverse KL and entropy stay within a few percent of float32's on the same seed (bf16's rounding,
     and the few tokens it changes)."""
-    from opd.evaluate import sampled_quality
-    from opd.task import Example
+    from opd.training.evaluate import sampled_quality
+    from opd.data.task import Example
     student, teacher, tok = tiny(0, vocab=300).float(), tiny(1, vocab=300).float(), TextTokenizer.builtin()
     examples = [Example(f"{i}+1=", "", "2") for i in range(16)]
     got = {dtype: sampled_quality(student, LocalTeacher(teacher), tok, examples, 24, seed=3, batch_size=16,

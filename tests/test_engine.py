@@ -4,12 +4,12 @@ import copy
 import pytest
 import torch
 
-from opd.engine import Engine
-from opd.errors import OpdError
-from opd.naive import naive_sample
-from opd.plan import Plan
-from opd.model import ModelConfig, Transformer
-from opd.sampling import SamplingParams, process_logits, sample
+from opd.engines.builtin import Engine
+from opd.io.errors import OpdError
+from opd.engines.naive import naive_sample
+from opd.numerics.plan import Plan
+from opd.models.model import ModelConfig, Transformer
+from opd.engines.sampling import SamplingParams, process_logits, sample
 
 CFG = ModelConfig(arch="qwen3", vocab_size=50, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, qk_norm=True)
@@ -187,7 +187,7 @@ def test_bf16_forward_engine_equals_an_uncached_bf16_forward(model):
     same tokens through the model's bf16 copy in one uncached forward. They differ only in the float32 attention's
     summation order (SDPA vs the decode matmul), which can move a bf16 rounding by one step: the mean difference
     must be under a tenth of the bf16 forward's own distance from float32 (seen: ~1/40), and the copy all bf16."""
-    from opd.weight_quant import bf16_copy
+    from opd.numerics.weight_quant import bf16_copy
     engine = Engine(model, -1, PAD, "forward=bf16 kv=bf16")
     assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}  # norms, embeddings, head
     assert engine.model.layers[0].self_attn.q_proj.values.dtype == torch.bfloat16  # projections: bf16 storage

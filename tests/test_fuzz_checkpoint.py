@@ -20,14 +20,14 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from opd import cli
-from opd.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
-from opd.config_file import build_config
-from opd.errors import OpdError
-from opd.model import ModelConfig, Transformer
-from opd.pretrain import PretrainConfig, pretrain
-from opd.registry import check_cache_dir, default_cache_dir
-from opd.prompts import PromptSet, read_prompts
-from opd.tokenizer import TextTokenizer
+from opd.models.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
+from opd.config.files import build_config
+from opd.io.errors import OpdError
+from opd.models.model import ModelConfig, Transformer
+from opd.training.pretrain import PretrainConfig, pretrain
+from opd.io.registry import check_cache_dir, default_cache_dir
+from opd.data.prompts import PromptSet, read_prompts
+from opd.models.tokenizer import TextTokenizer
 
 from fuzzlib import FUZZ, mutated_file, outcome
 
@@ -250,7 +250,7 @@ def test_a_lone_surrogate_in_a_prompt_is_one_line(tmp_path):
 
 
 def test_an_unusable_cache_is_found_before_training(tmp_path, monkeypatch):
-    import opd.pretrain as pretrain_mod
+    import opd.training.pretrain as pretrain_mod
     monkeypatch.setattr(pretrain_mod, "train", lambda *a, **k: pytest.fail("trained with an unusable cache"))
     cfg = PretrainConfig(family="llama", role="student", task="add", steps=1)
     (tmp_path / "file").write_text("x")
@@ -270,7 +270,7 @@ def test_an_unusable_cache_is_found_before_training(tmp_path, monkeypatch):
 
 
 def test_a_damaged_cached_eval_json_is_trained_again(tmp_path, monkeypatch, capsys):
-    import opd.pretrain as pretrain_mod
+    import opd.training.pretrain as pretrain_mod
     cfg = PretrainConfig(family="llama", role="student", task="add", steps=1)
     folder = tmp_path / cfg.cache_name()
     model = Transformer(cfg.model_config(TextTokenizer.builtin().vocab_size))

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from fuzzlib import FUZZ, mutated_file, outcome
 from opd import cli
-from opd.checkpoint import MANIFEST
-from opd.registry import sha256_of as _sha256
-from opd.config_file import load_config
-from opd.setup import parse_plan
+from opd.models.checkpoint import MANIFEST
+from opd.io.registry import sha256_of as _sha256
+from opd.config.files import load_config
+from opd.training.setup import parse_plan
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.reliability]
 

@@ -13,16 +13,16 @@ from hypothesis import strategies as st
 
 from fuzzlib import EXAMPLES, FUZZ, mutated_file, outcome
 from opd import cli
-from opd.admission import CLASSES, decide_numbers
-from opd.checkpoint import save_checkpoint
-from opd.config_file import build_config
-from opd.model import ModelConfig, Transformer
-from opd.report import load_run, markdown
-from opd.sweep import expand, finished_keys, load_grid, read_results
-from opd.thresholds import DEFAULT_THRESHOLDS, load_thresholds
-from opd.tokenizer import TextTokenizer
-from opd.tolerance import fp8_answer, knees, out_of_sample, pivot, table
-from opd.trainer import train
+from opd.health.rules import CLASSES, decide_numbers
+from opd.models.checkpoint import save_checkpoint
+from opd.config.files import build_config
+from opd.models.model import ModelConfig, Transformer
+from opd.study.report import load_run, markdown
+from opd.study.sweep import expand, finished_keys, load_grid, read_results
+from opd.health.thresholds import DEFAULT_THRESHOLDS, load_thresholds
+from opd.models.tokenizer import TextTokenizer
+from opd.study.tolerance import fp8_answer, knees, out_of_sample, pivot, table
+from opd.training.trainer import train
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.reliability]
 ROOT = Path(__file__).parents[1]

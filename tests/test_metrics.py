@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from opd.losses import kl
-from opd.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics, noise_to_signal,
+from opd.training.losses import kl
+from opd.health.metrics import (distortion_metrics, exact_kl_metric, importance_metrics, mismatch_metrics, noise_to_signal,
                          rollout_metrics, staleness_metrics, truncation_metrics)
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)

@@ -14,13 +14,13 @@ import torch
 import transformers
 
 import hf_pairs
-from opd.checkpoint import load_checkpoint
+from opd.models.checkpoint import load_checkpoint
 from opd.cli import main
-from opd.engine import Engine
-from opd.errors import OpdError
-from opd.prompts import held_out_share
-from opd.sampling import SamplingParams
-from opd.setup import check_same_tokenizer
+from opd.engines.builtin import Engine
+from opd.io.errors import OpdError
+from opd.data.prompts import held_out_share
+from opd.engines.sampling import SamplingParams
+from opd.training.setup import check_same_tokenizer
 
 FAMILIES = ("qwen3", "llama3")
 README = Path(__file__).resolve().parents[1] / "README.md"

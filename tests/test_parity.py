@@ -3,12 +3,12 @@ import pytest
 import torch
 import transformers
 
-from opd.checkpoint import load_checkpoint, save_checkpoint
-from opd.engine import Engine
-from opd.naive import naive_greedy
-from opd.model import ModelConfig, Transformer
-from opd.sampling import SamplingParams
-from opd.tokenizer import TextTokenizer
+from opd.models.checkpoint import load_checkpoint, save_checkpoint
+from opd.engines.builtin import Engine
+from opd.engines.naive import naive_greedy
+from opd.models.model import ModelConfig, Transformer
+from opd.engines.sampling import SamplingParams
+from opd.models.tokenizer import TextTokenizer
 
 VOCAB = 100
 HF_CONFIGS = {
@@ -176,7 +176,7 @@ def test_parity_variants_round_trip(variant, tmp_path):
 
 def test_unsupported_config_fields_are_refused_by_name(tmp_path):
     import json
-    from opd.errors import OpdError
+    from opd.io.errors import OpdError
     hf = hf_random_model("qwen3")
     hf.save_pretrained(tmp_path)
     TextTokenizer.builtin().save(tmp_path)
@@ -222,7 +222,7 @@ def test_parity_sharded_bf16_checkpoint(tmp_path):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (4, 1)])
 def test_decode_attention_matches_sdpa(heads, kv_heads):
     import torch.nn.functional as F
-    from opd.model import decode_attention
+    from opd.models.model import decode_attention
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     q, k, v = (torch.randn(3, h, t, 16, generator=g) for h, t in ((heads, 1), (kv_heads, 9), (kv_heads, 9)))
     mask = torch.rand(3, 1, 1, 9, generator=g) > 0.3

@@ -2,13 +2,13 @@
 import pytest
 import torch
 
-from opd.engine import Engine
-from opd.errors import OpdError
-from opd.kv_cache import KVSpec
-from opd.model import ModelConfig, Transformer
-from opd.plan import LayerPrecision, Plan
-from opd.sampling import SamplingParams
-from opd.weight_quant import (apply_weight_precision, fake_quant, fake_quant_fp8_groups,
+from opd.engines.builtin import Engine
+from opd.io.errors import OpdError
+from opd.numerics.kv_cache import KVSpec
+from opd.models.model import ModelConfig, Transformer
+from opd.numerics.plan import LayerPrecision, Plan
+from opd.engines.sampling import SamplingParams
+from opd.numerics.weight_quant import (apply_weight_precision, fake_quant, fake_quant_fp8_groups,
                               quantize_linear)
 
 CFG = ModelConfig(arch="llama", vocab_size=50, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
@@ -110,7 +110,7 @@ def test_weight_plan_touches_only_chosen_layers_and_keeps_embeddings(model):
 
 
 def _rope(x):
-    from opd.model import rope_cos_sin
+    from opd.models.model import rope_cos_sin
     return rope_cos_sin(torch.arange(x.shape[1]).expand_as(x), CFG)
 
 

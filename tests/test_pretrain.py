@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-import opd.pretrain as pretrain_mod
-from opd.checkpoint import load_checkpoint
-from opd.pretrain import PretrainConfig, evaluate, pretrain, train
+import opd.training.pretrain as pretrain_mod
+from opd.models.checkpoint import load_checkpoint
+from opd.training.pretrain import PretrainConfig, evaluate, pretrain, train
 
 
 def test_pretrain_reduces_loss():

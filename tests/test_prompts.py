@@ -4,13 +4,13 @@ from dataclasses import replace
 
 import pytest
 
-from opd.config_file import build_config
-from opd.errors import OpdError
-from opd.prompts import PromptFormat, PromptSet, held_out_share, read_prompts
-from opd.evaluate import get_scorer
-from opd.scoring import boxed, gsm8k, number
-from opd.task import Example
-from opd.tokenizer import TextTokenizer
+from opd.config.files import build_config
+from opd.io.errors import OpdError
+from opd.data.prompts import PromptFormat, PromptSet, held_out_share, read_prompts
+from opd.training.evaluate import get_scorer
+from opd.data.scoring import boxed, gsm8k, number
+from opd.data.task import Example
+from opd.models.tokenizer import TextTokenizer
 
 
 def write(tmp_path, rows, name="p.jsonl"):

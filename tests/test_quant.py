@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from opd.quant import (FP8_DTYPES, dequantize_fp8, dequantize_int4, dequantize_int8, fp8_max, quantize_fp8,
+from opd.numerics.quant import (FP8_DTYPES, dequantize_fp8, dequantize_int4, dequantize_int8, fp8_max, quantize_fp8,
                        quantize_int4, quantize_int8, safe_scale, truncate_to_fp8_grid)
 
 GAUSS = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 3.0

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from opd.errors import OpdError
-from opd.trainer import train
+from opd.io.errors import OpdError
+from opd.training.trainer import train
 
 from helpers import assert_one_line_error, comparable, config, crash_at, opd, same_as_sync
 
@@ -59,7 +59,7 @@ def kill_actor_at(at_step: int, which: int = 0):
 def test_n_actors_at_staleness_0_are_the_sync_run_with_the_same_shards(cluster, pair, tmp_path):
     """Every step's metrics (mismatch, losses, the exact KL from the actors' hidden states) equal the synchronous
     run that samples each batch as the same two sub-batches in this process."""
-    from opd.runlog import read_metrics
+    from opd.config.runlog import read_metrics
     train(config(pair, plan="kv=fp8_e4m3", sampling={"shards": 2}, save_every=0), tmp_path / "sync", progress=False)
     summary = train(ray_config(pair, async_={"max_staleness": 0}), tmp_path / "ray", progress=False)
     assert summary["steps"] == 6 and summary["async/worker_restarts"] == 0
@@ -71,7 +71,7 @@ def test_the_shards_do_not_depend_on_the_number_of_actors(cluster, pair, tmp_pat
     """Four shards on two actors (shards 0, 2 and 1, 3) equal four shards sampled in this process. (Two prompts a
     shard: with one, an engine in another process, a Ray actor or the process backend's worker alike, gives log-probs
     that differ from this process's in the last bits, tokens equal; dev/LOG.md.)"""
-    from opd.runlog import read_metrics
+    from opd.config.runlog import read_metrics
     train(config(pair, plan="kv=fp8_e4m3", steps=3, batch_size=8, sampling={"shards": 4}, save_every=0),
           tmp_path / "sync", progress=False)
     train(ray_config(pair, steps=3, batch_size=8, sampling={"shards": 4}, async_={"max_staleness": 0}),
@@ -82,13 +82,13 @@ def test_the_shards_do_not_depend_on_the_number_of_actors(cluster, pair, tmp_pat
 def test_the_teacher_on_an_actor_of_its_own_scores_as_the_teacher_here(cluster, pair, tmp_path):
     """ray.teacher: the teacher's forward on a scoring actor, its output layer in the learner: every per-step metric
     (teacher log-probs, losses, gradients) and the held-out reverse KL as with the teacher in the learner."""
-    from opd.runlog import read_metrics
-    from opd.setup import setup
+    from opd.config.runlog import read_metrics
+    from opd.training.setup import setup
     base = {"steps": 3, "batch_size": 8, "async_": {"max_staleness": 0}, "ray": {"workers": 1}}
     train(ray_config(pair, **base), tmp_path / "here", progress=False)
     train(ray_config(pair, **(base | {"ray": {"workers": 1, "teacher": True}})), tmp_path / "actor", progress=False)
     assert comparable(read_metrics(tmp_path / "actor")) == comparable(read_metrics(tmp_path / "here"))
-    from opd.ray_backend import RemoteTeacher
+    from opd.training.ray_backend import RemoteTeacher
     run = setup(ray_config(pair, **(base | {"ray": {"workers": 1, "teacher": True}})))
     assert isinstance(run.teacher, RemoteTeacher)  # the learner keeps the teacher's output layer only
     assert tuple(run.teacher.lm_head.weight.shape) == (run.student.cfg.vocab_size, run.teacher.cfg.hidden_size)
@@ -136,7 +136,7 @@ def test_restarts_used_up_stop_the_run_with_one_line_and_a_checkpoint(cluster, p
 
 
 def test_crash_then_resume_is_the_whole_run(cluster, pair, tmp_path):
-    from opd.runlog import read_metrics
+    from opd.config.runlog import read_metrics
     cfg = ray_config(pair, save_every=3, async_={"max_staleness": 1})
     train(cfg, tmp_path / "whole", progress=False)
     with pytest.raises(RuntimeError, match="simulated crash"):

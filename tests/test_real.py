@@ -7,13 +7,13 @@ import pytest
 import torch
 import transformers
 
-from opd import humaneval, sandbox
-from opd.checkpoint import load_checkpoint, read_config
-from opd.engine import Engine
-from opd.plan import Plan
-from opd.prompts import PromptFormat, read_prompts
-from opd.real_pairs import PAIRS, build_pair, keep_evenly
-from opd.sampling import SamplingParams
+from opd.data import humaneval, sandbox
+from opd.models.checkpoint import load_checkpoint, read_config
+from opd.engines.builtin import Engine
+from opd.numerics.plan import Plan
+from opd.data.prompts import PromptFormat, read_prompts
+from opd.data.real_pairs import PAIRS, build_pair, keep_evenly
+from opd.engines.sampling import SamplingParams
 
 from helpers import opd
 

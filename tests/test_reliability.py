@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from opd.errors import OpdError
-from opd.runlog import read_metrics
-from opd.trainer import train
+from opd.io.errors import OpdError
+from opd.config.runlog import read_metrics
+from opd.training.trainer import train
 
 from helpers import comparable, config
 
@@ -116,7 +116,7 @@ def test_a_full_disk_stops_the_run_cleanly_and_resume_continues(pair, tmp_path, 
 # new one into place (no `checkpoint` folder at all).
 KILL_DURING_SAVE = """
 import os, signal, sys
-import opd.checkpoint as checkpoint
+import opd.models.checkpoint as checkpoint
 where = sys.argv.pop(1)
 saves = []
 write, replace = checkpoint.save_file, checkpoint._replace_dir
@@ -224,7 +224,7 @@ EARLY_SIGNAL = """
 import builtins, os, signal, sys
 real_import = builtins.__import__
 def importing(name, *args, **kwargs):
-    if name == "opd.cli_args":  # opd.cli is importing its subcommands: the signal lands mid-import
+    if name == "opd.cli.args":  # opd.cli is importing its subcommands: the signal lands mid-import
         os.kill(os.getpid(), signal.SIG{sig})
     return real_import(name, *args, **kwargs)
 builtins.__import__ = importing
@@ -337,8 +337,8 @@ def test_a_state_file_carrying_a_pickle_is_refused_and_never_run(pair, tmp_path,
     """A run directory handed over by someone else: its state file is a pickle payload and its manifest was rewritten
     to match (the manifest guards against damage, not against an author). --resume refuses it, and nothing runs."""
     import pickle
-    from opd.checkpoint import MANIFEST
-    from opd.registry import sha256_of as _sha256
+    from opd.models.checkpoint import MANIFEST
+    from opd.io.registry import sha256_of as _sha256
     run_dir, marker = tmp_path / "run", tmp_path / "pwned"
     code, err = cli_outcome(train_args(pair, run_dir, steps=4)[3:], capsys)
     assert code == 0, err

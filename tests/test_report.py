@@ -2,8 +2,8 @@
 embeds every figure. (A folder that is not a run: test_bad_input.py.)"""
 import re
 
-from opd.report import FIGURES
-from opd.trainer import train
+from opd.study.report import FIGURES
+from opd.training.trainer import train
 
 from helpers import config, opd
 

@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from opd.async_rollouts import AsyncRollouts
-from opd.engine import Engine
-from opd.rollouts import Rollouts, SyncRollouts, too_stale
-from opd.vllm_engine import VllmEngine
+from opd.training.async_rollouts import AsyncRollouts
+from opd.engines.builtin import Engine
+from opd.training.rollouts import Rollouts, SyncRollouts, too_stale
+from opd.engines.vllm import VllmEngine
 
 
 SCHEDULES = {"sync": lambda: SyncRollouts(lambda plan: SimpleNamespace(scales={}), None, None, None, 0, False),

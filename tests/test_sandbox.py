@@ -1,4 +1,4 @@
-"""Model-written code against the sandbox (opd/sandbox.py) and the judge (opd/judge.py): each test is a program that
+"""Model-written code against the sandbox (opd/data/sandbox.py) and the judge (opd/data/judge.py): each test is a program that
 tries one way out, or one way to a pass the tests did not give, and checks that it is contained with its reason.
 Programs that probe print PROBES-RAN when every probe ran, so a test cannot pass because its program died early."""
 import json
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_one_line_error, opd
-from opd import humaneval, judge, sandbox
-from opd.errors import OpdError
+from opd.data import humaneval, judge, sandbox
+from opd.io.errors import OpdError
 
 pytestmark = pytest.mark.reliability
 
@@ -327,15 +327,17 @@ def test_the_user_namespace_path_runs_as_an_unprivileged_user(tmp_path):
         pytest.skip("no /usr/bin/python3 to run opd's sandbox as another user")
     copy = Path(tempfile.mkdtemp(dir="/tmp"))
     try:
-        (copy / "opd").mkdir()
-        for name in ("sandbox.py", "errors.py", "judge.py"):
-            (copy / "opd" / name).write_bytes((Path(sandbox.__file__).parent / name).read_bytes())
-        (copy / "opd" / "__init__.py").write_text("")
+        package = Path(sandbox.__file__).parents[1]
+        for name in ("data/sandbox.py", "io/errors.py", "data/judge.py"):
+            (copy / "opd" / name).parent.mkdir(parents=True, exist_ok=True)
+            (copy / "opd" / name).write_bytes((package / name).read_bytes())
+        for folder in ("", "data", "io"):
+            (copy / "opd" / folder / "__init__.py").write_text("")
         (copy / "program.py").write_text(probes(
             "print('uid', os.getuid())", "if os.fork() == 0:\n    os.setsid()\n    os.execvp('sleep', ['sleep', '77.25'])",
             "import socket; socket.create_connection(('1.1.1.1', 53), timeout=1); print('LEAK network')",
             *SCRATCH_PROBES))
-        script = (f"import json, sys; sys.path.insert(0, {str(copy)!r})\nfrom opd import sandbox\n"
+        script = (f"import json, sys; sys.path.insert(0, {str(copy)!r})\nfrom opd.data import sandbox\n"
                   f"done = sandbox.run(open({str(copy / 'program.py')!r}).read())\n"
                   "print(json.dumps([done.returncode, done.output, done.isolation]))\n")
         for path in copy.rglob("*"):

@@ -7,12 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import opd.pretrain as pretrain_mod
-from opd.checkpoint import MANIFEST, manifest_problem
+import opd.training.pretrain as pretrain_mod
+from opd.models.checkpoint import MANIFEST, manifest_problem
 from opd.cli import main
-from opd.errors import OpdError
-from opd.registry import SHIPPED_DIR
-from opd.pretrain import (FAMILIES, ROLES, PretrainConfig, cached_problem, compare_to_shipped, pretrain,
+from opd.io.errors import OpdError
+from opd.io.registry import SHIPPED_DIR
+from opd.training.pretrain import (FAMILIES, ROLES, PretrainConfig, cached_problem, compare_to_shipped, pretrain,
                           shipped_entry, weight_difference)
 
 DEFAULTS = [PretrainConfig(family=f, role=r) for f in FAMILIES for r in ROLES]

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from opd.errors import OpdError
-from opd.sensitivity import layer_map, spread
-from opd.sweep import expand, load_grid, read_results, run_sweep
-from opd.tolerance import band, knees, label, report, table
-from opd.setup import probe_setup
+from opd.io.errors import OpdError
+from opd.study.sensitivity import layer_map, spread
+from opd.study.sweep import expand, load_grid, read_results, run_sweep
+from opd.study.tolerance import band, knees, label, report, table
+from opd.training.setup import probe_setup
 
 from helpers import assert_one_line_error, config, opd
 
@@ -37,10 +37,10 @@ def test_sweep_writes_one_line_per_run_and_resume_skips_finished_runs(pair, tmp_
     assert row["train"]["mismatch/kl_k3"] > 0 and "eval/rkl" in row["after"] and len(row["git"]) >= 7
     assert row["curve"]["step"] == [0, 1]
 
-    import opd.trainer
+    import opd.training.trainer
     trained = []
-    real_train = opd.trainer.train
-    monkeypatch.setattr(opd.trainer, "train", lambda cfg, *a, **k: trained.append(cfg) or real_train(cfg, *a, **k))
+    real_train = opd.training.trainer.train
+    monkeypatch.setattr(opd.training.trainer, "train", lambda cfg, *a, **k: trained.append(cfg) or real_train(cfg, *a, **k))
     assert len(run_sweep(tiny_grid(pair, points), tmp_path, progress=False)) == 3 and trained == []  # all done
     results = tmp_path / "results.jsonl"  # written by an older release: no guard fields, a field since removed,
     old = [r | {"key": "0" * 16,  # and another key scheme
@@ -56,12 +56,12 @@ def test_sweep_writes_one_line_per_run_and_resume_skips_finished_runs(pair, tmp_
 def test_shared_floor_and_first_evaluation_equal_measuring_them_per_run(pair, tmp_path, monkeypatch):
     """A sweep measures the initial evaluation and each seed's BF16 floor once (out/shared.jsonl); a run that reuses
     them gets what measuring them itself gives (the oracle: the same run alone in a fresh folder)."""
-    import opd.sweep_shared
+    import opd.study.sweep_shared
     points = [{"source": "bf16", "level": 0, "set": {"plan": "kv=bf16 w=bf16"}},
               {"source": "kv", "level": "fp8_e5m2", "set": {"plan": "kv=fp8_e5m2"}}]
     floors = []
-    real_measure = opd.sweep_shared.measure
-    monkeypatch.setattr(opd.sweep_shared, "measure", lambda *a, **k: floors.append(1) or real_measure(*a, **k))
+    real_measure = opd.study.sweep_shared.measure
+    monkeypatch.setattr(opd.study.sweep_shared, "measure", lambda *a, **k: floors.append(1) or real_measure(*a, **k))
     shared = run_sweep(tiny_grid(pair, points), tmp_path / "a", progress=False)
     kinds = [json.loads(line)["kind"] for line in (tmp_path / "a" / "shared.jsonl").read_text().splitlines()]
     assert sorted(kinds) == ["before", "floor"] and len(floors) == 1  # one of each for the two runs
@@ -79,21 +79,21 @@ def test_a_signal_during_a_runs_final_evaluation_records_that_run_and_stops_the_
     """SIGTERM while the last evaluation runs: the run finishes and is recorded, the sweep starts no other run (it
     used to be swallowed: the handler acted only between steps), and the next sweep runs only what is left."""
     import signal
-    import opd.trainer
+    import opd.training.trainer
     points = [{"source": "bf16", "level": 0, "set": {"plan": "kv=bf16"}, "seeds": [0, 1]}]
-    real_evaluate = opd.trainer.evaluate
+    real_evaluate = opd.training.trainer.evaluate
 
     def signalled_evaluate(run, cfg):
         if run.state.step == cfg.steps:
             os.kill(os.getpid(), signal.SIGTERM)
         return real_evaluate(run, cfg)
-    monkeypatch.setattr(opd.trainer, "evaluate", signalled_evaluate)
-    with pytest.raises(opd.trainer.Interrupted) as stopped:
+    monkeypatch.setattr(opd.training.trainer, "evaluate", signalled_evaluate)
+    with pytest.raises(opd.training.trainer.Interrupted) as stopped:
         run_sweep(tiny_grid(pair, points), tmp_path, progress=False)
     assert stopped.value.signum == signal.SIGTERM and stopped.value.summary["steps"] == 2
     assert [r["id"] for r in read_results(tmp_path / "results.jsonl")] == ["llama/full_rkl/bf16=0/seed0"]
     assert not (tmp_path / "runs" / "llama__full_rkl__bf16=0__seed1").exists()
-    monkeypatch.setattr(opd.trainer, "evaluate", real_evaluate)
+    monkeypatch.setattr(opd.training.trainer, "evaluate", real_evaluate)
     rows = run_sweep(tiny_grid(pair, points), tmp_path, progress=False)
     assert [r["id"] for r in rows] == ["llama/full_rkl/bf16=0/seed0", "llama/full_rkl/bf16=0/seed1"]
 
@@ -102,7 +102,7 @@ def test_a_signal_during_a_runs_final_evaluation_records_that_run_and_stops_the_
 def test_a_run_another_sweep_is_writing_is_skipped_and_run_later(pair, tmp_path, capsys):
     """Two sweeps may share one results file; a run whose folder another process holds (RunLock) is skipped with a
     note, not run twice into one folder, and the next sweep runs it."""
-    from opd.runlog import RunLock
+    from opd.config.runlog import RunLock
     points = [{"source": "bf16", "level": 0, "set": {"plan": "kv=bf16"}, "seeds": [0, 1]}]
     held = tmp_path / "runs" / "llama__full_rkl__bf16=0__seed0"
     with RunLock(held):  # as if another sweep were running it now
@@ -120,9 +120,9 @@ def test_warm_probe_reuses_one_set_up_and_measures_the_student_after_k_bf16_step
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     import warm_probe
     from dataclasses import replace
-    from opd.checkpoint import load_checkpoint
-    from opd.probe import probe
-    from opd.trainer import train
+    from opd.models.checkpoint import load_checkpoint
+    from opd.admission.probe import probe
+    from opd.training.trainer import train
     grid = tiny_grid(pair, [{"source": "bf16", "level": 0, "set": {"plan": "forward=bf16 kv=bf16"}},
                             {"source": "kv", "level": "fp8_e5m2", "set": {"plan": "forward=bf16 kv=fp8_e5m2"}}])
     out = tmp_path / "warm.jsonl"

@@ -1,8 +1,8 @@
 import random
 
-from opd.task import (TASKS, AdditionTask, ChainTask, extract_answer, held_out_examples, is_correct, is_held_out,
+from opd.data.task import (TASKS, AdditionTask, ChainTask, extract_answer, held_out_examples, is_correct, is_held_out,
                       train_examples)
-from opd.tokenizer import TextTokenizer
+from opd.models.tokenizer import TextTokenizer
 
 
 def test_extract_answer():

@@ -6,18 +6,18 @@ import math
 import pytest
 import torch
 
-from opd.chunked import Source, output_layer
-from opd.errors import OpdError
-from opd.learner import Scoring, completion_hidden, completion_logprobs, score_batch
-from opd.losses import opd_loss
-from opd.metrics import teacher_mismatch_metrics
-from opd.plan import Plan
-from opd.runlog import read_metrics
-from opd.sampling import SamplingParams
-from opd.sections import LossConfig
-from opd.teacher import (BuiltinTeacher, CheckedTeacher, LocalTeacher, Sparse, TopK, TopKTeacher, check_rows, keep_topk,
+from opd.training.chunked import Source, output_layer
+from opd.io.errors import OpdError
+from opd.training.learner import Scoring, completion_hidden, completion_logprobs, score_batch
+from opd.training.losses import opd_loss
+from opd.health.metrics import teacher_mismatch_metrics
+from opd.numerics.plan import Plan
+from opd.config.runlog import read_metrics
+from opd.engines.sampling import SamplingParams
+from opd.config.sections import LossConfig
+from opd.training.teacher import (BuiltinTeacher, CheckedTeacher, LocalTeacher, Sparse, TopK, TopKTeacher, check_rows, keep_topk,
                          make_teacher, sequences)
-from opd.trainer import train
+from opd.training.trainer import train
 
 from helpers import assert_one_line_error, batch_of, config, opd, tiny
 
@@ -198,7 +198,7 @@ THRESHOLDS = {"metric": "nsr", "classes": {"full": {"max": 0.5, "reject": 0.8, "
 @pytest.mark.parametrize("teacher_nsr,verdict", [(0.05, "ADMIT"), (0.15, "UNCERTAIN"), (0.3, "REJECT"),
                                                  (math.nan, "REJECT")])
 def test_decide_judges_the_teacher_side_by_its_own_limit(teacher_nsr, verdict):
-    from opd.admission import decide_numbers
+    from opd.health.rules import decide_numbers
     numbers = {"nsr": 0.01, "teacher_nsr": teacher_nsr, "teacher_kl_k3": 0.002}
     decision = decide_numbers(numbers, THRESHOLDS, "full")
     assert decision.verdict == verdict and decision.value == 0.01  # the student side's value stays the headline
@@ -207,7 +207,7 @@ def test_decide_judges_the_teacher_side_by_its_own_limit(teacher_nsr, verdict):
 
 
 def test_decide_without_teacher_thresholds_uses_the_student_side_limit_and_says_so():
-    from opd.admission import decide_numbers
+    from opd.health.rules import decide_numbers
     student_only = {"metric": "nsr", "classes": THRESHOLDS["classes"]}
     decision = decide_numbers({"nsr": 0.01, "teacher_nsr": 0.3}, student_only, "full")
     assert decision.verdict == "ADMIT" and "no teacher-side calibration" in " ".join(decision.reasons)
@@ -217,7 +217,7 @@ def test_decide_without_teacher_thresholds_uses_the_student_side_limit_and_says_
 def test_calibrate_keeps_the_two_sides_apart():
     """Teacher-side rows (their rollouts at the floor) calibrate the teacher entry only; the student side's cut is
     the one the other rows give."""
-    from opd.thresholds import calibrate
+    from opd.health.thresholds import calibrate
     def row(nsr, teacher_nsr, degraded, **cfg):
         probe = {"nsr": nsr, "floor_nsr": 0.01} | ({"teacher_nsr": teacher_nsr} if teacher_nsr is not None else {})
         return {"class": "full", "staleness": 0, "probe": probe, "degraded": degraded,
@@ -264,7 +264,7 @@ def test_the_guard_watches_the_teacher_side(pair, tmp_path, action):
             train(cfg, tmp_path / "r", progress=False)
     else:
         train(cfg, tmp_path / "r", progress=False)
-    from opd.runlog import read_guard_events
+    from opd.config.runlog import read_guard_events
     events = read_guard_events(tmp_path / "r")
     assert events and all(e["side"] == "teacher" and e["action"] == ("stop" if action == "stop" else "warn")
                           for e in events)
@@ -278,7 +278,7 @@ def test_resume_with_a_calibrated_teacher_engine_is_exact(pair, tmp_path, monkey
     """A crash in step 4 of a run whose teacher engine calibrates its FP8 KV scales on its first batch: the resumed
     run loads those scales with the checkpoint and logs exactly the uninterrupted run's metrics (without them the
     first batch after the resume would calibrate other scales)."""
-    import opd.trainer as trainer
+    import opd.training.trainer as trainer
     from helpers import comparable
     cfg = config(pair, teacher=dict(engine="builtin", plan="kv=fp8_e4m3 kv_scale=calibrate", check=0.5))
     train(cfg, tmp_path / "straight", progress=False)

@@ -10,16 +10,16 @@ import pytest
 import torch
 import yaml
 
-from opd import trainer
-from opd.checkpoint import save_checkpoint
-from opd.config_file import load_config, parse_overrides
-from opd.engine import Engine
-from opd.errors import OpdError
-from opd.learner import collate, completion_logprobs, token_logprobs
-from opd.runlog import read_metrics
-from opd.sampling import SamplingParams
-from opd.setup import probe_setup, setup as make_run
-from opd.trainer import run_step, train
+from opd.training import trainer
+from opd.models.checkpoint import save_checkpoint
+from opd.config.files import load_config, parse_overrides
+from opd.engines.builtin import Engine
+from opd.io.errors import OpdError
+from opd.training.learner import collate, completion_logprobs, token_logprobs
+from opd.config.runlog import read_metrics
+from opd.engines.sampling import SamplingParams
+from opd.training.setup import probe_setup, setup as make_run
+from opd.training.trainer import run_step, train
 
 from helpers import comparable, config, opd
 
@@ -44,10 +44,10 @@ def test_bf16_rollouts_have_a_small_measured_mismatch(pair, tmp_path):
 def test_engine_compile_reaches_the_rollout_engines_that_sample_for_training(pair, tmp_path, monkeypatch):
     """Wiring only (test_engine checks the compiled engine's numerics): `engine_compile` compiles the sync
     engine, the guard's fallback engine and the async worker's, and not the admission probe's short-lived ones."""
-    import opd.engine
+    import opd.engines.builtin
     compiled = []
-    monkeypatch.setattr(opd.engine, "compiled_forward",
-                        lambda model: compiled.append(model) or partial(opd.engine.next_token_logits, model))
+    monkeypatch.setattr(opd.engines.builtin, "compiled_forward",
+                        lambda model: compiled.append(model) or partial(opd.engines.builtin.next_token_logits, model))
     cfg = config(pair, steps=2, engine=dict(compile=True), guard=dict(every=1, action="fallback", limit=1e-12),
                  plan="kv=int8 kv_scale=calibrate")
     train(cfg, tmp_path / "run", progress=False)
@@ -64,7 +64,7 @@ def test_engine_compile_reaches_the_rollout_engines_that_sample_for_training(pai
 def test_trainer_q_equals_engine_mu_at_full_precision(pair):
     """The learner's recomputation (right-padded, one forward) matches the engine's sampled log-probs."""
     student, _ = pair
-    from opd.checkpoint import load_checkpoint
+    from opd.models.checkpoint import load_checkpoint
     model, tok = load_checkpoint(student)
     rollouts = Engine(model, tok.stop_ids, tok.pad_id).generate([[1, 20, 21], [1, 22, 23, 24, 25]], SamplingParams(12),
                                                               torch.Generator().manual_seed(0))
@@ -106,7 +106,7 @@ def test_nan_loss_is_skipped_counted_and_stops_the_run(pair, tmp_path):
     """A teacher whose logits are not finite: every step is skipped and counted, max_bad_steps stop the run."""
     student, teacher = pair
     bad = tmp_path / "overflowing_teacher"  # finite weights whose logits overflow (NaN weights are refused at load)
-    from opd.checkpoint import load_checkpoint
+    from opd.models.checkpoint import load_checkpoint
     model, tok = load_checkpoint(teacher)
     with torch.no_grad():
         model.norm.weight[:] = 3e38

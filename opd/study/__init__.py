@@ -1,0 +1,1 @@
+"""Studies: sweeps, tolerance, sensitivity, fidelity, reports."""

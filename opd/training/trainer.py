@@ -1,0 +1,320 @@
+"""The OPD training loop: the reference that every schedule must reproduce.
+
+One step: the rollouts (rollouts.py: an engine in this process, or the async worker; the loop does not ask which)
+give a batch sampled by the student's published weights under the precision plan -> the teacher scores every
+generated token in full precision -> the learner recomputes the student's log-probs in full precision -> loss
+(losses.py) -> optimizer step -> the rollouts receive the new weights and version. The learner needs `q` (the weights
+that sampled) and `pi` (the current weights): in the synchronous schedule one forward gives both (staleness is zero by
+construction); the async worker sends `q` with each batch, so numerics mismatch and staleness are measured apart.
+
+Every step logs the mismatch between the rollout engine and the trainer (`mu` vs `q`, metrics.py), the distortion of
+the OPD signal, the loss, gradient norm, lengths and the time split; every `eval.every` steps, held-out accuracy
+(greedy and sampled) and reverse KL to the teacher. A step whose loss or gradient is not finite is skipped and
+counted; `max_bad_steps` in a row stop the run. A checkpoint (HF folder + optimizer, engine scales, async batches and
+the counters) is written every `save_every` steps, at the end, on SIGINT/SIGTERM (at the next step boundary) and when
+the run stops with an error; `resume` continues from it exactly. The runtime guard (guard.py) checks the live
+mismatch every `guard.every` steps and may switch the rollouts to a safer plan (`Rollouts.set_plan`). Loading the
+pair and building the run's parts is setup.py.
+"""
+import json
+import math
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from opd.config.run import TrainConfig
+from opd.models.devices import autocast_dtype, restored_threads
+from opd.io.errors import OpdError
+from opd.training.evaluate import greedy_accuracy, sampled_quality
+from opd.training.learner import Scores, Scoring, collate, numerics_mu, score_batch
+from opd.health.metrics import masked_mean
+from opd.health.metrics import (exact_kl_metric, noise_to_signal, rollout_health, rollout_metrics, staleness_metrics,
+                         teacher_mismatch_metrics, truncation_metrics)
+from opd.models.model import Transformer
+from opd.numerics.plan import Plan
+from opd.training.resume import check_resume, load_state, save_state
+from opd.config.runlog import RunLock, RunLog, check_run_dir, check_same_run, clear_run_dir, read_metrics, save_config, \
+    write_atomic
+from opd.training.setup import Run, setup
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then constant or cosine decay to a tenth of the peak at `steps`."""
+    if step < cfg.optim.warmup_steps:
+        return cfg.optim.lr * (step + 1) / cfg.optim.warmup_steps
+    if cfg.optim.schedule == "constant":
+        return cfg.optim.lr
+    frac = min(1.0, (step - cfg.optim.warmup_steps) / max(1, cfg.steps - cfg.optim.warmup_steps))
+    return cfg.optim.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+
+
+def evaluate(run: Run, cfg: TrainConfig) -> dict:
+    """Held-out quality of the learner at full precision (the rollout plan is not used here) on the run's held-out
+    examples (prompts.py): greedy (unless eval.greedy is off) and sampled accuracy under `scoring` (none: no
+    accuracy), and the reverse KL to the teacher and the entropy on the student's own samples."""
+    student, teacher, tok, start = run.student, run.teacher.trainer, run.tok, time.perf_counter()
+    examples = run.prompts.held_out
+    batch_size = cfg.eval.batch_size  # 0: chunked.chunk_size (all 500 prompts at once at the built-in vocabulary)
+    greedy = greedy_accuracy(student, tok, examples, cfg.new_tokens, batch_size, scoring=cfg.data.scoring) \
+        if cfg.eval.greedy else {"eval/n": len(examples)}
+    sampled = sampled_quality(student, teacher, tok, examples, cfg.new_tokens, cfg.seed + 1, run.params,
+                              batch_size, cfg.compute.micro_batch_size, cfg.compute.chunk_tokens, cfg.data.scoring,
+                              autocast_dtype(cfg.compute.dtype))
+    return {**{k: v for k, v in greedy.items() if k in ("eval/accuracy", "eval/truncated", "eval/n", "eval/scored")}, **sampled,
+            "time/eval": time.perf_counter() - start}
+
+
+def step_metrics(batch, scores: Scores, cfg: TrainConfig, version: int) -> dict:
+    """Mismatch, importance-weight, distortion, staleness and length metrics of one batch (no gradients).
+    scores.pi [B, N]: the current learner's log-probs of the sampled tokens. q, under the weights that sampled, comes
+    with the rows that carry it (async); a row sampled by the current weights has q = pi; the q-based metrics cover
+    the rows where q is known (all of them, unless async recomputes only a fraction)."""
+    pi, t_y = scores.pi, scores.teacher
+    truncates = cfg.sampling.truncates
+    mu, mask = numerics_mu(batch, truncates), batch.mask
+    current = torch.tensor([v == version for v in batch.versions])
+    carried = batch.has_q if batch.has_q is not None else torch.zeros_like(current)
+    q = torch.where(carried[:, None], batch.q, pi) if batch.q is not None else pi
+    known = mask & (carried | current)[:, None]
+    out = {**rollout_health(t_y, mu, q, known, cfg.loss.cap), **staleness_metrics(batch.versions, version, q, pi,
+                                                                                  known, mu, mask)}
+    out["stale/total_nsr"] = noise_to_signal(t_y, mu, pi, mask)
+    if batch.kl_exact is not None:
+        out["mismatch/kl_exact"] = masked_mean(batch.kl_exact.double(), mask & carried[:, None]).item()
+    elif scores.kl_exact is not None and (known & ~carried[:, None]).any():
+        out |= exact_kl_metric(scores.kl_exact, known)
+    if truncates:
+        out |= truncation_metrics(batch.mu, batch.raw, mask)
+    lengths = batch.mask.sum(1).tolist()
+    return out | rollout_metrics(lengths, [n >= cfg.new_tokens for n in lengths])
+
+
+def teacher_side_metrics(check, batch, scores: Scores) -> dict:
+    """teacher_mismatch/* (metrics.py) on the rollouts the trainer's teacher checked; the engine's tail mass over the
+    whole batch."""
+    tails = {"teacher_mismatch/tail_mass": scores.teacher_tails.double().mean().item()} \
+        if scores.teacher_tails is not None and scores.teacher_tails.numel() else {}
+    n = check.rows
+    if not n:
+        return tails
+    trainer, kl_exact = check.result()
+    return teacher_mismatch_metrics(scores.teacher[:n], trainer, scores.pi[:n], batch.mask[:n], kl_exact) | tails | \
+        {"time/teacher_check": check.seconds}
+
+
+def train_step(student: Transformer, teacher, opt: torch.optim.Optimizer, batch, cfg: TrainConfig,
+               lr: float, version: int, rollout=None) -> tuple[dict, bool]:
+    """One learner update on a batch of rollouts -> (metrics, whether the update was applied). teacher: who scores
+    for the teacher (teacher.Teacher; a served one is checked against the trainer's on the batch's first rows).
+    rollout: hidden rows -> the engine's log-probs, for the exact KL (sync, builtin engine)."""
+    start = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    served = teacher is not teacher.trainer
+    check = teacher.begin(batch.tokens.shape[0]) if served else None
+    scores = score_batch(student, batch, teacher, Scoring.of(cfg), rollout, backward=True)
+    metrics = dict(scores.metrics)
+    ok = math.isfinite(scores.loss)
+    if ok:
+        grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.optim.grad_clip).item()
+        ok = math.isfinite(grad_norm)
+        metrics["train/grad_norm"] = grad_norm
+    if ok:
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+    with torch.no_grad():
+        metrics |= step_metrics(batch, scores, cfg, version)
+        if check is not None:
+            metrics |= teacher_side_metrics(check, batch, scores)
+    metrics |= {"train/lr": lr, "time/teacher": scores.teacher_seconds,
+                "time/train": time.perf_counter() - start - scores.teacher_seconds}
+    return metrics, ok
+
+
+def run_step(run: Run) -> dict:
+    """Step `run.state.step`: sample, score, update, publish. Returns the step's metrics."""
+    cfg, state = run.cfg, run.state
+    start = time.perf_counter()
+    sampled = run.rollouts.next_batch(state.step, state.version)
+    rollouts, sample_metrics, rollout = sampled.rollouts, sampled.metrics, sampled.engine_logprobs
+    batch = collate(rollouts, run.tok.pad_id)
+    metrics, ok = train_step(run.student, run.teacher, run.opt, batch, cfg, lr_at(state.version, cfg), state.version,
+                             rollout)
+    state.step += 1
+    if ok:
+        state.version += 1
+        state.bad_steps = 0
+        sync = time.perf_counter()
+        run.rollouts.publish(run.student.state_dict(), state.version)
+        metrics["time/sync"] = time.perf_counter() - sync
+    else:
+        state.bad_steps += 1
+        state.skipped += 1
+    elapsed = time.perf_counter() - start
+    return metrics | sample_metrics | {"train/skipped_steps": state.skipped, "train/version": state.version,
+                                        "time/step": elapsed,
+                      "throughput/tokens_per_s": batch.num_tokens / elapsed}
+
+
+def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool = False,
+          progress: bool = True, on_step=None, before: dict | None = None) -> dict:
+    """Run (or continue) one OPD run in run_dir; returns the summary (also written to summary.json).
+    on_step(step, run), if given, is called after each logged step (tests use it to inject faults). before, if given,
+    is the initial student's held-out evaluation, measured earlier (a sweep shares it across runs): not measured again.
+    The run directory is locked for this process (runlog.RunLock) and its rules are checked before the models load;
+    a resume is checked against the checkpoint (check_resume) before anything is written, so a refused command leaves
+    the folder as it was."""
+    run_dir = Path(run_dir)
+    with RunLock(run_dir), restored_threads():  # setup sets the run's thread count; the caller's comes back
+        check_run_dir(run_dir, resume, overwrite)
+        run = setup(cfg)
+        cfg = run.cfg  # with the sampling settings resolved (config.resolve_generation): what is saved and compared
+        try:
+            saved = {}
+            if resume:
+                check_same_run(run_dir, cfg)
+                run.state, saved = load_state(run_dir, run)
+                check_resume(run_dir, cfg, run.state)
+            elif overwrite:
+                clear_run_dir(run_dir)
+            save_config(run_dir, cfg)
+            run.rollouts.start(run.student.state_dict(), run.state.version, saved)
+            return _train(run, cfg, run_dir, progress, on_step, before)
+        finally:
+            run.rollouts.close()
+            run.teacher.close()
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM during training. at_boundary: raised between two steps, where the state is consistent and is
+    saved; else a second signal that stopped a step midway (nothing is saved: the last checkpoint stands). summary:
+    the signal came during the final evaluation, which finished, so the run is complete and this is its summary (a
+    sweep records it, then stops instead of starting the next run)."""
+
+    def __init__(self, signum: int, at_boundary: bool, summary: dict | None = None):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.at_boundary, self.summary = signum, at_boundary, summary
+
+
+@contextmanager
+def step_boundary_signals():
+    """SIGINT (Ctrl-C) and SIGTERM stop training at the next step boundary: a signal only marks the stop, and the loop
+    raises `Interrupted` once the step's metrics are logged, so the saved state and metrics.jsonl agree and --resume
+    continues exactly (a step cut midway could leave the optimizer updated and the step unlogged). A second signal stops
+    at once, without saving. Yields the list of signals received. Only the main thread can install handlers; elsewhere
+    signals keep their default behaviour."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum, frame):
+        if received:
+            raise Interrupted(signum, at_boundary=False)
+        received.append(signum)
+        print(f"\nopd: {signal.Signals(signum).name}: stopping after this step and saving (again: stop at once)",
+              file=sys.stderr)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def fall_back(run: Run, plan: Plan) -> None:
+    """The guard's `fallback`: plan from now on (recorded in the state, so a resumed run keeps it)."""
+    run.state.fallback, run.state.fallback_plan = True, str(plan)
+    run.use_plan(plan)
+
+
+def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step, before: dict | None) -> dict:
+    log = RunLog(run_dir, run.state.step)
+    run.guard.resume(run_dir, run.state.step)
+    if run.state.step > 0:
+        before = _first_eval(run_dir)
+    elif before is None:
+        before = evaluate(run, cfg)
+    bar = tqdm(range(run.state.step, cfg.steps), desc=f"opd {cfg.family if not cfg.student else 'train'}",
+               disable=not progress, initial=run.state.step, total=cfg.steps)
+    with step_boundary_signals() as received:
+        return _loop(run, cfg, run_dir, on_step, log, before, bar, received)
+
+
+def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, before, bar, received) -> dict:
+    """The steps, then the final evaluation and the summary. On an error or a signal the state is saved only where it
+    agrees with the log (every step the state has taken is logged): otherwise the last checkpoint stands."""
+    last_eval, logged = before, run.state.step
+    try:
+        for step in bar:
+            metrics = dict(before) if step == 0 else {}
+            if step > 0 and cfg.eval.every and step % cfg.eval.every == 0:
+                metrics |= (last_eval := evaluate(run, cfg))
+            metrics |= run_step(run)
+            if run.guard.observe(step, metrics):
+                try:
+                    out, safer = run.guard.check(step, run.plan, run_dir)
+                    metrics |= out
+                    if safer is not None:
+                        fall_back(run, safer)
+                except OpdError:  # guard.action stop (or the fallback failed): the step was taken; log it, then stop
+                    log.write(step, metrics)
+                    logged = step + 1
+                    raise
+            log.write(step, metrics)
+            logged = step + 1
+            bar.set_postfix(rkl=f"{metrics['loss/rkl_sampled']:.4f}", kl_k3=f"{metrics.get('mismatch/kl_k3', 0):.1e}",
+                            acc=f"{last_eval['eval/accuracy']:.3f}" if last_eval and isinstance(
+                                last_eval.get("eval/accuracy"), float) else "-")
+            if run.state.bad_steps >= cfg.max_bad_steps:
+                raise OpdError(f"the loss or gradient was not finite for {run.state.bad_steps} steps in a row "
+                               f"(last at step {step})", "lower lr, check the checkpoints for NaN/Inf weights, "
+                               "or raise max_bad_steps")
+            if cfg.save_every and run.state.step % cfg.save_every == 0 and run.state.step < cfg.steps:
+                log.sync()  # the log reaches the disk before the checkpoint that counts its steps
+                save_state(run_dir, run)
+            if on_step is not None:
+                on_step(step, run)
+            if received:
+                raise Interrupted(received[0], at_boundary=True)
+    except (Interrupted, OpdError) as e:
+        interrupted = isinstance(e, Interrupted)
+        try:
+            if run.state.step == logged and not (interrupted and not e.at_boundary):
+                log.sync()
+                # at a step boundary after a signal: exactly, with the async batches in flight collected; after an
+                # error (the worker may be gone): what has arrived
+                save_state(run_dir, run, wait=interrupted)
+        except OpdError:
+            pass  # cannot save either (the disk is full): the first error is the one to report
+        finally:
+            log.close()
+        raise
+    after = evaluate(run, cfg)
+    log.write(cfg.steps, after)
+    log.close()
+    save_state(run_dir, run, wait=False)
+    summary = {"before": before, "after": after, "steps": run.state.step, "skipped_steps": run.state.skipped,
+               "plan": str(run.plan), "schedule": cfg.schedule, "guard_fallback": run.state.fallback,
+               **_seconds(read_metrics(run_dir))}
+    summary |= {f"async/{k}": v for k, v in run.rollouts.counts.items()}
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
+    if received:  # it came during the final evaluation: the run is complete; whoever called train stops here
+        raise Interrupted(received[0], at_boundary=True, summary=summary)
+    return summary
+
+
+def _first_eval(run_dir: Path) -> dict | None:
+    rows = read_metrics(run_dir)
+    return {k: v for k, v in rows[0].items() if k.startswith("eval/")} if rows else None
+
+
+def _seconds(rows: list[dict]) -> dict:
+    return {key: sum(row.get(key) or 0 for row in rows) for key in ("time/step", "time/eval")}
