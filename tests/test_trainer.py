@@ -253,3 +253,17 @@ def test_a_checkpoints_sampling_defaults_do_not_reach_training(pair, tmp_path, c
 def test_vllm_with_truncated_sampling_is_refused(pair):
     with pytest.raises(OpdError, match="engine vllm with sampling.top_k 0 / top_p 0.9.*use engine builtin"):
         config(pair, engine=dict(name="vllm"), sampling=dict(top_p=0.9))
+
+
+def test_the_per_parameter_adamw_step_equals_the_multi_tensor_one(pair, tmp_path, monkeypatch):
+    """setup uses AdamW(foreach=False) for its memory; the runs it gives are the multi-tensor step's, to the bit."""
+    rows, real, made = {}, torch.optim.AdamW, []
+    for foreach in (True, False):
+        def adamw(*args, forced=foreach, **kwargs):
+            made.append(real(*args, **{**kwargs, "foreach": forced}))
+            return made[-1]
+        monkeypatch.setattr(torch.optim, "AdamW", adamw)
+        train(config(pair, steps=4, plan="kv=fp8_e4m3", optim=dict(lr=1e-2)), tmp_path / str(foreach), progress=False)
+        rows[foreach] = comparable(read_metrics(tmp_path / str(foreach)))
+    assert [opt.defaults["foreach"] for opt in made] == [True, False]
+    assert rows[True] == rows[False] and len(rows[True]) == 5
