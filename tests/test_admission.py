@@ -535,9 +535,9 @@ def test_the_guard_judges_the_numerics_not_the_staleness(pair, tmp_path):
 
 
 def test_the_shipped_thresholds_are_the_calibration_of_the_stored_studies():
-    """Every stored study (benchmarks/admission.py's STUDIES), each labelled against its own BF16 seeds."""
+    """Every stored study (studies/admission.py's STUDIES), each labelled against its own BF16 seeds."""
     import importlib.util
-    path = Path(__file__).parents[1] / "benchmarks" / "admission.py"
+    path = Path(__file__).parents[1] / "studies" / "admission.py"
     spec = importlib.util.spec_from_file_location("admission_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -547,13 +547,13 @@ def test_the_shipped_thresholds_are_the_calibration_of_the_stored_studies():
 
 
 def test_the_ceiling_equals_a_brute_force_over_every_rule():
-    """benchmarks/admission.py's ceiling (matrix products over cuts, a shared admitted-and-degraded budget) against
+    """studies/admission.py's ceiling (matrix products over cuts, a shared admitted-and-degraded budget) against
     enumerating every rule of its kind on small random data: per class every pair of statistics, directions and
     cuts, the staleness runs every drift cut, and every way of sharing the budget out."""
     import importlib.util
     import itertools
     import random
-    path = Path(__file__).parents[1] / "benchmarks" / "admission.py"
+    path = Path(__file__).parents[1] / "studies" / "admission.py"
     spec = importlib.util.spec_from_file_location("admission_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -610,7 +610,7 @@ def test_admission_benchmark_quick_mode():
     the goal only fitted to the runs it decides), and the check's cost."""
     import subprocess
     import sys
-    script = Path(__file__).parents[1] / "benchmarks" / "admission.py"
+    script = Path(__file__).parents[1] / "studies" / "admission.py"
     out = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     result = dict(kv.split("=") for kv in out.stdout.strip().splitlines()[-1].split()[1:])
@@ -628,11 +628,11 @@ def test_admission_benchmark_quick_mode():
 
 
 def test_outlier_training_benchmark_quick_mode():
-    """The stored runs under outlier keys (benchmarks/outlier_training.py): the shipped thresholds (calibrated on
+    """The stored runs under outlier keys (studies/outlier_training.py): the shipped thresholds (calibrated on
     them too since issue 22) admit none of the degraded ones (docs/admission.md)."""
     import subprocess
     import sys
-    script = Path(__file__).parents[1] / "benchmarks" / "outlier_training.py"
+    script = Path(__file__).parents[1] / "studies" / "outlier_training.py"
     out = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     result = dict(kv.split("=") for kv in out.stdout.strip().splitlines()[-1].split()[1:])
@@ -640,7 +640,7 @@ def test_outlier_training_benchmark_quick_mode():
 
 
 def test_staleness_training_benchmark_quick_mode():
-    """The stored staleness runs at lr 1e-3 (benchmarks/staleness_training.py), decided with the shipped thresholds
+    """The stored staleness runs at lr 1e-3 (studies/staleness_training.py), decided with the shipped thresholds
     (in sample since issue 22; the drift budget admits all of them, and with configuration-level labels, since
     2026-12-04, every configuration trained fine: the two seeds that alone were past the band are one of three):
     the counts docs/admission.md quotes. The runs whose old guard windows were over the limit trained fine, and the
@@ -649,12 +649,12 @@ def test_staleness_training_benchmark_quick_mode():
     import sys
     from opd.study.sweep import read_results
     root = Path(__file__).parents[1]
-    out = subprocess.run([sys.executable, root / "benchmarks" / "staleness_training.py", "--quick"],
+    out = subprocess.run([sys.executable, root / "studies" / "staleness_training.py", "--quick"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     result = dict(kv.split("=") for kv in out.stdout.strip().splitlines()[-1].split()[1:])
     assert result == {"agreement": "1.000", "runs": "20", "admitted_degraded": "0", "rejected_fine": "0"}
-    stale = [r for r in read_results(root / "benchmarks" / "data" / "staleness_results.jsonl")
+    stale = [r for r in read_results(root / "studies" / "data" / "staleness_results.jsonl")
              if r["source"] == "staleness"]
     assert len(stale) == 20 and all(r["train"]["opd/nsr"] < 0.01 for r in stale)
     assert max(r["train"]["stale/total_nsr"] for r in stale) > 0.3
@@ -665,7 +665,7 @@ def test_outlier_keys_keep_the_function_and_break_fixed_scale_fp8_kv(pair, tmp_p
     """A function-preserving outlier (stress.py): the same logits at full precision, keys past FP8 e4m3's largest
     value (448) in the cache. The probe must see what that does: FP8 with vLLM's fixed scale 1.0 saturates and its
     mismatch jumps; calibrated FP8 scales keep it where it was without the outlier; int8's uniform grid, calibrated
-    on the outlier, loses the other channels. (The decisions on the built-in pairs: benchmarks/outlier_keys.py.)"""
+    on the outlier, loses the other channels. (The decisions on the built-in pairs: studies/outlier_keys.py.)"""
     import copy
     import torch
     from opd.numerics.kv_cache import KVCache

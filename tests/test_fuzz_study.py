@@ -45,7 +45,7 @@ points:
 
 def study_rows() -> bytes:
     """A slice of a stored study: one family, two estimators, every source (BF16 seeds included), as written."""
-    lines = (ROOT / "benchmarks" / "data" / "numerics_results.jsonl").read_text().splitlines()
+    lines = (ROOT / "studies" / "data" / "numerics_results.jsonl").read_text().splitlines()
     kept = [line for line in lines if json.loads(line)["family"] == "llama"
             and json.loads(line)["estimator"] in ("full_rkl", "sampled_mu")]
     return ("\n".join(kept) + "\n").encode()

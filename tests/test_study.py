@@ -114,10 +114,10 @@ def test_a_run_another_sweep_is_writing_is_skipped_and_run_later(pair, tmp_path,
 
 
 def test_warm_probe_reuses_one_set_up_and_measures_the_student_after_k_bf16_steps(pair, tmp_path):
-    """benchmarks/warm_probe.py: at K = 0 its probes, measured on one shared set-up, are those of a probe per run
+    """studies/warm_probe.py: at K = 0 its probes, measured on one shared set-up, are those of a probe per run
     (the oracle); at K > 0 on the student of a BF16 run of the same recipe stopped after K steps;
     a second call measures nothing again."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).parents[1] / "studies"))
     import warm_probe
     from dataclasses import replace
     from opd.models.checkpoint import load_checkpoint
@@ -146,7 +146,7 @@ def test_warm_probe_reuses_one_set_up_and_measures_the_student_after_k_bf16_step
 
 def test_a_torn_last_line_is_ignored(tmp_path, capsys):
     path = tmp_path / "results.jsonl"
-    row = json.loads((Path(__file__).parent.parent / "benchmarks/data/numerics_results.jsonl").read_text().splitlines()[0]) | {"id": "a"}
+    row = json.loads((Path(__file__).parent.parent / "studies/data/numerics_results.jsonl").read_text().splitlines()[0]) | {"id": "a"}
     path.write_text(json.dumps(row) + "\n" + '{"id": "b", "ke')
     assert [r["id"] for r in read_results(path)] == ["a"]
     assert "not a complete JSON line" in capsys.readouterr().err
@@ -264,10 +264,10 @@ def test_sensitivity_cli(pair, tmp_path):
 
 
 def test_transfer_benchmark_reads_the_stored_studies():
-    """benchmarks/transfer.py: the real pair's tolerance beside the toy pairs' from the stored results (seconds)."""
+    """studies/transfer.py: the real pair's tolerance beside the toy pairs' from the stored results (seconds)."""
     import subprocess
     import sys
-    script = Path(__file__).parents[1] / "benchmarks" / "transfer.py"
+    script = Path(__file__).parents[1] / "studies" / "transfer.py"
     out = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     result = dict(kv.split("=") for kv in out.stdout.strip().splitlines()[-1].split()[1:])

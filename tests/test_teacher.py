@@ -310,11 +310,11 @@ def test_async_at_staleness_0_with_a_teacher_engine_is_the_sync_run(pair, tmp_pa
 
 
 def test_teacher_study_benchmark_quick_mode():
-    """The stored teacher study (benchmarks/teacher_study.py --quick): the numbers docs/teacher.md quotes."""
+    """The stored teacher study (studies/teacher_study.py --quick): the numbers docs/teacher.md quotes."""
     import subprocess
     import sys
     from pathlib import Path
-    script = Path(__file__).parents[1] / "benchmarks" / "teacher_study.py"
+    script = Path(__file__).parents[1] / "studies" / "teacher_study.py"
     out = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     result = dict(kv.split("=", 1) for kv in out.stdout.strip().splitlines()[-1].split()[1:])

@@ -252,7 +252,7 @@ def test_decode_vs_prefill_gap_of_an_fp8_kv_cache(pair):
     from opd.engines.vllm import VllmEngine, cpu_can_run_fp8_kv
     if not cpu_can_run_fp8_kv():
         pytest.skip("this CPU cannot run vllm's fp8 KV cache (AVX-512 or AMX needed): the decode-vs-prefill gap of "
-                    "an FP8 KV cache is not measurable here (benchmarks/teacher_gap.py measures the bf16 floor)")
+                    "an FP8 KV cache is not measurable here (studies/teacher_gap.py measures the bf16 floor)")
     _, tok = load_checkpoint(pair[0])
     gaps = {}
     for plan in ("kv=bf16 w=bf16", "kv=fp8_e4m3 w=bf16"):

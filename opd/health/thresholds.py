@@ -40,7 +40,7 @@ class TeacherThresholds(Schema):
 
 
 class CalibrationModel(Schema):
-    """One model the thresholds were calibrated on, by the scales that differ across models (benchmarks/admission.py,
+    """One model the thresholds were calibrated on, by the scales that differ across models (studies/admission.py,
     docs/tolerance.md): its BF16 engine's nsr on the probe (the floor) and the probe's reverse KL to the teacher (the
     OPD signal's scale)."""
     floor_nsr: Annotated[float, Field(gt=0, allow_inf_nan=False)]

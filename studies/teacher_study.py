@@ -1,10 +1,10 @@
 """The teacher's side of the mismatch: how much of it OPD tolerates, against the student's side at the same KL.
 
 Two grids on both built-in pairs, the study's recipe (60 steps of batch 32, BF16 rollouts for the student):
-- benchmarks/data/teacher_grid.yaml: the teacher scored by the built-in engine under a teacher.plan (FP8 KV e4m3 and
+- studies/data/teacher_grid.yaml: the teacher scored by the built-in engine under a teacher.plan (FP8 KV e4m3 and
   e5m2, FP8 weights, relative weight noise 0.3 and 1.0) for the full-vocabulary reverse KL and the sampled-token
   estimator, and beside them the same kinds of mismatch on the student's side (FP8 e5m2 KV, noise 0.3 and 1.0);
-- benchmarks/data/teacher_topk_grid.yaml: a teacher that returns only its top k = 1, 8, 64 log-probs, for the top-k
+- studies/data/teacher_topk_grid.yaml: a teacher that returns only its top k = 1, 8, 64 log-probs, for the top-k
   forward KL and the top-k reverse KL with a tail bucket (k = V = 100: the full losses).
 Each run is labelled as in the tolerance study (opd/study/tolerance.py: its final held-out reverse KL to the *trainer's*
 teacher against its BF16 seeds). Printed: the table; the knees (teacher-side sources on `teacher_mismatch/kl_exact`, a
@@ -21,11 +21,11 @@ them is only an upper bound); `tolerance_ratio` is the student side's knee over 
 tolerates more KL on the student's side. A student side without a degraded run gives a lower bound (its largest fine
 KL over the teacher's knee), as does a teacher knee below all its runs.
 
-    python benchmarks/teacher_study.py --out runs/teacher --family llama   # and qwen3, side by side (~1 h each)
-    python benchmarks/teacher_study.py --quick     # the stored results (benchmarks/data/teacher_results.jsonl)
+    python studies/teacher_study.py --out runs/teacher --family llama   # and qwen3, side by side (~1 h each)
+    python studies/teacher_study.py --quick     # the stored results (studies/data/teacher_results.jsonl)
 
-The shipped thresholds' `teacher` entry is this calibration: `python benchmarks/admission.py --quick
---write-thresholds opd/thresholds.json` writes it from benchmarks/data/teacher_results.jsonl (`--store` that file).
+The shipped thresholds' `teacher` entry is this calibration: `python studies/admission.py --quick
+--write-thresholds opd/thresholds.json` writes it from studies/data/teacher_results.jsonl (`--store` that file).
 
 The last line is `RESULT key=value ...`.
 """

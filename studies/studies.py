@@ -12,7 +12,7 @@ from opd.study.tolerance import latest, result_line
 
 def parse_args(doc: str, stored: Path, default_out: str) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help=f"the stored results (benchmarks/data/{stored.name})")
+    ap.add_argument("--quick", action="store_true", help=f"the stored results (studies/data/{stored.name})")
     ap.add_argument("--out", type=Path, default=Path(default_out), help="the sweep's folder (full mode)")
     ap.add_argument("--family", action="append", choices=["llama", "qwen3"], help="full mode: only these families")
     ap.add_argument("--store", type=Path, help="write the grid's results here, e.g. the --quick data file")

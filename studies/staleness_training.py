@@ -7,13 +7,13 @@ the demo trains at lr 1e-3. This grid trains the full-vocabulary loss with the d
 band), and async BF16 rollouts with max_staleness 1, 2, 4 (3 seeds each) and 8 (1 seed). Each run is labelled as in
 the study (opd/study/tolerance.py) and decided with the *shipped* thresholds (opd/thresholds.json). Since 2026-12-01
 (issue 22) those are calibrated on these runs too, so the decisions here are in sample; held out, the staleness
-source is a row of benchmarks/admission.py's leave-one-source-out. A run's probe is at the BF16 floor, so the
+source is a row of studies/admission.py's leave-one-source-out. A run's probe is at the BF16 floor, so the
 decision is its drift budget max_staleness x lr against the class's. Beside
 it: the mean version gap, `stale/total_kl_k3` and `stale/total_nsr` averaged over training (what the runtime guard
 used to judge, before it switched to the numerics alone; dev/LOG.md, 2026-12-01).
 
-    python benchmarks/staleness_training.py --out runs/staleness --family llama   # and qwen3, side by side
-    python benchmarks/staleness_training.py --quick   # the stored results (benchmarks/data/staleness_results.jsonl)
+    python studies/staleness_training.py --out runs/staleness --family llama   # and qwen3, side by side
+    python studies/staleness_training.py --quick   # the stored results (studies/data/staleness_results.jsonl)
 
 The full mode runs what `<out>/results.jsonl` lacks (15 runs per family, ~45 minutes here with both families side
 by side) and appends them. The last line is `RESULT agreement=... runs=... admitted_degraded=... rejected_fine=...`.

@@ -1,4 +1,4 @@
-"""Outlier keys, trained: does OPD degrade where the admission check rejects? (benchmarks/outlier_keys.py, trained)
+"""Outlier keys, trained: does OPD degrade where the admission check rejects? (studies/outlier_keys.py, trained)
 
 The tolerance study's short runs (opd/study/sweep.py's built-in grid: 60 steps of batch 32, `full_rkl` at lr 3e-4 and
 `sampled_mu` at lr 1e-4, 100 held-out prompts) with rollouts from an engine whose copy of the student has outlier
@@ -9,11 +9,11 @@ scale 1.0 at alpha 100 and 300, calibrated FP8 scales at alpha 300, and calibrat
 labelled as in the study (opd/study/tolerance.py: degraded when its final reverse KL to the teacher is above the worst
 of the study's 5 BF16 seeds by more than their spread), and its probe is decided with the *shipped* thresholds
 (opd/thresholds.json). Since 2026-12-01 (issue 22) those are calibrated on these runs too, so the decisions here
-are in sample; held out, the outlier source is a row of benchmarks/admission.py's leave-one-source-out.
+are in sample; held out, the outlier source is a row of studies/admission.py's leave-one-source-out.
 
-    mkdir -p runs/outlier_study && cp benchmarks/data/admission_results.jsonl runs/outlier_study/results.jsonl
-    python benchmarks/outlier_training.py --out runs/outlier_study --family llama   # and qwen3, side by side
-    python benchmarks/outlier_training.py --quick   # the stored results (benchmarks/data/outlier_results.jsonl)
+    mkdir -p runs/outlier_study && cp studies/data/admission_results.jsonl runs/outlier_study/results.jsonl
+    python studies/outlier_training.py --out runs/outlier_study --family llama   # and qwen3, side by side
+    python studies/outlier_training.py --quick   # the stored results (studies/data/outlier_results.jsonl)
 
 The full mode runs what `<out>/results.jsonl` lacks (10 runs per family, ~18 minutes here) and appends them; the
 copy above gives it the study's BF16 seeds, which it would otherwise run too. The last line is

@@ -14,10 +14,10 @@ statistic: mean |delta| / mean |A_q|, the numerics' noise against the OPD signal
     fp8_w         forward=bf16 kv=bf16 w=fp8
     int4_w        forward=bf16 kv=bf16 w=int4
 
-    python benchmarks/real_probe.py                # 16 rollouts x 96 tokens per probe; both real pairs (~40 min)
-    python benchmarks/real_probe.py --quick        # the toys and smollm2, 4 rollouts x 32 tokens (~1 min)
+    python studies/real_probe.py                # 16 rollouts x 96 tokens per probe; both real pairs (~40 min)
+    python studies/real_probe.py --quick        # the toys and smollm2, 4 rollouts x 32 tokens (~1 min)
 
-Results are appended to benchmarks/data/real_probe.jsonl (one line per pair x plan; a finished line is not re-run),
+Results are appended to studies/data/real_probe.jsonl (one line per pair x plan; a finished line is not re-run),
 the table is printed from that file. The last line is `RESULT key=value ...`.
 """
 import argparse

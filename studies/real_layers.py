@@ -15,10 +15,10 @@ for the toys) with 64 tokens the model samples itself at full precision, fixed f
   (448: beyond it the cache saturates), and the share of |K| and |V| below 2^-6 (e4m3's smallest normal: AMX reads
   those as zero, kernels.py).
 
-    python benchmarks/real_layers.py            # all models (~30 min on 2 cores)
-    python benchmarks/real_layers.py --quick    # the built-in students and the pruned SmolLM2 (~1 min)
+    python studies/real_layers.py            # all models (~30 min on 2 cores)
+    python studies/real_layers.py --quick    # the built-in students and the pruned SmolLM2 (~1 min)
 
-Rows are appended to benchmarks/data/real_layers.jsonl (a model's finished cells are not re-run). The last line is
+Rows are appended to studies/data/real_layers.jsonl (a model's finished cells are not re-run). The last line is
 `RESULT key=value ...`.
 """
 import argparse

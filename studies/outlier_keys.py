@@ -7,8 +7,8 @@ does (the run's own 16 training prompts, the BF16 floor, the shipped thresholds,
 and the table gives the keys' largest magnitude, the share of keys the cache saturated, the exact KL(rollout ||
 train), nsr and the decision.
 
-    python benchmarks/outlier_keys.py          # both families, alpha 1 / 30 / 100 / 300 (~1 minute here)
-    python benchmarks/outlier_keys.py --quick  # llama, alpha 1 / 300, two plans (seconds)
+    python studies/outlier_keys.py          # both families, alpha 1 / 30 / 100 / 300 (~1 minute here)
+    python studies/outlier_keys.py --quick  # llama, alpha 1 / 300, two plans (seconds)
 
 The last line is `RESULT key=value ...`: per family, the smallest alpha at which each plan was rejected (0: never).
 """
