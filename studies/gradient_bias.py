@@ -12,9 +12,9 @@ student the run starts from (after k BF16 steps of the recipe for staleness k):
     z = sqrt(T / 2) * bias / noise          (T the run's steps: a bias drifts T steps the same way while the gap
                                              between two BF16 seeds grows as sqrt(2 T); learning rate cancels)
 
-each in the raw gradient and in AdamW's coordinates (every coordinate over the root of its mean square under BF16,
-the scale Adam divides by). The rule `degraded if z > c` takes its cut c from the other pairs (leave one pair out),
-the cut with the most right decisions, an admitted run that degraded counting twice; each accuracy is printed beside
+each in the raw gradient and in AdamW's coordinates (every coordinate over the root of its mean square over both
+rollouts' gradients, the scale Adam divides by). The rule `degraded if z > c` takes its cut c from the other pairs
+(leave one pair out), the cut with the most right decisions, an admitted run that degraded counting twice; each accuracy is printed beside
 never-admit and always-admit on the same runs.
 
     python studies/gradient_bias.py --out studies/data/gradient_bias.jsonl          # the toy pairs' stored configs
@@ -79,8 +79,8 @@ def stale_gradients(run, weights: dict, indices: list[int]) -> list[torch.Tensor
 
 
 class Sums:
-    """Per-coordinate running sums of g, g^2, d, d^2 (float64): every statistic is a sum over coordinates of these,
-    so M gradients of a 100M-parameter student need four vectors, not 2M."""
+    """Per-coordinate running sums of g, g^2, c^2, d, d^2 (float64): every statistic is a sum over coordinates of
+    these, so M gradients of a 100M-parameter student need five vectors, not 2M."""
 
     def __init__(self):
         self.M, self.sums = 0, None
@@ -88,15 +88,17 @@ class Sums:
     def add(self, g: torch.Tensor, c: torch.Tensor) -> None:
         g, d = g.double(), c.double() - g.double()
         if self.sums is None:
-            self.sums = [torch.zeros_like(g) for _ in range(4)]
-        for total, x in zip(self.sums, (g, g * g, d, d * d)):
+            self.sums = [torch.zeros_like(g) for _ in range(5)]
+        for total, x in zip(self.sums, (g, g * g, (g + d) ** 2, d, d * d)):
             total += x
         self.M += 1
 
     def stats(self, steps: int) -> dict:
         """bias, noise and z (module docstring), raw and in AdamW's coordinates."""
-        M, (sg, sgg, sd, sdd) = self.M, self.sums
-        scale = (sgg / M).sqrt().clamp(min=1e-12)  # Adam's denominator under BF16 rollouts
+        M, (sg, sgg, scc, sd, sdd) = self.M, self.sums
+        # Adam's denominator, pooled over both rollouts' gradients (a coordinate only the candidate's rollouts reach,
+        # an embedding row of a token BF16 never sampled, is not divided by ~0) plus AdamW's eps
+        scale = ((sgg + scc) / (2 * M)).sqrt() + 1e-8
         out = {"M": M, "T": steps}
         for name, w in {"raw": torch.ones_like(scale), "adam": scale.pow(-2)}.items():
             var_d = ((sdd - sd * sd / M) * w).sum().item() / (M - 1)
