@@ -22,7 +22,8 @@ never-admit and always-admit on the same runs.
     python studies/gradient_bias.py --report studies/data/gradient_bias.jsonl      # the accuracies, no model run
 
 One JSON line per (study, pair, estimator, source, level) is appended to --out; one already there is not measured
-again, so a stopped run resumes.
+again, so a stopped run resumes; a configuration that differs from one measured only in its learning rate and
+schedule, with no staleness, reuses its numbers (`measured_as`): the initial student's gradients do not see them.
 """
 import argparse
 import json
@@ -142,6 +143,17 @@ def measure(bf16_cfg, cand_cfg, staleness: int, batches: int) -> dict:
     return sums.stats(bf16_cfg.steps)
 
 
+def signature(group: dict) -> str:
+    """What a measurement depends on: both configs, less the learning rate and its schedule where nothing trains
+    before the gradients (staleness 0: the initial student's gradients do not see them)."""
+    def settings(row):
+        cfg = json.loads(json.dumps(row["config"]))
+        if not group["staleness"]:
+            cfg["optim"] = {}
+        return cfg
+    return json.dumps([settings(group["bf16"]), settings(group["cand"])], sort_keys=True)
+
+
 def groups(rows: list[dict], pairs: tuple) -> list[dict]:
     """One {key, bf16 row, candidate row, staleness, degraded share} per stored configuration with a BF16 run."""
     by: dict[tuple, list[dict]] = {}
@@ -205,20 +217,27 @@ def main() -> None:
         return
     todo = groups(bench.stored_rows(), tuple(args.pairs.split(",")))
     out = Path(args.out) if args.out else None
-    done = set()
+    done = {}
     if out and out.is_file():
-        done = {json.loads(x)["key"] for x in out.read_text().splitlines() if x.strip()}
+        done = {json.loads(x)["key"]: json.loads(x) for x in out.read_text().splitlines() if x.strip()}
     if args.quick:
         todo, args.batches = [g for g in todo if g["source"] == "kv"][:1], 4
+    by_signature = {signature(g): done[g["key"]] for g in todo if g["key"] in done}
     todo = [g for g in todo if g["key"] not in done]
     lines = []
     with restored_threads():
         for n, g in enumerate(todo):
             start = time.perf_counter()
-            numbers = measure(stored_config(g["bf16"]), stored_config(g["cand"]), g["staleness"], args.batches)
+            same = by_signature.get(signature(g))
+            if same is not None:  # the same measurement under another learning rate (module docstring)
+                numbers = {k: v for k, v in same.items() if k.split("_")[0] in ("raw", "adam") or k in ("M", "T")}
+                numbers["measured_as"] = same["key"]
+            else:
+                numbers = measure(stored_config(g["bf16"]), stored_config(g["cand"]), g["staleness"], args.batches)
             line = {k: v for k, v in g.items() if k not in ("bf16", "cand")} | numbers | {
                 "seconds": time.perf_counter() - start}
             lines.append(line)
+            by_signature.setdefault(signature(g), line)
             print(f"[{n + 1}/{len(todo)}] {g['key']}: z raw {numbers['raw_z']:.3g} adam {numbers['adam_z']:.3g} "
                   f"degraded {sum(g['degraded'])}/{g['runs']} ({line['seconds']:.0f} s)", flush=True)
             if out:

@@ -356,3 +356,10 @@ def test_gradient_bias_is_zero_for_the_bf16_rollouts_and_recovers_a_planted_bias
     # no bias, a coupling noise of 10: |mean d| alone would say ~1 standard error; the corrected estimate is far below
     s = gradient_bias.stats(ref, [r + 0.5 * torch.randn(400, generator=g) for r in ref], 8)
     assert s["raw_bias"] < 0.6 * s["raw_bias_se"]
+    # a configuration that differs only in its learning rate reuses the measurement, unless a warm-up trained first
+    row = lambda lr, plan: {"config": {"plan": plan, "optim": {"lr": lr, "warmup_steps": 1}}}  # noqa: E731
+    group = lambda lr, staleness, plan="kv=fp8": {"staleness": staleness, "bf16": row(lr, "kv=bf16"),  # noqa: E731
+                                                  "cand": row(lr, plan)}
+    assert gradient_bias.signature(group(1e-4, 0)) == gradient_bias.signature(group(3e-5, 0))
+    assert gradient_bias.signature(group(1e-4, 0)) != gradient_bias.signature(group(1e-4, 0, "kv=int8"))
+    assert gradient_bias.signature(group(1e-4, 2)) != gradient_bias.signature(group(3e-5, 2))
