@@ -50,13 +50,73 @@ PAIRS = ("llama", "qwen3", "smollm2")
 def gradient(run, index: int) -> torch.Tensor:
     """The OPD gradient (unclipped, flattened, float32) of prompt batch `index` sampled by the run's engine as it is."""
     sampled = run.rollouts.next_batch(index, run.state.version)
-    batch = collate(sampled.rollouts, run.tok.pad_id)
+    return batch_gradient(run, collate(sampled.rollouts, run.tok.pad_id), sampled.engine_logprobs)
+
+
+def batch_gradient(run, batch, engine_logprobs=None) -> torch.Tensor:
+    """The OPD gradient (unclipped, flattened, float32) of the run's student on a batch of rollouts."""
     run.student.zero_grad(set_to_none=True)
-    score_batch(run.student, batch, run.teacher, Scoring.of(run.cfg), sampled.engine_logprobs, backward=True)
+    score_batch(run.student, batch, run.teacher, Scoring.of(run.cfg), engine_logprobs, backward=True)
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in run.student.parameters()]
     out = torch.cat([g.reshape(-1).float() for g in grads])
     run.student.zero_grad(set_to_none=True)
     return out
+
+
+@torch.no_grad()
+def _move(params: list, flat: torch.Tensor) -> None:
+    at = 0
+    for p in params:
+        p += flat[at:at + p.numel()].view_as(p).to(p.dtype)
+        at += p.numel()
+
+
+def curvature(cfg, batches: int) -> dict:
+    """kappa: the share of the gradient that one step of the recipe removes, in Adam's coordinates. On M batches of
+    rollouts (held fixed) at the initial student, with g their mean gradient and s the root mean square of theirs
+    (Adam's denominator at steady state), the step -lr * g / s (Adam's, its momentum averaging ~10 batches; one batch's
+    own gradient would measure how fast a step overfits that batch) changes the mean gradient to g', and
+
+        kappa = (g - g') . (g / s) / g . (g / s)
+
+    (on a quadratic: lr times the curvature along the preconditioned gradient). A bias b held T steps against a
+    restoring rate kappa drifts (b / h)(1 - exp(-kappa T)) while two BF16 seeds part by sigma * lr *
+    sqrt((1 - exp(-2 kappa T)) / kappa) (an Ornstein-Uhlenbeck process), so
+
+        z_ou = (bias / noise) * (1 - exp(-kappa T)) / sqrt(kappa (1 - exp(-2 kappa T)))
+
+    which is sqrt(T / 2) * bias / noise while kappa T is small and bias / (noise sqrt(kappa)) once the run has
+    settled: how the learning rate enters. A heuristic past kappa ~ 1: on the llama pair's full_rkl recipe kappa is
+    0.14, 1.08 and 4.0 at lr 3e-6, 3e-5 and 3e-4 (the recipe's), not linear in lr; Adam runs there at the edge of
+    stability along these directions, where the quadratic picture no longer holds (dev/LOG.md)."""
+    run = setup(replace(cfg, schedule="sync"))
+    run.rollouts.start(run.student.state_dict(), 0, {})
+    try:
+        fixed = []
+        for i in range(batches):
+            sampled = run.rollouts.next_batch(1000 + i, 0)
+            fixed.append(collate(sampled.rollouts, run.tok.pad_id))
+        g0 = [batch_gradient(run, b) for b in fixed]
+        scale = torch.stack(g0).pow(2).mean(0).sqrt() + 1e-8
+        mean = torch.stack(g0).mean(0)
+        step = -cfg.optim.lr * mean / scale  # Adam's step: its momentum averages ~1 / (1 - beta1) = 10 batches
+        params = list(run.student.parameters())
+        _move(params, step)
+        moved = torch.stack([batch_gradient(run, b) for b in fixed]).mean(0)
+        _move(params, -step)
+        num = ((mean - moved).double() * (mean / scale).double()).sum().item()
+        den = (mean.double() * (mean / scale).double()).sum().item()
+    finally:
+        run.rollouts.close()
+    return {"kappa": num / den, "lr": cfg.optim.lr, "T": cfg.steps}
+
+
+def z_ou(bias: float, noise: float, kappa: float, steps: int) -> float:
+    """curvature()'s z: the bias's drift over the seeds' spread after `steps` steps at restoring rate kappa."""
+    if kappa * steps < 1e-6:
+        return math.sqrt(steps / 2) * bias / max(noise, 1e-30)
+    k = max(kappa, 1e-12)
+    return bias / max(noise, 1e-30) * (1 - math.exp(-k * steps)) / math.sqrt(k * (1 - math.exp(-2 * k * steps)))
 
 
 def warmed_run(cfg, steps: int):
@@ -178,13 +238,28 @@ def groups(rows: list[dict], pairs: tuple) -> list[dict]:
     return out
 
 
-def report(lines: list[dict]) -> dict:
+def read_lines(path: Path | None) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path and path.is_file() else []
+
+
+def recipe(key: str) -> str:
+    return "|".join(key.split("|")[:3])  # study|pair|estimator: one learning rate, horizon and batch
+
+
+def report(lines: list[dict], kappas: dict | None = None) -> dict:
     """Leave one pair out: the cut on z from the other pairs, accuracy on the held-out pair's runs (each stored run
-    one decision) beside never-admit and always-admit."""
+    one decision) beside never-admit and always-admit. Modes: raw and adam (z = sqrt(T / 2) bias / noise in that
+    space), ou (z_ou: Adam's space, carried by the recipe's kappa; the lines whose recipe has one)."""
+    kappas = kappas or {}
+    for x in lines:
+        k = kappas.get(recipe(x["key"]))
+        if k is not None:
+            x["ou_z"] = z_ou(x["adam_bias"], x["adam_noise"], k["kappa"], x["T"])
+    modes = ("raw", "adam", "ou") if kappas else ("raw", "adam")
     runs = [{"pair": x["pair"], "degraded": d, "z": x[f"{mode}_z"], "mode": mode}
-            for x in lines for d in x["degraded"] for mode in ("raw", "adam")]
+            for x in lines for d in x["degraded"] for mode in modes if f"{mode}_z" in x]
     result = {}
-    for mode in ("raw", "adam"):
+    for mode in modes:
         mine = [r for r in runs if r["mode"] == mode]
         for pair in sorted({r["pair"] for r in mine}):
             train, test = [r for r in mine if r["pair"] != pair], [r for r in mine if r["pair"] == pair]
@@ -209,13 +284,28 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=8, help="M: batches per plan")
     parser.add_argument("--report", default="", help="only print the accuracies of this file's lines")
     parser.add_argument("--quick", action="store_true", help="one configuration, M = 4, nothing written")
+    parser.add_argument("--kappa", default="", help="measure each recipe's kappa (curvature()) into this file "
+                        "(resumes), or, with --report, read them from it")
     args = parser.parse_args()
+    kappa_file = Path(args.kappa) if args.kappa else None
+    kappas = {x["recipe"]: x for x in read_lines(kappa_file)} if kappa_file else {}
     if args.report:
-        lines = [json.loads(x) for x in Path(args.report).read_text().splitlines() if x.strip()]
-        result = report(lines)
+        result = report(read_lines(Path(args.report)), kappas)
         print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
         return
     todo = groups(bench.stored_rows(), tuple(args.pairs.split(",")))
+    if kappa_file:
+        recipes = {recipe(g["key"]): g for g in todo if recipe(g["key"]) not in kappas}
+        with restored_threads():
+            for n, (name, g) in enumerate(sorted(recipes.items())):
+                start = time.perf_counter()
+                line = {"recipe": name} | curvature(stored_config(g["bf16"]), args.batches) | {
+                    "seconds": time.perf_counter() - start}
+                print(f"[{n + 1}/{len(recipes)}] {name}: kappa {line['kappa']:.3g} at lr {line['lr']:g}, "
+                      f"T {line['T']} ({line['seconds']:.0f} s)", flush=True)
+                with kappa_file.open("a") as f:
+                    f.write(json.dumps(line) + "\n")
+        return
     out = Path(args.out) if args.out else None
     done = {}
     if out and out.is_file():
