@@ -1,0 +1,182 @@
+"""Does a short paired trial's held-out quality predict a run's label on a pair it was not fitted on? (issue 57,
+candidate (b), with held-out numbers: each trial is a real K-step run.)
+
+For one stored configuration (pair, estimator, recipe) and its candidate, on the run's own recipe: K steps of the
+candidate with seed s and of the BF16 runs of that recipe's seeds (the candidate shares prompts and sampling seeds
+with the BF16 run of seed s: common random numbers), each evaluated on the held-out prompts every `--every` steps
+(held-out reverse KL and entropy, the labels' own quality measures). At step k:
+
+    z_rkl = |rkl(candidate, s, k) - rkl(BF16, s, k)| / mean_{s' != s} |rkl(BF16, s', k) - rkl(BF16, s, k)|
+
+(z_entropy the same on the entropy; z = the larger): the early gap in units of the recipe's own seed noise, measured
+on the user's model and recipe (learning rate included). The rule `degraded if z > c` takes c from the other pairs
+(leave one pair out), the cut with the most right decisions, an admitted run that degraded counting twice; each
+accuracy is printed beside never-admit and always-admit on the same runs.
+
+    python studies/paired_trial.py --out studies/data/paired_trial.jsonl      # the toy pairs' stored configs
+    python studies/paired_trial.py --quick                                    # one recipe, one candidate: seconds
+    python studies/paired_trial.py --report studies/data/paired_trial.jsonl  # the accuracies, nothing run
+
+One JSON line per trial run (BF16 seeds and candidates) is appended to --out; one already there is not run again.
+"""
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import admission as bench  # noqa: E402 (the stored, labelled runs)
+
+from opd.config.runlog import read_metrics  # noqa: E402
+from opd.study.sweep import stored_config  # noqa: E402
+from opd.training.trainer import train  # noqa: E402
+
+PAIRS = ("llama", "qwen3", "smollm2")
+
+
+def trial(cfg, steps: int, every: int) -> dict:
+    """A K-step run of cfg, evaluated every `every` steps: {step: {rkl, entropy}} and the training curve."""
+    cfg = replace(cfg, steps=steps, eval=replace(cfg.eval, every=every), save_every=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        train(cfg, Path(tmp) / "run", progress=False)
+        rows = read_metrics(Path(tmp) / "run")
+    evals = {str(r["step"]): {"rkl": r["eval/rkl"], "entropy": r.get("eval/entropy")}
+             for r in rows if "eval/rkl" in r}
+    curve = [r.get("loss/rkl_sampled") for r in rows if "loss/value" in r]
+    return {"evals": evals, "curve": curve}
+
+
+def plan_trials(rows: list[dict], pairs: tuple) -> list[dict]:
+    """Every trial to run: per recipe (study, pair, estimator) its BF16 seeds, then one candidate run per stored
+    configuration (its first seed, with a BF16 seed to pair with)."""
+    by: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["family"] in pairs:
+            by.setdefault((r["study"], r["family"], r["estimator"]), []).append(r)
+    out = []
+    for (study, family, estimator), rs in sorted(by.items()):
+        bf16 = {r["seed"]: r for r in rs if r["source"] == "bf16"}
+        if len(bf16) < 2:
+            continue
+        recipe = f"{study}|{family}|{estimator}"
+        out += [{"key": f"{recipe}|bf16|0|seed{s}", "recipe": recipe, "pair": family, "source": "bf16",
+                 "seed": s, "row": bf16[s]} for s in sorted(bf16)]
+        points: dict[tuple, list[dict]] = {}
+        for r in rs:
+            if r["source"] != "bf16":
+                points.setdefault((r["source"], str(r["level"])), []).append(r)
+        for (source, level), prs in sorted(points.items()):
+            paired = [r for r in sorted(prs, key=lambda r: r["seed"]) if r["seed"] in bf16]
+            if not paired:
+                continue
+            out.append({"key": f"{recipe}|{source}|{level}", "recipe": recipe, "pair": family, "source": source,
+                        "seed": paired[0]["seed"], "row": paired[0], "degraded": [bool(r["degraded"]) for r in prs]})
+    return out
+
+
+def z_scores(lines: list[dict], step: str) -> list[dict]:
+    """One {pair, degraded, z_rkl, z_entropy, z} per stored run of a candidate line whose recipe has >= 2 BF16 trials
+    evaluated at `step`."""
+    bf16: dict[str, dict[int, dict]] = {}
+    for x in lines:
+        if x["source"] == "bf16" and step in x["evals"]:
+            bf16.setdefault(x["recipe"], {})[x["seed"]] = x["evals"][step]
+    out = []
+    for x in lines:
+        seeds = bf16.get(x["recipe"], {})
+        if x["source"] == "bf16" or step not in x["evals"] or x["seed"] not in seeds or len(seeds) < 2:
+            continue
+        ref, z = seeds[x["seed"]], {}
+        for name in ("rkl", "entropy"):
+            if ref.get(name) is None or x["evals"][step].get(name) is None:
+                continue
+            noise = statistics.mean(abs(e[name] - ref[name]) for s, e in seeds.items() if s != x["seed"])
+            z[f"z_{name}"] = abs(x["evals"][step][name] - ref[name]) / max(noise, 1e-12)
+        z["z"] = max(z.values())
+        out += [{"pair": x["pair"], "degraded": d, **z} for d in x["degraded"]]
+    return out
+
+
+def held_out(runs: list[dict], pair: str, stat: str) -> dict:
+    train_, test = [r for r in runs if r["pair"] != pair], [r for r in runs if r["pair"] == pair]
+    score = lambda c, rs: sum((r[stat] > c) == r["degraded"] for r in rs) - sum(  # noqa: E731
+        r[stat] <= c and r["degraded"] for r in rs)
+    cut = max(sorted({r[stat] for r in train_} | {0.0}), key=lambda c: score(c, train_))
+    n, bad = len(test), sum(r["degraded"] for r in test)
+    return {"n": n, "cut": cut, "accuracy": sum((r[stat] > cut) == r["degraded"] for r in test) / n,
+            "admitted_degraded": sum(r[stat] <= cut and r["degraded"] for r in test) / n,
+            "never_admit": bad / n, "always_admit": 1 - bad / n}
+
+
+def report(lines: list[dict]) -> dict:
+    result = {}
+    steps = sorted({int(s) for x in lines for s in x["evals"] if int(s) > 0})
+    for step in steps:
+        runs = z_scores(lines, str(step))
+        for stat in ("z_rkl", "z_entropy", "z"):
+            mine = [r for r in runs if stat in r]
+            for pair in sorted({r["pair"] for r in mine}):
+                if not any(r["pair"] != pair for r in mine):
+                    continue
+                h = held_out(mine, pair, stat)
+                print(f"K={step} {stat:9} held out {pair:8} ({h['n']:3} runs) > {h['cut']:7.3g}: accuracy "
+                      f"{h['accuracy']:.3f}, admitted and degraded {h['admitted_degraded']:.3f} | never-admit "
+                      f"{h['never_admit']:.3f}, always-admit {h['always_admit']:.3f}")
+                result[f"accuracy_k{step}_{stat}_{pair}"] = h["accuracy"]
+    return result
+
+
+def read_lines(path: Path | None) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path and path.is_file() else []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="", help="append one line per trial run here (resumes)")
+    parser.add_argument("--pairs", default="llama,qwen3", help="comma-separated pairs to run")
+    parser.add_argument("--studies", default="", help="comma-separated stored studies to run (default: all)")
+    parser.add_argument("--steps", type=int, default=6, help="K: steps of each trial")
+    parser.add_argument("--every", type=int, default=2, help="held-out evaluation every this many steps")
+    parser.add_argument("--report", default="", help="only print the accuracies of this file's lines")
+    parser.add_argument("--quick", action="store_true", help="one recipe's BF16 seeds and one candidate, 2 steps")
+    args = parser.parse_args()
+    if args.report:
+        result = report(read_lines(Path(args.report)))
+        print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
+        return
+    rows = bench.stored_rows()
+    if args.studies:
+        rows = [r for r in rows if r["study"] in args.studies.split(",")]
+    todo = plan_trials(rows, tuple(args.pairs.split(",")))
+    if args.quick:
+        first = todo[0]["recipe"]
+        todo = [t for t in todo if t["recipe"] == first]
+        todo = [t for t in todo if t["source"] == "bf16"][:2] + [t for t in todo if t["source"] != "bf16"][:1]
+        args.steps, args.every = 2, 2
+    out = Path(args.out) if args.out and not args.quick else None
+    done = {x["key"] for x in read_lines(out)}
+    todo = [t for t in todo if t["key"] not in done]
+    lines = []
+    for n, t in enumerate(todo):
+        start = time.perf_counter()
+        line = {k: v for k, v in t.items() if k != "row"} | trial(stored_config(t["row"]), args.steps, args.every) \
+            | {"steps": args.steps, "seconds": time.perf_counter() - start}
+        lines.append(line)
+        last = line["evals"][max(line["evals"], key=int)]
+        print(f"[{n + 1}/{len(todo)}] {t['key']}: held-out rkl {last['rkl']:.4g} entropy {last['entropy']:.4g} at "
+              f"step {max(line['evals'], key=int)} ({line['seconds']:.0f} s)", flush=True)
+        if out:
+            with out.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+    lines = read_lines(out) if out else lines
+    result = report(lines)
+    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()) if result else
+          f"RESULT trials={len(lines)}")
+
+
+if __name__ == "__main__":
+    main()
