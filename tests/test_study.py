@@ -363,3 +363,24 @@ def test_gradient_bias_is_zero_for_the_bf16_rollouts_and_recovers_a_planted_bias
     assert gradient_bias.signature(group(1e-4, 0)) == gradient_bias.signature(group(3e-5, 0))
     assert gradient_bias.signature(group(1e-4, 0)) != gradient_bias.signature(group(1e-4, 0, "kv=int8"))
     assert gradient_bias.signature(group(1e-4, 2)) != gradient_bias.signature(group(3e-5, 2))
+
+
+def test_paired_trial_measures_the_gap_in_units_of_the_recipes_seed_gap():
+    """studies/paired_trial.py: the candidate of seed 0 against BF16 seed 0, over the mean gap of the other BF16 seeds
+    to seed 0, on held-out reverse KL and entropy (z the larger); the cut comes from the other pairs only."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "studies"))
+    import paired_trial
+    line = lambda pair, source, seed, rkl, ent, degraded=None: {  # noqa: E731
+        "recipe": f"r|{pair}", "pair": pair, "source": source, "seed": seed, "degraded": degraded or [],
+        "evals": {"0": {"rkl": 1.0, "entropy": 1.0}, "4": {"rkl": rkl, "entropy": ent}}}
+    lines = [line("a", "bf16", 0, 0.50, 1.0), line("a", "bf16", 1, 0.60, 1.0), line("a", "bf16", 2, 0.40, 1.2),
+             line("a", "kv", 0, 0.80, 1.0, [True, False]), line("a", "w", 0, 0.45, 1.0, [False])]
+    runs = paired_trial.z_scores(lines, "4")
+    assert [round(r["z_rkl"], 6) for r in runs] == [3.0, 3.0, 0.5]
+    assert [round(r["z_entropy"], 6) for r in runs] == [0.0, 0.0, 0.0] and runs[0]["z"] == runs[0]["z_rkl"]
+    assert [r["degraded"] for r in runs] == [True, False, False]
+    other = [line("b", "bf16", 0, 0.5, 1.0), line("b", "bf16", 1, 0.6, 1.0), line("b", "kv", 0, 0.9, 1.0, [True]),
+             line("b", "w", 0, 0.55, 1.0, [False])]
+    runs = paired_trial.z_scores(lines + other, "4")
+    h = paired_trial.held_out(runs, "a", "z")  # cut fitted on b alone: anything in [0.5, 4) is right there
+    assert 0.5 <= h["cut"] < 4 and h["n"] == 3 and h["never_admit"] == pytest.approx(1 / 3)
