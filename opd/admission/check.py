@@ -20,6 +20,8 @@ from opd.models.checkpoint import load_checkpoint
 from opd.config.run import GuardConfig, TrainConfig
 from opd.models.devices import restored_threads
 from opd.engines.kinds import require_installed
+from opd.engines.vllm import vllm_settings
+from opd.io.errors import OpdError
 from opd.health.metrics import TeacherHealth
 from opd.numerics.plan import Plan, describe_layer
 from opd.admission.probe import measure, probe
@@ -154,7 +156,8 @@ def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, limi
         decision = decide_numbers(probe(setup, scaled, floor), thresholds, cls, 0, limit)
         if decision.admit:
             return {"plan": str(scaled), "bf16_layers": [], "layer_kl": [], METRIC: decision.value,
-                    "limit": decision.limit, "note": "calibrated KV scales instead of the fixed 1.0"}
+                    "limit": decision.limit, "note": "calibrated KV scales instead of the fixed 1.0"} | \
+                in_vllm_terms(scaled)
     sensitivity = []
     for i in range(n):  # the candidate setting on layer i alone, BF16 elsewhere
         alone = Plan.parse(f"{plan.whole_model}; {KEEP}; {i}: {describe_layer(plan.layers[i])}", n)
@@ -168,5 +171,13 @@ def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, limi
         decision = decide_numbers(numbers, thresholds, cls, 0, limit)
         if decision.admit:
             return {"plan": str(candidate), "bf16_layers": kept, "layer_kl": sensitivity,
-                    METRIC: decision.value, "limit": decision.limit}
+                    METRIC: decision.value, "limit": decision.limit} | in_vllm_terms(candidate)
     return {"plan": None, "layer_kl": sensitivity, "note": "even all-BF16 rollouts exceed the limit"}
+
+
+def in_vllm_terms(plan: Plan) -> dict:
+    """The plan as `vllm serve` flags ({"vllm_flags": ...}), or why vLLM cannot run it ({"vllm_refused": ...})."""
+    try:
+        return {"vllm_flags": vllm_settings(plan).flags()}
+    except OpdError as e:
+        return {"vllm_refused": str(e)}

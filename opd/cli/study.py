@@ -173,6 +173,10 @@ def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit:
             note = f" ({proposal['note']})" if proposal.get("note") else ""
             print(f"  proposed plan: {proposal['plan']}{note}" if proposal["plan"]
                   else f"  no plan proposed: {proposal['note']}")
+            if proposal.get("vllm_flags"):
+                print(f"  on a vLLM server: {proposal['vllm_flags']}")
+            elif proposal.get("vllm_refused"):
+                print(f"  not runnable on vLLM: {proposal['vllm_refused']}")
         if proposal and proposal["layer_kl"]:
             print("  KL of the candidate setting on one layer alone (BF16 elsewhere): "
                   + ", ".join(f"layer {i} {v:.2g}" for i, v in enumerate(proposal["layer_kl"])))

