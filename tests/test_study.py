@@ -248,6 +248,12 @@ def test_sensitivity_puts_the_mismatch_on_one_layer_at_a_time(pair):
     assert all(v < 1e-7 for v in maps["kv=fp32"])
     assert all(v > 1e-4 for v in maps["noise=0.3"]) and len(maps["noise=0.3"]) == 2
     assert spread([1e-3, 4e-3, 2e-3]) == {"most": 1, "least": 0, "ratio": 4.0}
+    # exported in vLLM's terms: the setting on every layer but the k most sensitive, those in vLLM's skip list
+    from opd.study.sensitivity import in_vllm_terms
+    exports = in_vllm_terms([1e-3, 4e-3, 2e-3, 5e-4], "kv=fp8_e5m2", "forward=bf16 kv=bf16")
+    assert [x["keep"] for x in exports] == [[1], [1, 2], [0, 1, 2]]
+    assert exports[1]["flags"] == "--dtype bfloat16 --kv-cache-dtype fp8_e5m2 --kv-cache-dtype-skip-layers 1 2"
+    assert "refused" in in_vllm_terms([1e-3, 4e-3], "kv=int4")[0]
 
 
 def test_sensitivity_cli(pair, tmp_path):
@@ -258,6 +264,8 @@ def test_sensitivity_cli(pair, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "| model | `kv=int4 kv_group=16` |" in result.stdout
     assert (tmp_path / "sensitivity.png").stat().st_size > 5_000
+    entry = json.loads((tmp_path / "sensitivity.json").read_text())["model"]["kv=int4 kv_group=16"]
+    assert "int4" in entry["vllm"][0]["refused"]  # vLLM has no switch for opd's INT4 KV emulation
     assert_one_line_error(opd("sensitivity", "--student", student, "--teacher", teacher, "--task", "add",
                               "--setting", "kv=int3",
                               "--out", tmp_path), "int3")

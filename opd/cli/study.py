@@ -76,7 +76,7 @@ def cmd_sensitivity(family: list[str] | None, student: Path | None, teacher: Pat
         for s in setting or []:
             Plan.parse(f"{base}; 0: {s}", setup.student.cfg.num_layers)  # a bad setting fails before measuring
         maps[name] = layer_map(setup, tuple(setting or SETTINGS), base)
-    print(write(maps, out))
+    print(write(maps, out, base))
 
 
 def report_arguments(p: argparse.ArgumentParser) -> None:

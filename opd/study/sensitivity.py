@@ -7,13 +7,16 @@ recomputes them: the cell is `kl_exact`, the exact per-position KL(rollout || tr
 (`kl_k3` for engines that return only the sampled tokens' log-probs). Every cell uses the same prompts and sampling
 seed, so cells differ only in where the mismatch enters. The spread of a setting is its most sensitive layer's KL
 over its least sensitive layer's. `opd admit` uses the same per-layer measurement to choose which layers to keep in
-BF16 when it proposes a plan.
+BF16 when it proposes a plan. `sensitivity.json` also holds, for each setting vLLM can run, the plans that keep its
+1-3 most sensitive layers out, as `vllm serve` flags (`--kv-cache-dtype-skip-layers`).
 """
 import json
 import math
 from pathlib import Path
 
 from opd.admission.probe import measure
+from opd.engines.vllm import vllm_settings
+from opd.io.errors import OpdError
 from opd.io.figures import pyplot, save
 from opd.numerics.plan import Plan
 
@@ -68,10 +71,32 @@ def heatmap(maps: dict[str, dict[str, list[float]]], path: Path) -> None:
     save(fig, path)
 
 
-def write(maps: dict, out: Path) -> str:
+def in_vllm_terms(cells: list[float], setting: str, base: str = "", most: int = 3) -> list[dict]:
+    """The setting on every layer but its k most sensitive (k = 1..most), the kept layers at the base's KV dtype, as
+    `vllm serve` flags: [{"keep": [layers], "plan": ..., "flags": ...}]; [{"refused": why}] if vLLM cannot run it."""
+    n = len(cells)
+    model_kv = "kv=bf16" if "forward=bf16" in base.split() else "kv=fp32"
+    order = sorted(range(n), key=lambda i: -cells[i])
+    out = []
+    for k in range(1, min(most, n - 1) + 1):
+        kept = sorted(order[:k])
+        plan = Plan.parse(f"{base}; {setting}; {','.join(map(str, kept))}: {model_kv}", n)
+        try:
+            out.append({"keep": kept, "plan": str(plan), "flags": vllm_settings(plan).flags()})
+        except OpdError as e:
+            return [{"refused": str(e)}]
+    return out
+
+
+def write(maps: dict, out: Path, base: str = "") -> str:
     from opd.config.runlog import write_atomic
     out.mkdir(parents=True, exist_ok=True)
-    result = {family: {s: {"kl": cells, **spread(cells)} for s, cells in m.items()} for family, m in maps.items()}
+    result = {family: {s: {"kl": cells, **spread(cells), "vllm": in_vllm_terms(cells, s, base)}
+                       for s, cells in m.items()} for family, m in maps.items()}
     write_atomic(out / "sensitivity.json", json.dumps(result, indent=2) + "\n")
     heatmap(maps, out / "sensitivity.png")
-    return table(maps) + f"\n\nwrote {out / 'sensitivity.json'} and {out / 'sensitivity.png'}"
+    flags = [f"{family} `{s}` keeping layers {','.join(map(str, x['keep']))}: {x['flags']}"
+             for family, m in result.items() for s, entry in m.items() for x in entry["vllm"] if "flags" in x]
+    vllm = "\n\non a vLLM server (the setting on every layer but the most sensitive):\n" + "\n".join(flags) \
+        if flags else ""
+    return table(maps) + vllm + f"\n\nwrote {out / 'sensitivity.json'} and {out / 'sensitivity.png'}"
