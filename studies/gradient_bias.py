@@ -1,21 +1,12 @@
 """Does the bias a candidate's rollouts put in the OPD gradient, against the recipe's own BF16 gradient noise, predict
 a run's label on a pair it was not fitted on? (issue 57, candidate (a): measured on the model, no run trained.)
 
-For one stored configuration (pair, estimator, recipe) and a candidate (a plan, weight noise, or staleness k), on the
-student the run starts from (after k BF16 steps of the recipe for staleness k):
-
-    g_i  the OPD gradient of batch i with BF16 rollouts, c_i the same batch (same prompts, same sampling seed: common
-         random numbers) with the candidate's rollouts (for staleness: sampled by the student k steps earlier),
-         i = 1..M;  d_i = c_i - g_i
-    bias^2  = |mean d|^2 - var(d) / M      (unbiased: the coupling noise of d taken out)
-    noise^2 = var(g)                        (the per-batch SGD noise of BF16 rollouts)
-    z = sqrt(T / 2) * bias / noise          (T the run's steps: a bias drifts T steps the same way while the gap
-                                             between two BF16 seeds grows as sqrt(2 T); learning rate cancels)
-
-each in the raw gradient and in AdamW's coordinates (every coordinate over the root of its mean square over both
-rollouts' gradients, the scale Adam divides by). The rule `degraded if z > c` takes its cut c from the other pairs
-(leave one pair out), the cut with the most right decisions, an admitted run that degraded counting twice; each accuracy is printed beside
-never-admit and always-admit on the same runs.
+The statistic, z = sqrt(T / 2) * bias / noise raw and in Adam's coordinates, is opd/admission/bias.py's (its
+docstring); here it is measured for every stored configuration with a BF16 run (the configuration's first seed, M
+batches). Mode `ou` carries it by the recipe's restoring rate kappa instead (bias.curvature, `--kappa`). The rule
+`degraded if z > c` takes its cut c from the other pairs (leave one pair out), the cut with the most right
+decisions, an admitted run that degraded counting twice; each accuracy is printed beside never-admit and
+always-admit on the same runs.
 
     python studies/gradient_bias.py --out studies/data/gradient_bias.jsonl          # the toy pairs' stored configs
     python studies/gradient_bias.py --quick                                         # one group, M = 4: seconds
@@ -27,180 +18,18 @@ schedule, with no staleness, reuses its numbers (`measured_as`): the initial stu
 """
 import argparse
 import json
-import math
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import admission as bench  # noqa: E402 (the stored, labelled runs)
 
+from opd.admission.bias import curvature, measure, z_ou  # noqa: E402
 from opd.models.devices import restored_threads  # noqa: E402
 from opd.study.sweep import stored_config  # noqa: E402
-from opd.training.learner import Scoring, collate, score_batch  # noqa: E402
-from opd.training.setup import setup  # noqa: E402
-from opd.training.trainer import run_step  # noqa: E402
 
 PAIRS = ("llama", "qwen3", "smollm2")
-
-
-def gradient(run, index: int) -> torch.Tensor:
-    """The OPD gradient (unclipped, flattened, float32) of prompt batch `index` sampled by the run's engine as it is."""
-    sampled = run.rollouts.next_batch(index, run.state.version)
-    return batch_gradient(run, collate(sampled.rollouts, run.tok.pad_id), sampled.engine_logprobs)
-
-
-def batch_gradient(run, batch, engine_logprobs=None) -> torch.Tensor:
-    """The OPD gradient (unclipped, flattened, float32) of the run's student on a batch of rollouts."""
-    run.student.zero_grad(set_to_none=True)
-    score_batch(run.student, batch, run.teacher, Scoring.of(run.cfg), engine_logprobs, backward=True)
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in run.student.parameters()]
-    out = torch.cat([g.reshape(-1).float() for g in grads])
-    run.student.zero_grad(set_to_none=True)
-    return out
-
-
-@torch.no_grad()
-def _move(params: list, flat: torch.Tensor) -> None:
-    at = 0
-    for p in params:
-        p += flat[at:at + p.numel()].view_as(p).to(p.dtype)
-        at += p.numel()
-
-
-def curvature(cfg, batches: int) -> dict:
-    """kappa: the share of the gradient that one step of the recipe removes, in Adam's coordinates. On M batches of
-    rollouts (held fixed) at the initial student, with g their mean gradient and s the root mean square of theirs
-    (Adam's denominator at steady state), the step -lr * g / s (Adam's, its momentum averaging ~10 batches; one batch's
-    own gradient would measure how fast a step overfits that batch) changes the mean gradient to g', and
-
-        kappa = (g - g') . (g / s) / g . (g / s)
-
-    (on a quadratic: lr times the curvature along the preconditioned gradient). A bias b held T steps against a
-    restoring rate kappa drifts (b / h)(1 - exp(-kappa T)) while two BF16 seeds part by sigma * lr *
-    sqrt((1 - exp(-2 kappa T)) / kappa) (an Ornstein-Uhlenbeck process), so
-
-        z_ou = (bias / noise) * (1 - exp(-kappa T)) / sqrt(kappa (1 - exp(-2 kappa T)))
-
-    which is sqrt(T / 2) * bias / noise while kappa T is small and bias / (noise sqrt(kappa)) once the run has
-    settled: how the learning rate enters. A heuristic past kappa ~ 1: on the llama pair's full_rkl recipe kappa is
-    0.14, 1.08 and 4.0 at lr 3e-6, 3e-5 and 3e-4 (the recipe's), not linear in lr; Adam runs there at the edge of
-    stability along these directions, where the quadratic picture no longer holds (dev/LOG.md)."""
-    run = setup(replace(cfg, schedule="sync"))
-    run.rollouts.start(run.student.state_dict(), 0, {})
-    try:
-        fixed = []
-        for i in range(batches):
-            sampled = run.rollouts.next_batch(1000 + i, 0)
-            fixed.append(collate(sampled.rollouts, run.tok.pad_id))
-        g0 = [batch_gradient(run, b) for b in fixed]
-        scale = torch.stack(g0).pow(2).mean(0).sqrt() + 1e-8
-        mean = torch.stack(g0).mean(0)
-        step = -cfg.optim.lr * mean / scale  # Adam's step: its momentum averages ~1 / (1 - beta1) = 10 batches
-        params = list(run.student.parameters())
-        _move(params, step)
-        moved = torch.stack([batch_gradient(run, b) for b in fixed]).mean(0)
-        _move(params, -step)
-        num = ((mean - moved).double() * (mean / scale).double()).sum().item()
-        den = (mean.double() * (mean / scale).double()).sum().item()
-    finally:
-        run.rollouts.close()
-    return {"kappa": num / den, "lr": cfg.optim.lr, "T": cfg.steps}
-
-
-def z_ou(bias: float, noise: float, kappa: float, steps: int) -> float:
-    """curvature()'s z: the bias's drift over the seeds' spread after `steps` steps at restoring rate kappa."""
-    if kappa * steps < 1e-6:
-        return math.sqrt(steps / 2) * bias / max(noise, 1e-30)
-    k = max(kappa, 1e-12)
-    return bias / max(noise, 1e-30) * (1 - math.exp(-k * steps)) / math.sqrt(k * (1 - math.exp(-2 * k * steps)))
-
-
-def warmed_run(cfg, steps: int):
-    """setup(cfg) (synchronous) after `steps` BF16 training steps of its recipe; -> (run, the initial weights)."""
-    run = setup(replace(cfg, schedule="sync"))
-    initial = {k: v.detach().clone() for k, v in run.student.state_dict().items()}
-    run.rollouts.start(run.student.state_dict(), 0, {})
-    for _ in range(steps):
-        run_step(run)
-    return run, initial
-
-
-def stale_gradients(run, weights: dict, indices: list[int]) -> list[torch.Tensor]:
-    """The gradients at the run's student of batches sampled by `weights` (an older student): staleness."""
-    now = {k: v.detach().clone() for k, v in run.student.state_dict().items()}
-    run.rollouts.publish(weights, 0)
-    try:
-        return [gradient(run, i) for i in indices]
-    finally:
-        run.rollouts.publish(now, run.state.version)
-
-
-class Sums:
-    """Per-coordinate running sums of g, g^2, c^2, d, d^2 (float64): every statistic is a sum over coordinates of
-    these, so M gradients of a 100M-parameter student need five vectors, not 2M."""
-
-    def __init__(self):
-        self.M, self.sums = 0, None
-
-    def add(self, g: torch.Tensor, c: torch.Tensor) -> None:
-        g, d = g.double(), c.double() - g.double()
-        if self.sums is None:
-            self.sums = [torch.zeros_like(g) for _ in range(5)]
-        for total, x in zip(self.sums, (g, g * g, (g + d) ** 2, d, d * d)):
-            total += x
-        self.M += 1
-
-    def stats(self, steps: int) -> dict:
-        """bias, noise and z (module docstring), raw and in AdamW's coordinates."""
-        M, (sg, sgg, scc, sd, sdd) = self.M, self.sums
-        # Adam's denominator, pooled over both rollouts' gradients (a coordinate only the candidate's rollouts reach,
-        # an embedding row of a token BF16 never sampled, is not divided by ~0) plus AdamW's eps
-        scale = ((sgg + scc) / (2 * M)).sqrt() + 1e-8
-        out = {"M": M, "T": steps}
-        for name, w in {"raw": torch.ones_like(scale), "adam": scale.pow(-2)}.items():
-            var_d = ((sdd - sd * sd / M) * w).sum().item() / (M - 1)
-            noise2 = ((sgg - sg * sg / M) * w).sum().item() / (M - 1)
-            bias2 = ((sd / M).pow(2) * w).sum().item() - var_d / M
-            bias, noise = math.sqrt(max(bias2, 0.0)), math.sqrt(max(noise2, 0.0))
-            out |= {f"{name}_bias": bias, f"{name}_noise": noise, f"{name}_coupling": math.sqrt(max(var_d, 0.0)),
-                    f"{name}_bias_se": math.sqrt(max(var_d, 0.0) / M),
-                    f"{name}_z": math.sqrt(steps / 2) * bias / max(noise, 1e-30)}
-        return out
-
-
-def stats(ref: list[torch.Tensor], cand: list[torch.Tensor], steps: int) -> dict:
-    """Sums.stats of paired lists of gradients."""
-    sums = Sums()
-    for g, c in zip(ref, cand):
-        sums.add(g, c)
-    return sums.stats(steps)
-
-
-def measure(bf16_cfg, cand_cfg, staleness: int, batches: int) -> dict:
-    """The candidate's stats on the recipe's initial student (after `staleness` BF16 steps for a stale candidate)."""
-    run, initial = warmed_run(bf16_cfg, staleness)
-    try:
-        indices = [1000 + i for i in range(batches)]  # prompt batches the warm-up did not train on
-        sums = Sums()
-        if staleness:  # the candidate's rollouts come from the weights `staleness` versions back
-            for i in indices:
-                sums.add(gradient(run, i), stale_gradients(run, initial, [i])[0])
-        else:
-            cand_run = setup(replace(cand_cfg, schedule="sync", steps=bf16_cfg.steps))
-            try:
-                cand_run.student.load_state_dict(run.student.state_dict())
-                cand_run.rollouts.start(cand_run.student.state_dict(), 0, {})
-                for i in indices:
-                    sums.add(gradient(run, i), gradient(cand_run, i))
-            finally:
-                cand_run.rollouts.close()
-    finally:
-        run.rollouts.close()
-    return sums.stats(bf16_cfg.steps)
 
 
 def signature(group: dict) -> str:

@@ -334,12 +334,13 @@ def test_recipe_summary_compares_each_run_with_the_sync_bf16_run_of_its_own_invo
 
 
 def test_gradient_bias_is_zero_for_the_bf16_rollouts_and_recovers_a_planted_bias(pair):
-    """studies/gradient_bias.py (issue 57, candidate (a)): with common random numbers a candidate whose rollouts are
+    """opd/admission/bias.py (issue 57, candidate (a); studies/gradient_bias.py): with common random numbers a candidate whose rollouts are
     the BF16 ones (the same plan; stale by zero steps) gives d_i = 0 exactly, so bias 0 and z 0; an FP8 e5m2 cache
     gives a bias > 0; on synthetic gradients with a planted bias b the estimate comes back within 4 standard errors
     of |b| and a planted bias of 0 within 4 of 0 (the estimator's coupling noise taken out)."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "studies"))
-    import gradient_bias
+    import gradient_bias as study
+    from opd.admission import bias as gradient_bias
     import torch
     specs = expand(tiny_grid(pair, [{"source": "bf16", "level": 0, "set": {"plan": "forward=bf16 kv=bf16"}},
                                     {"source": "kv", "level": "fp8_e5m2",
@@ -368,9 +369,9 @@ def test_gradient_bias_is_zero_for_the_bf16_rollouts_and_recovers_a_planted_bias
     row = lambda lr, plan: {"config": {"plan": plan, "optim": {"lr": lr, "warmup_steps": 1}}}  # noqa: E731
     group = lambda lr, staleness, plan="kv=fp8": {"staleness": staleness, "bf16": row(lr, "kv=bf16"),  # noqa: E731
                                                   "cand": row(lr, plan)}
-    assert gradient_bias.signature(group(1e-4, 0)) == gradient_bias.signature(group(3e-5, 0))
-    assert gradient_bias.signature(group(1e-4, 0)) != gradient_bias.signature(group(1e-4, 0, "kv=int8"))
-    assert gradient_bias.signature(group(1e-4, 2)) != gradient_bias.signature(group(3e-5, 2))
+    assert study.signature(group(1e-4, 0)) == study.signature(group(3e-5, 0))
+    assert study.signature(group(1e-4, 0)) != study.signature(group(1e-4, 0, "kv=int8"))
+    assert study.signature(group(1e-4, 2)) != study.signature(group(3e-5, 2))
 
 
 def test_paired_trial_measures_the_gap_in_units_of_the_recipes_seed_gap():
