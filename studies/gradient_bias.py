@@ -110,6 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="", help="append one line per configuration here (resumes)")
     parser.add_argument("--pairs", default="llama,qwen3", help="comma-separated pairs to measure")
+    parser.add_argument("--estimators", default="", help="comma-separated estimators to measure (default: all)")
     parser.add_argument("--batches", type=int, default=8, help="M: batches per plan")
     parser.add_argument("--report", default="", help="only print the accuracies of this file's lines")
     parser.add_argument("--quick", action="store_true", help="one configuration, M = 4, nothing written")
@@ -123,6 +124,8 @@ def main() -> None:
         print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
         return
     todo = groups(bench.stored_rows(), tuple(args.pairs.split(",")))
+    if args.estimators:
+        todo = [g for g in todo if g["estimator"] in args.estimators.split(",")]
     if kappa_file:
         recipes = {recipe(g["key"]): g for g in todo if recipe(g["key"]) not in kappas}
         with restored_threads():
