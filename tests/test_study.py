@@ -355,7 +355,11 @@ def test_gradient_bias_is_zero_for_the_bf16_rollouts_and_recovers_a_planted_bias
         assert all(torch.equal(a, b) for a, b in zip(ref, stale))
     finally:
         run.rollouts.close()
-    assert gradient_bias.measure(bf16, fp8, 0, 3)["raw_bias"] > 0
+    shared = gradient_bias.measure(bf16, fp8, 0, 3)  # one set-up, its engine rebuilt for the candidate's plan
+    assert shared["raw_bias"] > 0
+    from dataclasses import replace
+    apart = gradient_bias.measure(bf16, replace(fp8, noise_seed=7), 0, 3)  # a set-up of its own (no noise: same)
+    assert apart == shared
     g = torch.Generator().manual_seed(0)
     ref = [torch.randn(400, generator=g) for _ in range(64)]
     planted = torch.full((400,), 0.05)  # |b| = 1, against a coupling noise of 1 (se 0.125)

@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import torch
 
+from opd.numerics.plan import Plan
 from opd.training.learner import Scoring, collate, score_batch
 from opd.training.setup import setup
 from opd.training.trainer import run_step
@@ -160,7 +161,9 @@ def stats(ref: list[torch.Tensor], cand: list[torch.Tensor], steps: int) -> dict
 
 
 def measure(bf16_cfg, cand_cfg, staleness: int, batches: int) -> dict:
-    """The candidate's stats on the recipe's initial student (after `staleness` BF16 steps for a stale candidate)."""
+    """The candidate's stats on the recipe's initial student (after `staleness` BF16 steps for a stale candidate).
+    A candidate that differs from the BF16 config only in its plan is sampled by the same set-up (one engine rebuilt
+    for its plan, the BF16 gradients held meanwhile); any other difference loads a set-up of its own."""
     run, initial = warmed_run(bf16_cfg, staleness)
     try:
         indices = [1000 + i for i in range(batches)]  # prompt batches the warm-up did not train on
@@ -168,6 +171,11 @@ def measure(bf16_cfg, cand_cfg, staleness: int, batches: int) -> dict:
         if staleness:  # the candidate's rollouts come from the weights `staleness` versions back
             for i in indices:
                 sums.add(gradient(run, i), stale_gradients(run, initial, [i])[0])
+        elif replace(cand_cfg, plan=bf16_cfg.plan, schedule=bf16_cfg.schedule, steps=bf16_cfg.steps) == bf16_cfg:
+            ref = [gradient(run, i) for i in indices]
+            run.use_plan(Plan.parse(cand_cfg.plan, len(run.plan.layers)))
+            for i, g in zip(indices, ref):
+                sums.add(g, gradient(run, i))
         else:
             cand_run = setup(replace(cand_cfg, schedule="sync", steps=bf16_cfg.steps))
             try:
