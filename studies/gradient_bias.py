@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -111,6 +112,7 @@ def main() -> None:
     parser.add_argument("--out", default="", help="append one line per configuration here (resumes)")
     parser.add_argument("--pairs", default="llama,qwen3", help="comma-separated pairs to measure")
     parser.add_argument("--estimators", default="", help="comma-separated estimators to measure (default: all)")
+    parser.add_argument("--threads", type=int, default=0, help="override the stored configs' thread count")
     parser.add_argument("--batches", type=int, default=8, help="M: batches per plan")
     parser.add_argument("--report", default="", help="only print the accuracies of this file's lines")
     parser.add_argument("--quick", action="store_true", help="one configuration, M = 4, nothing written")
@@ -155,7 +157,10 @@ def main() -> None:
                 numbers = {k: v for k, v in same.items() if k.split("_")[0] in ("raw", "adam") or k in ("M", "T")}
                 numbers["measured_as"] = same["key"]
             else:
-                numbers = measure(stored_config(g["bf16"]), stored_config(g["cand"]), g["staleness"], args.batches)
+                bf16, cand = (stored_config(g[k]) for k in ("bf16", "cand"))
+                if args.threads:
+                    bf16, cand = replace(bf16, threads=args.threads), replace(cand, threads=args.threads)
+                numbers = measure(bf16, cand, g["staleness"], args.batches)
             line = {k: v for k, v in g.items() if k not in ("bf16", "cand")} | numbers | {
                 "seconds": time.perf_counter() - start}
             lines.append(line)
