@@ -18,6 +18,7 @@ schedule, with no staleness, reuses its numbers (`measured_as`): the initial stu
 """
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import replace
@@ -76,17 +77,22 @@ def recipe(key: str) -> str:
     return "|".join(key.split("|")[:3])  # study|pair|estimator: one learning rate, horizon and batch
 
 
-def report(lines: list[dict], kappas: dict | None = None) -> dict:
+def report(lines: list[dict], kappas: dict | None = None, k: float = 1.0) -> dict:
     """Leave one pair out: the cut on z from the other pairs, accuracy on the held-out pair's runs (each stored run
     one decision) beside never-admit and always-admit. Modes: raw and adam (z = sqrt(T / 2) bias / noise in that
-    space), ou (z_ou: Adam's space, carried by the recipe's kappa; the lines whose recipe has one)."""
+    space), ou (z_ou: Adam's space, carried by the recipe's kappa; the lines whose recipe has one). Then the same cut
+    as `opd admit` would use it, three ways with the measurement's standard error: ADMIT if z + k se <= cut, REJECT
+    if z - k se > cut, else UNCERTAIN (not admitted)."""
     kappas = kappas or {}
     for x in lines:
-        k = kappas.get(recipe(x["key"]))
-        if k is not None:
-            x["ou_z"] = z_ou(x["adam_bias"], x["adam_noise"], k["kappa"], x["T"])
+        x["raw_z_se"], x["adam_z_se"] = (math.sqrt(x["T"] / 2) * x[f"{m}_bias_se"] / max(x[f"{m}_noise"], 1e-30)
+                                         for m in ("raw", "adam"))
+        kap = kappas.get(recipe(x["key"]))
+        if kap is not None:
+            x["ou_z"] = z_ou(x["adam_bias"], x["adam_noise"], kap["kappa"], x["T"])
+            x["ou_z_se"] = z_ou(x["adam_bias_se"], x["adam_noise"], kap["kappa"], x["T"])
     modes = ("raw", "adam", "ou") if kappas else ("raw", "adam")
-    runs = [{"pair": x["pair"], "degraded": d, "z": x[f"{mode}_z"], "mode": mode}
+    runs = [{"pair": x["pair"], "degraded": d, "z": x[f"{mode}_z"], "se": x[f"{mode}_z_se"], "mode": mode}
             for x in lines for d in x["degraded"] for mode in modes if f"{mode}_z" in x]
     result = {}
     for mode in modes:
@@ -103,7 +109,14 @@ def report(lines: list[dict], kappas: dict | None = None) -> dict:
             adm_deg = sum(r["z"] <= cut and r["degraded"] for r in test) / n
             print(f"{mode:4} held out {pair:8} ({n:3} runs) z > {cut:8.3g}: accuracy {acc:.3f}, admitted and degraded "
                   f"{adm_deg:.3f} | never-admit {bad / n:.3f}, always-admit {1 - bad / n:.3f}")
+            admit = [r["z"] + k * r["se"] <= cut for r in test]
+            reject = [r["z"] - k * r["se"] > cut for r in test]
+            right = sum(a != r["degraded"] for a, r in zip(admit, test)) / n
+            print(f"     three-way (k = {k:g}): accuracy {right:.3f} (UNCERTAIN not admitted), admitted "
+                  f"{sum(admit) / n:.3f}, uncertain {(n - sum(admit) - sum(reject)) / n:.3f}, admitted and degraded "
+                  f"{sum(a and r['degraded'] for a, r in zip(admit, test)) / n:.3f}")
             result[f"{mode}_accuracy_{pair}"] = acc
+            result[f"{mode}_threeway_{pair}"] = right
     return result
 
 
@@ -114,7 +127,7 @@ def main() -> None:
     parser.add_argument("--estimators", default="", help="comma-separated estimators to measure (default: all)")
     parser.add_argument("--threads", type=int, default=0, help="override the stored configs' thread count")
     parser.add_argument("--batches", type=int, default=8, help="M: batches per plan")
-    parser.add_argument("--report", default="", help="only print the accuracies of this file's lines")
+    parser.add_argument("--report", default="", help="only print the accuracies of these files' lines (comma-separated)")
     parser.add_argument("--quick", action="store_true", help="one configuration, M = 4, nothing written")
     parser.add_argument("--kappa", default="", help="measure each recipe's kappa (curvature()) into this file "
                         "(resumes), or, with --report, read them from it")
@@ -122,7 +135,7 @@ def main() -> None:
     kappa_file = Path(args.kappa) if args.kappa else None
     kappas = {x["recipe"]: x for x in read_lines(kappa_file)} if kappa_file else {}
     if args.report:
-        result = report(read_lines(Path(args.report)), kappas)
+        result = report([x for f in args.report.split(",") for x in read_lines(Path(f))], kappas)
         print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
         return
     todo = groups(bench.stored_rows(), tuple(args.pairs.split(",")))
