@@ -334,10 +334,11 @@ def test_recipe_summary_compares_each_run_with_the_sync_bf16_run_of_its_own_invo
 
 
 def test_gradient_bias_is_zero_for_the_bf16_rollouts_and_recovers_a_planted_bias(pair):
-    """opd/admission/bias.py (issue 57, candidate (a); studies/gradient_bias.py): with common random numbers a candidate whose rollouts are
-    the BF16 ones (the same plan; stale by zero steps) gives d_i = 0 exactly, so bias 0 and z 0; an FP8 e5m2 cache
-    gives a bias > 0; on synthetic gradients with a planted bias b the estimate comes back within 4 standard errors
-    of |b| and a planted bias of 0 within 4 of 0 (the estimator's coupling noise taken out)."""
+    """opd/admission/bias.py (issue 57, candidate (a); studies/gradient_bias.py): with common random numbers a
+    candidate whose rollouts are the BF16 ones gives d_i = 0 exactly, so bias 0 and z 0; a stale candidate's
+    batches are the initial student's, scored at the trained student, whose weights stay untouched; an FP8 e5m2 cache
+    gives a bias > 0, the same measured on one set-up or two; on synthetic gradients a planted bias b comes back
+    within 3 standard errors of |b|, and a planted 0 well under one (the estimator's coupling noise taken out)."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "studies"))
     import gradient_bias as study
     from opd.admission import bias as gradient_bias
@@ -348,13 +349,26 @@ def test_gradient_bias_is_zero_for_the_bf16_rollouts_and_recovers_a_planted_bias
     bf16, fp8 = specs[0]["cfg"], specs[1]["cfg"]
     same = gradient_bias.measure(bf16, bf16, 0, 3)
     assert same["raw_bias"] == 0 and same["raw_coupling"] == 0 and same["raw_z"] == 0 and same["raw_noise"] > 0
-    run, initial = gradient_bias.warmed_run(bf16, 0)
+    # a stale candidate: batches sampled by the initial student, scored by the student after 2 BF16 steps, whose
+    # weights the stale engine must not touch (the sync engine shares the learner's tensors)
+    import torch
+    from opd.training.learner import collate
+    run, initial = gradient_bias.warmed_run(bf16, 2)
+    fresh, _ = gradient_bias.warmed_run(bf16, 0)
     try:
-        ref = [gradient_bias.gradient(run, i) for i in (5, 6)]
-        stale = gradient_bias.stale_gradients(run, initial, [5, 6])
-        assert all(torch.equal(a, b) for a, b in zip(ref, stale))
+        now = {k: v.clone() for k, v in run.student.state_dict().items()}
+        assert any(not torch.equal(now[k], initial[k]) for k in now)
+        stale = gradient_bias.candidate_rollouts(run, run.plan, initial)
+        g = gradient_bias.gradient(run, 5, stale)
+        assert all(torch.equal(v, now[k]) for k, v in run.student.state_dict().items())
+        old = fresh.rollouts.next_batch(5, 0).rollouts  # what the initial student samples for batch 5
+        assert [r.completion_ids for r in stale.next_batch(5, 0).rollouts] == [r.completion_ids for r in old]
+        assert torch.equal(g, gradient_bias.batch_gradient(run, collate(old, run.tok.pad_id)))
+        assert not torch.equal(g, gradient_bias.gradient(run, 5))
+        stale.close()
     finally:
         run.rollouts.close()
+        fresh.rollouts.close()
     shared = gradient_bias.measure(bf16, fp8, 0, 3)  # one set-up, its engine rebuilt for the candidate's plan
     assert shared["raw_bias"] > 0
     from dataclasses import replace

@@ -16,6 +16,7 @@ in the raw gradient and in AdamW's coordinates (each coordinate over the root of
 rollouts' gradients, the scale Adam divides by). It costs 2M gradients (about 2M / batch-size steps' worth of
 rollouts and backward passes) and trains nothing. studies/gradient_bias.py measures it on the stored studies.
 """
+import copy
 import math
 from dataclasses import replace
 
@@ -23,13 +24,15 @@ import torch
 
 from opd.numerics.plan import Plan
 from opd.training.learner import Scoring, collate, score_batch
-from opd.training.setup import setup
+from opd.training.rollouts import SyncRollouts
+from opd.training.setup import engine_builder, setup
 from opd.training.trainer import run_step
 
 
-def gradient(run, index: int) -> torch.Tensor:
-    """The OPD gradient (unclipped, flattened, float32) of prompt batch `index` sampled by the run's engine as it is."""
-    sampled = run.rollouts.next_batch(index, run.state.version)
+def gradient(run, index: int, rollouts=None) -> torch.Tensor:
+    """The OPD gradient (unclipped, flattened, float32) of the run's student on prompt batch `index` sampled by
+    `rollouts` (default: the run's own engine)."""
+    sampled = (rollouts or run.rollouts).next_batch(index, run.state.version)
     return batch_gradient(run, collate(sampled.rollouts, run.tok.pad_id), sampled.engine_logprobs)
 
 
@@ -109,14 +112,19 @@ def warmed_run(cfg, steps: int):
     return run, initial
 
 
-def stale_gradients(run, weights: dict, indices: list[int]) -> list[torch.Tensor]:
-    """The gradients at the run's student of batches sampled by `weights` (an older student): staleness."""
-    now = {k: v.detach().clone() for k, v in run.student.state_dict().items()}
-    run.rollouts.publish(weights, 0)
-    try:
-        return [gradient(run, i) for i in indices]
-    finally:
-        run.rollouts.publish(now, run.state.version)
+def candidate_rollouts(run, plan: Plan, weights: dict | None = None) -> SyncRollouts:
+    """A second engine over the run's prompts and sampling seeds, under `plan`: on the learner's own tensors (the
+    built-in engine shares them where the plan keeps full precision), or, given `weights` (an older student: a stale
+    candidate), on a copy of the student holding them, so that the learner's weights are never touched."""
+    student = run.student
+    if weights is not None:
+        student = copy.deepcopy(run.student)
+        student.load_state_dict(weights)
+    build = engine_builder(run.cfg, student, run.tok, run.student_dir, run.prompts)
+    rollouts = SyncRollouts(build, plan, run.prompts, run.params, run.cfg.seed, exact_kl=False,
+                            n_shards=run.cfg.shards)
+    rollouts.start(student.state_dict(), 0, {})
+    return rollouts
 
 
 class Sums:
@@ -161,30 +169,52 @@ def stats(ref: list[torch.Tensor], cand: list[torch.Tensor], steps: int) -> dict
 
 
 def measure(bf16_cfg, cand_cfg, staleness: int, batches: int) -> dict:
-    """The candidate's stats on the recipe's initial student (after `staleness` BF16 steps for a stale candidate).
-    A candidate that differs from the BF16 config only in its plan is sampled by the same set-up (one engine rebuilt
-    for its plan, the BF16 gradients held meanwhile); any other difference loads a set-up of its own."""
+    """The candidate's stats on the recipe's initial student (after `staleness` BF16 steps for a stale candidate,
+    whose rollouts the initial student samples under the candidate's plan). A candidate that differs from the BF16
+    config only in its plan and schedule is sampled by a second engine of the same set-up; any other difference
+    (weight noise of another seed, another engine, ...) loads a set-up of its own."""
     run, initial = warmed_run(bf16_cfg, staleness)
+    older = initial if staleness else None
+    same_setup = replace(cand_cfg, plan=bf16_cfg.plan, schedule=bf16_cfg.schedule, steps=bf16_cfg.steps,
+                         async_=bf16_cfg.async_) == bf16_cfg
+    cand_run, other = None, None
     try:
-        indices = [1000 + i for i in range(batches)]  # prompt batches the warm-up did not train on
-        sums = Sums()
-        if staleness:  # the candidate's rollouts come from the weights `staleness` versions back
-            for i in indices:
-                sums.add(gradient(run, i), stale_gradients(run, initial, [i])[0])
-        elif replace(cand_cfg, plan=bf16_cfg.plan, schedule=bf16_cfg.schedule, steps=bf16_cfg.steps) == bf16_cfg:
-            ref = [gradient(run, i) for i in indices]
-            run.use_plan(Plan.parse(cand_cfg.plan, len(run.plan.layers)))
-            for i, g in zip(indices, ref):
-                sums.add(g, gradient(run, i))
+        if same_setup:
+            other = candidate_rollouts(run, Plan.parse(cand_cfg.plan, len(run.plan.layers)), older)
         else:
             cand_run = setup(replace(cand_cfg, schedule="sync", steps=bf16_cfg.steps))
-            try:
-                cand_run.student.load_state_dict(run.student.state_dict())
-                cand_run.rollouts.start(cand_run.student.state_dict(), 0, {})
-                for i in indices:
-                    sums.add(gradient(run, i), gradient(cand_run, i))
-            finally:
-                cand_run.rollouts.close()
+            cand_run.student.load_state_dict(run.student.state_dict())
+            cand_run.rollouts.start(cand_run.student.state_dict(), 0, {})
+            other = candidate_rollouts(cand_run, cand_run.plan, older) if older is not None else cand_run.rollouts
+        sums = Sums()
+        for i in [1000 + j for j in range(batches)]:  # prompt batches the warm-up did not train on
+            sums.add(gradient(run, i), gradient(cand_run or run, i, other))
     finally:
-        run.rollouts.close()
+        for rollouts in {id(r): r for r in (run.rollouts, other, cand_run and cand_run.rollouts) if r}.values():
+            rollouts.close()
     return sums.stats(bf16_cfg.steps)
+
+
+# The cut on z (Adam's coordinates) in units of the recipe's own noise, from the stored studies (studies/
+# gradient_bias.py: fitted on every measured pair; each pair held out in turn in docs/admission.md).
+CUT = None
+SIGMAS = 1.0  # ADMIT needs z + SIGMAS * se <= CUT, REJECT z - SIGMAS * se > CUT; between them UNCERTAIN
+
+
+def decide(numbers: dict, cut: float, sigmas: float = SIGMAS, mode: str = "adam") -> dict:
+    """ADMIT / UNCERTAIN / REJECT from measure()'s numbers: z against the cut with its standard error, and for
+    UNCERTAIN how many batches would decide (the standard error falls as 1 / sqrt(M))."""
+    T, M = numbers["T"], numbers["M"]
+    z = numbers[f"{mode}_z"]
+    se = math.sqrt(T / 2) * numbers[f"{mode}_bias_se"] / max(numbers[f"{mode}_noise"], 1e-30)
+    if z + sigmas * se <= cut:
+        verdict = "ADMIT"
+    elif z - sigmas * se > cut:
+        verdict = "REJECT"
+    else:
+        verdict = "UNCERTAIN"
+    out = {"decision": verdict, "z": z, "z_se": se, "cut": cut, "sigmas": sigmas, "batches": M, "steps": T}
+    if verdict == "UNCERTAIN":
+        gap = abs(z - cut)
+        out["batches_to_decide"] = math.ceil(M * (sigmas * se / gap) ** 2) if gap > 0 else None
+    return out
