@@ -127,7 +127,8 @@ def main() -> None:
     parser.add_argument("--estimators", default="", help="comma-separated estimators to measure (default: all)")
     parser.add_argument("--threads", type=int, default=0, help="override the stored configs' thread count")
     parser.add_argument("--batches", type=int, default=8, help="M: batches per plan")
-    parser.add_argument("--report", default="", help="only print the accuracies of these files' lines (comma-separated)")
+    parser.add_argument("--report", default="",
+                        help="only print the accuracies of these files' lines (comma-separated)")
     parser.add_argument("--quick", action="store_true", help="one configuration, M = 4, nothing written")
     parser.add_argument("--kappa", default="", help="measure each recipe's kappa (curvature()) into this file "
                         "(resumes), or, with --report, read them from it")

@@ -8,7 +8,7 @@ a switch for are accepted:
 
     plan                           vLLM
     "" (kv=fp32)                   dtype float32,  kv_cache_dtype auto
-    forward=bf16 kv=bf16           dtype bfloat16, kv_cache_dtype auto   (the default: BF16 rollouts; kv=bf16 w=bf16 too)
+    forward=bf16 kv=bf16           dtype bfloat16, kv_cache_dtype auto (the default, BF16 rollouts; kv=bf16 w=bf16 too)
     kv=fp8_e4m3 [w=...]            kv_cache_dtype fp8 (e4m3, scale 1.0: vLLM's default without calibrated scales)
     kv=fp8_e5m2 [w=...]            kv_cache_dtype fp8_e5m2
     forward=bf16 kv=fp8_e5m2; 0,8: kv=bf16
