@@ -95,14 +95,15 @@ def report(lines: list[dict], kappas: dict | None = None, k: float = 1.0) -> dic
     runs = [{"pair": x["pair"], "degraded": d, "z": x[f"{mode}_z"], "se": x[f"{mode}_z_se"], "mode": mode}
             for x in lines for d in x["degraded"] for mode in modes if f"{mode}_z" in x]
     result = {}
+    # right decisions, an admitted run that degraded counting twice
+    score = lambda c, rs: sum((r["z"] > c) == r["degraded"] for r in rs) - sum(  # noqa: E731
+        r["z"] <= c and r["degraded"] for r in rs)
     for mode in modes:
         mine = [r for r in runs if r["mode"] == mode]
         for pair in sorted({r["pair"] for r in mine}):
             train, test = [r for r in mine if r["pair"] != pair], [r for r in mine if r["pair"] == pair]
             if not train:
                 continue
-            score = lambda c, rs: sum((r["z"] > c) == r["degraded"] for r in rs) - sum(  # noqa: E731
-                r["z"] <= c and r["degraded"] for r in rs)
             cut = max(sorted({r["z"] for r in train} | {0.0}), key=lambda c: score(c, train))
             n, bad = len(test), sum(r["degraded"] for r in test)
             acc = sum((r["z"] > cut) == r["degraded"] for r in test) / n
@@ -117,6 +118,10 @@ def report(lines: list[dict], kappas: dict | None = None, k: float = 1.0) -> dic
                   f"{sum(a and r['degraded'] for a, r in zip(admit, test)) / n:.3f}")
             result[f"{mode}_accuracy_{pair}"] = acc
             result[f"{mode}_threeway_{pair}"] = right
+        if mine:  # the cut `opd admit --self` ships: fitted on every pair's runs
+            cut = max(sorted({r["z"] for r in mine} | {0.0}), key=lambda c: score(c, mine))
+            print(f"{mode:4} fitted on all {len(mine)} runs: cut {cut:.3g}")
+            result[f"{mode}_cut"] = cut
     return result
 
 
