@@ -166,7 +166,7 @@ def main() -> None:
     if args.quick:
         todo, args.batches = [g for g in todo if g["source"] == "kv"][:1], 4
     by_signature = {signature(g): done[g["key"]] for g in todo if g["key"] in done}
-    todo = [g for g in todo if g["key"] not in done]
+    todo = sorted((g for g in todo if g["key"] not in done), key=lambda g: g["staleness"] > 0)  # cheap ones first
     lines = []
     with restored_threads():
         for n, g in enumerate(todo):
