@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--out", default="", help="append one line per configuration here (resumes)")
     parser.add_argument("--pairs", default="llama,qwen3", help="comma-separated pairs to measure")
     parser.add_argument("--estimators", default="", help="comma-separated estimators to measure (default: all)")
+    parser.add_argument("--stale-only", action="store_true", help="only the staleness configurations")
     parser.add_argument("--threads", type=int, default=0, help="override the stored configs' thread count")
     parser.add_argument("--batches", type=int, default=8, help="M: batches per plan")
     parser.add_argument("--report", default="",
@@ -147,6 +148,8 @@ def main() -> None:
     todo = groups(bench.stored_rows(), tuple(args.pairs.split(",")))
     if args.estimators:
         todo = [g for g in todo if g["estimator"] in args.estimators.split(",")]
+    if args.stale_only:
+        todo = [g for g in todo if g["staleness"]]
     if kappa_file:
         recipes = {recipe(g["key"]): g for g in todo if recipe(g["key"]) not in kappas}
         with restored_threads():
