@@ -55,7 +55,7 @@ def train(cfg, run_dir: str | Path, resume: bool = False, overwrite: bool = Fals
 
 
 def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0.0, propose: bool = True,
-          warmup: int | str = "auto") -> dict:
+          warmup: int | str = "auto", self_calibrated: bool = False, batches: int = 8) -> dict:
     """The admission check of cfg's rollout set-up, as `opd admit --json`: a dict with "decision" (ADMIT, UNCERTAIN:
     run it only under the runtime guard, or REJECT), "reasons", the probe's numbers and, when not admitted, a
     "proposal" (a plan that passes, or what to change). rollouts: the probe's batch of the run's own prompts;
@@ -67,7 +67,10 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
     (probe reverse KL > admission.FAR_STUDENT_RKL) and its estimator class escalates (admission.ESCALATE_CLASSES:
     the full-distribution losses), the student after admission.AUTO_WARMUP BF16 steps with the
     thresholds calibrated so (the initial verdict is kept as "initial_probe"); with a thresholds file, the warm-up it
-    was calibrated at."""
+    was calibrated at.
+    self_calibrated: decide instead from the candidate's gradient bias against the recipe's own BF16 noise on
+    `batches` batches of the run's prompts (opd/admission/bias.py; no calibration of ours on the model; rollouts,
+    thresholds, limit, propose and warmup do not apply)."""
     _not_in_a_starting_worker("opd.admit")
     from opd.io.errors import require
     require(_number(limit) and limit >= 0, f"limit must be a number >= 0, got {limit!r}", "0 uses the calibrated limit")
@@ -78,6 +81,11 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
             "so a student whose first steps move it far; \"auto\" the first, then the second where it applies")
     require(isinstance(thresholds, (str, Path)), f"thresholds must be a path, got {thresholds!r}",
             "\"\" uses the shipped thresholds")
+    require(isinstance(batches, int) and not isinstance(batches, bool) and 2 <= batches <= 4096,
+            f"batches must be an integer in [2, 4096], got {batches!r}", "8 or so; more narrows the verdict")
+    if self_calibrated:
+        from opd.admission.check import check_self
+        return check_self(_checked(cfg), batches)
     from opd.admission.check import check
     return check(_checked(cfg), rollouts, thresholds, limit, propose, warmup)
 

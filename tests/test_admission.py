@@ -299,6 +299,12 @@ def test_admit_cli(pair, tmp_path):
     bad.write_text("[]")
     assert_one_line_error(opd("admit", *common, "--thresholds", bad), "no valid per-class limits")
     assert_one_line_error(opd("admit", *common, "--limit", "-1"), "--limit must be >= 0")
+    own = opd("admit", *common, "--set", "plan=forward=bf16 kv=bf16", "--self", "--batches", "3")
+    assert own.returncode == 0 and own.stdout.startswith("ADMIT") and "self-calibrated: z 0.00" in own.stdout, \
+        own.stderr
+    own = json.loads(opd("admit", *common, "--set", "plan=noise=0.5", "--self", "--batches", "3", "--json").stdout)
+    assert own["mode"] == "self" and own["z"] > 0 and own["decision"] in ("ADMIT", "UNCERTAIN", "REJECT")
+    assert_one_line_error(opd("admit", *common, "--self", "--batches", "1"), "--batches")
 
 
 def test_admit_with_warmup_probes_the_student_after_k_bf16_steps(pair, tmp_path):
@@ -780,3 +786,21 @@ def test_an_engine_with_its_own_copy_probes_the_student_as_it_is(pair):
     assert hf["probe"]["kl_k3"] < 1e-6 and builtin["probe"]["kl_k3"] < 1e-6  # both sample the learner's policy
     cold = opd.admit(config(pair, **base), rollouts=4, propose=False)
     assert abs(cold["probe"]["rkl"] - builtin["probe"]["rkl"]) > 0.1  # the warm-up did move the student
+
+
+def test_self_calibrated_admission_decides_from_the_models_own_gradient_noise(pair):
+    """`opd admit --self` (check_self): BF16 rollouts against themselves have no bias (z = 0: ADMIT at any cut);
+    a harmful plan is measured against the same recipe's BF16 noise and decided three ways by its standard error;
+    a stale candidate warms the student up first; the cost is 2 x batches gradients (+ the staleness)."""
+    from opd.admission.check import check_self
+    floor = check_self(config(pair, plan="forward=bf16 kv=bf16"), batches=3, cut=4.0)
+    assert floor["decision"] == "ADMIT" and floor["z"] == 0 and floor["cost_steps"] == 6
+    harmful = check_self(config(pair, plan="forward=bf16 kv=fp8_e5m2 noise=0.3"), batches=3, cut=4.0)
+    assert harmful["z"] > 0 and harmful["numbers"]["adam_noise"] > 0 and len(harmful["reasons"]) >= 2
+    z, se = harmful["z"], harmful["z_se"]
+    assert harmful["decision"] == ("ADMIT" if z + se <= 4 else "REJECT" if z - se > 4 else "UNCERTAIN")
+    assert check_self(config(pair, plan="forward=bf16 kv=fp8_e5m2 noise=0.3"), batches=3, cut=0.0)["decision"] \
+        in ("REJECT", "UNCERTAIN")
+    stale = check_self(config(pair, plan="forward=bf16 kv=bf16", schedule="async", threads=2,
+                              async_=dict(max_staleness=2)), batches=3, cut=4.0)
+    assert stale["staleness"] == 2 and stale["cost_steps"] == 8 and stale["z"] >= 0

@@ -195,9 +195,11 @@ def measure(bf16_cfg, cand_cfg, staleness: int, batches: int) -> dict:
     return sums.stats(bf16_cfg.steps)
 
 
-# The cut on z (Adam's coordinates) in units of the recipe's own noise, from the stored studies (studies/
-# gradient_bias.py: fitted on every measured pair; each pair held out in turn in docs/admission.md).
-CUT = None
+# The cut on z (Adam's coordinates) in units of the recipe's own noise: the one with the most right decisions (an
+# admitted run that degraded counting twice) over the 208 stored runs of the built-in pairs (172 configurations,
+# studies/data/gradient_bias_toys.jsonl, `python studies/gradient_bias.py --report ...`); each pair held out in turn
+# in docs/admission.md, "Self-calibrated". Unitless: the same number on any model and recipe.
+CUT = 2.88
 SIGMAS = 1.0  # ADMIT needs z + SIGMAS * se <= CUT, REJECT z - SIGMAS * se > CUT; between them UNCERTAIN
 
 

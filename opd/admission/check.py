@@ -24,6 +24,7 @@ from opd.engines.vllm import vllm_settings
 from opd.io.errors import OpdError
 from opd.health.metrics import TeacherHealth
 from opd.numerics.plan import Plan, describe_layer
+from opd.admission import bias
 from opd.admission.probe import measure, probe
 from opd.training.setup import ProbeSetup, probe_setup
 from opd.health.thresholds import load_thresholds, warm_thresholds
@@ -181,3 +182,33 @@ def in_vllm_terms(plan: Plan) -> dict:
         return {"vllm_flags": vllm_settings(plan).flags()}
     except OpdError as e:
         return {"vllm_refused": str(e)}
+
+
+def check_self(cfg: TrainConfig, batches: int = 8, cut: float | None = None) -> dict:
+    """`opd admit --self`: decide from the user's own model and recipe (bias.py). The candidate (the config's plan
+    and staleness) against BF16 synchronous rollouts of the same config, with common random numbers, on `batches`
+    batches of the run's own prompts: its gradient bias in units of the recipe's own BF16 batch noise, carried over
+    the run's steps (z), against bias.CUT, with the measurement's standard error (UNCERTAIN where it straddles
+    the cut, with the batches that would decide)."""
+    start = time.perf_counter()
+    cut = bias.CUT if cut is None else cut
+    stale = staleness(cfg)
+    floor = replace(cfg, plan=FLOOR_PLAN, schedule="sync", guard=GuardConfig())
+    with restored_threads():
+        numbers = bias.measure(floor, replace(cfg, guard=GuardConfig()), stale, batches)
+    out = bias.decide(numbers, cut)
+    z, se, T = out["z"], out["z_se"], out["steps"]
+    what = f"plan {cfg.plan or 'fp32'}" + (f" at staleness {stale}" if stale else "")
+    reasons = [f"{what}: its rollouts bias the OPD gradient by {numbers['adam_bias']:.3g} (Adam's units, the "
+               f"coupling noise taken out) against a BF16 batch-to-batch noise of {numbers['adam_noise']:.3g}, on "
+               f"{batches} batches of this run's prompts (common random numbers)",
+               f"over the run's {T} steps that bias drifts z = {z:.2f} +- {se:.2f} times the spread two BF16 seeds "
+               f"of this recipe reach; the cut is {cut:g} (studies/gradient_bias.py, docs/admission.md)"]
+    if out["decision"] == "UNCERTAIN":
+        more = out.get("batches_to_decide")
+        reasons.append("the measurement straddles the cut" + (f": about {more} batches (--batches) would decide"
+                                                               if more else ""))
+    seconds = time.perf_counter() - start
+    return out | {"mode": "self", "plan": str(cfg.plan), "estimator_class": estimator_class(cfg.loss),
+                  "staleness": stale, "numbers": numbers, "reasons": reasons, "seconds": seconds,
+                  "cost_steps": 2 * batches + stale}

@@ -131,6 +131,11 @@ def admit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollouts", type=batch_count, default=16, help="probe batch size")
     p.add_argument("--json", dest="as_json", action="store_true", help="print the full result as JSON")
     p.add_argument("--no-propose", dest="propose", action="store_false", help="on REJECT, do not search for a plan")
+    p.add_argument("--self", dest="self_calibrated", action="store_true",
+                   help="decide from this model and recipe alone: the candidate's gradient bias against the BF16 "
+                        "noise of the same recipe (no calibration of ours on the model; docs/admission.md)")
+    p.add_argument("--batches", type=int_in(2, 4097), default=8,
+                   help="with --self: batches of the run's prompts measured (cost: 2 x batches gradients)")
     p.add_argument("--warmup", type=warmup_steps, default="auto",
                    help="probe the student after this many steps of the run's recipe with BF16 rollouts (a student "
                         "whose first steps move it far, as a pruned one); 0: the initial student; auto (default): the "
@@ -151,16 +156,22 @@ def warmup_steps(text: str) -> int | str:
 
 @command(admit_arguments)
 def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit: float, rollouts: int,
-              as_json: bool, propose: bool, warmup: int | str) -> int:
+              as_json: bool, propose: bool, warmup: int | str, self_calibrated: bool, batches: int) -> int:
     """Before training: is this rollout configuration safe for OPD? ADMIT (exit 0), REJECT (exit 1) or UNCERTAIN (exit
     3: run it only under the runtime guard), with reasons."""
     from opd import admit
     from opd.config.files import load_config
     cfg = load_config(config, overrides or [])
     require(limit >= 0, f"--limit must be >= 0, got {limit}", "0 uses the calibrated limit")
-    result = admit(cfg, rollouts, thresholds, limit, propose, warmup)
+    result = admit(cfg, rollouts, thresholds, limit, propose, warmup, self_calibrated, batches)
     if as_json:
         print(json.dumps(result, indent=2))
+    elif self_calibrated:
+        print(f"{result['decision']}  plan: {result['plan']}  (self-calibrated: z {result['z']:.2f} +- "
+              f"{result['z_se']:.2f}, cut {result['cut']:g}; estimator class '{result['estimator_class']}', staleness "
+              f"{result['staleness']}, {result['batches']} batches, {result['seconds']:.1f} s)")
+        for reason in result["reasons"]:
+            print(f"  - {reason}")
     else:
         print(f"{result['decision']}  plan: {result['plan']}  (estimator class '{result['estimator_class']}', "
               f"staleness {result['staleness']}, {result['probe_rollouts']} probe rollouts, {result['seconds']:.1f} s"
