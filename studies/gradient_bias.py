@@ -181,7 +181,8 @@ def main() -> None:
             else:
                 bf16, cand = (stored_config(g[k]) for k in ("bf16", "cand"))
                 if args.threads:
-                    bf16, cand = replace(bf16, threads=args.threads), replace(cand, threads=args.threads)
+                    # (the staleness travels apart: a synchronous candidate config may take any thread count)
+                    bf16, cand = (replace(c, threads=args.threads, schedule="sync") for c in (bf16, cand))
                 numbers = measure(bf16, cand, g["staleness"], args.batches)
             line = {k: v for k, v in g.items() if k not in ("bf16", "cand")} | numbers | {
                 "seconds": time.perf_counter() - start}
