@@ -191,6 +191,7 @@ def check_self(cfg: TrainConfig, batches: int = 8, cut: float | None = None) -> 
     the run's steps (z), against bias.CUT, with the measurement's standard error (UNCERTAIN where it straddles
     the cut, with the batches that would decide)."""
     start = time.perf_counter()
+    require_installed(cfg.engine.name)
     cut = bias.CUT if cut is None else cut
     stale = staleness(cfg)
     floor = replace(cfg, plan=FLOOR_PLAN, schedule="sync", guard=GuardConfig())
