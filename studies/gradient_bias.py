@@ -47,22 +47,13 @@ def signature(group: dict) -> str:
 
 def groups(rows: list[dict], pairs: tuple) -> list[dict]:
     """One {key, bf16 row, candidate row, staleness, degraded share} per stored configuration with a BF16 run."""
-    by: dict[tuple, list[dict]] = {}
-    for r in rows:
-        if r["family"] in pairs:
-            by.setdefault((r["study"], r["family"], r["estimator"]), []).append(r)
     out = []
-    for (study, family, estimator), rs in sorted(by.items()):
-        bf16 = sorted((r for r in rs if r["source"] == "bf16"), key=lambda r: r["seed"])
+    for recipe_key, bf16, points in bench.recipes(rows, pairs):
         if not bf16:
             continue
-        points: dict[tuple, list[dict]] = {}
-        for r in rs:
-            if r["source"] != "bf16":
-                points.setdefault((r["source"], str(r["level"])), []).append(r)
-        for (source, level), prs in sorted(points.items()):
-            prs.sort(key=lambda r: r["seed"])
-            out.append({"key": f"{study}|{family}|{estimator}|{source}|{level}", "study": study, "pair": family,
+        study, family, estimator = recipe_key.split("|")
+        for (source, level), prs in points.items():
+            out.append({"key": f"{recipe_key}|{source}|{level}", "study": study, "pair": family,
                         "estimator": estimator, "source": source, "level": level, "bf16": bf16[0], "cand": prs[0],
                         "staleness": prs[0]["staleness"], "runs": len(prs),
                         "degraded": [bool(r["degraded"]) for r in prs]})

@@ -53,24 +53,16 @@ def trial(cfg, steps: int, every: int) -> dict:
 def plan_trials(rows: list[dict], pairs: tuple) -> list[dict]:
     """Every trial to run: per recipe (study, pair, estimator) its BF16 seeds, then one candidate run per stored
     configuration (its first seed, with a BF16 seed to pair with)."""
-    by: dict[tuple, list[dict]] = {}
-    for r in rows:
-        if r["family"] in pairs:
-            by.setdefault((r["study"], r["family"], r["estimator"]), []).append(r)
     out = []
-    for (study, family, estimator), rs in sorted(by.items()):
-        bf16 = {r["seed"]: r for r in rs if r["source"] == "bf16"}
+    for recipe, runs, points in bench.recipes(rows, pairs):
+        bf16 = {r["seed"]: r for r in runs}
         if len(bf16) < 2:
             continue
-        recipe = f"{study}|{family}|{estimator}"
+        family = recipe.split("|")[1]
         out += [{"key": f"{recipe}|bf16|0|seed{s}", "recipe": recipe, "pair": family, "source": "bf16",
                  "seed": s, "row": bf16[s]} for s in sorted(bf16)]
-        points: dict[tuple, list[dict]] = {}
-        for r in rs:
-            if r["source"] != "bf16":
-                points.setdefault((r["source"], str(r["level"])), []).append(r)
-        for (source, level), prs in sorted(points.items()):
-            paired = [r for r in sorted(prs, key=lambda r: r["seed"]) if r["seed"] in bf16]
+        for (source, level), prs in points.items():
+            paired = [r for r in prs if r["seed"] in bf16]
             if not paired:
                 continue
             out.append({"key": f"{recipe}|{source}|{level}", "recipe": recipe, "pair": family, "source": source,
