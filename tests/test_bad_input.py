@@ -190,7 +190,7 @@ def unwritable_run_dir(ctx):
     return ctx.train(run="file/run")
 
 
-@case("cannot write", "File too large", "free some disk space", leaves=("run", "run/*", "run/tb/*"), file_limit=1500)
+@case("cannot write", "File too large", "free some disk space", leaves=("run", "run/*", "run/tb/*"), file_limit=2000)
 def full_disk(ctx):
     return ctx.train()
 

@@ -17,7 +17,9 @@ from helpers import config
 ADDED_SINCE = {"sampling.shards", "async.backend", "ray.address", "ray.workers", "ray.worker_cpus", "ray.worker_gpus",
                "ray.connect_timeout", "ray.teacher", "ray.teacher_cpus", "ray.teacher_gpus",  # never top-level keys
                "teacher.path",  # the top-level `teacher` path before the teacher section
-               "engine.bf16_gemm", "eval.greedy"}
+               "engine.bf16_gemm", "eval.greedy",
+               "canary.plan", "canary.every", "canary.min_batches", "canary.max_batches", "canary.cut",
+               "canary.watch_every"}
 
 
 def old_layout(cfg: TrainConfig) -> dict:

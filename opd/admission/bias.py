@@ -22,8 +22,9 @@ from dataclasses import replace
 
 import torch
 
+from opd.health.drift import CUT, SIGMAS, Sums, decide, stats  # noqa: F401 (this module's statistic)
 from opd.numerics.plan import Plan
-from opd.training.learner import Scoring, collate, score_batch
+from opd.training.learner import Scoring, collate, flat_gradient, score_batch
 from opd.training.rollouts import SyncRollouts
 from opd.training.setup import engine_builder, setup
 from opd.training.trainer import run_step
@@ -40,8 +41,7 @@ def batch_gradient(run, batch, engine_logprobs=None) -> torch.Tensor:
     """The OPD gradient (unclipped, flattened, float32) of the run's student on a batch of rollouts."""
     run.student.zero_grad(set_to_none=True)
     score_batch(run.student, batch, run.teacher, Scoring.of(run.cfg), engine_logprobs, backward=True)
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in run.student.parameters()]
-    out = torch.cat([g.reshape(-1).float() for g in grads])
+    out = flat_gradient(run.student)
     run.student.zero_grad(set_to_none=True)
     return out
 
@@ -127,47 +127,6 @@ def candidate_rollouts(run, plan: Plan, weights: dict | None = None) -> SyncRoll
     return rollouts
 
 
-class Sums:
-    """Per-coordinate running sums of g, g^2, c^2, d, d^2 (float64): every statistic is a sum over coordinates of
-    these, so M gradients of a 100M-parameter student need five vectors, not 2M."""
-
-    def __init__(self):
-        self.M, self.sums = 0, None
-
-    def add(self, g: torch.Tensor, c: torch.Tensor) -> None:
-        g, d = g.double(), c.double() - g.double()
-        if self.sums is None:
-            self.sums = [torch.zeros_like(g) for _ in range(5)]
-        for total, x in zip(self.sums, (g, g * g, (g + d) ** 2, d, d * d)):
-            total += x
-        self.M += 1
-
-    def stats(self, steps: int) -> dict:
-        """bias, noise and z (module docstring), raw and in AdamW's coordinates."""
-        M, (sg, sgg, scc, sd, sdd) = self.M, self.sums
-        # Adam's denominator, pooled over both rollouts' gradients (a coordinate only the candidate's rollouts reach,
-        # an embedding row of a token BF16 never sampled, is not divided by ~0) plus AdamW's eps
-        scale = ((sgg + scc) / (2 * M)).sqrt() + 1e-8
-        out = {"M": M, "T": steps}
-        for name, w in {"raw": torch.ones_like(scale), "adam": scale.pow(-2)}.items():
-            var_d = ((sdd - sd * sd / M) * w).sum().item() / (M - 1)
-            noise2 = ((sgg - sg * sg / M) * w).sum().item() / (M - 1)
-            bias2 = ((sd / M).pow(2) * w).sum().item() - var_d / M
-            bias, noise = math.sqrt(max(bias2, 0.0)), math.sqrt(max(noise2, 0.0))
-            out |= {f"{name}_bias": bias, f"{name}_noise": noise, f"{name}_coupling": math.sqrt(max(var_d, 0.0)),
-                    f"{name}_bias_se": math.sqrt(max(var_d, 0.0) / M),
-                    f"{name}_z": math.sqrt(steps / 2) * bias / max(noise, 1e-30)}
-        return out
-
-
-def stats(ref: list[torch.Tensor], cand: list[torch.Tensor], steps: int) -> dict:
-    """Sums.stats of paired lists of gradients."""
-    sums = Sums()
-    for g, c in zip(ref, cand):
-        sums.add(g, c)
-    return sums.stats(steps)
-
-
 def measure(bf16_cfg, cand_cfg, staleness: int, batches: int) -> dict:
     """The candidate's stats on the recipe's initial student (after `staleness` BF16 steps for a stale candidate,
     whose rollouts the initial student samples under the candidate's plan). A candidate that differs from the BF16
@@ -193,30 +152,3 @@ def measure(bf16_cfg, cand_cfg, staleness: int, batches: int) -> dict:
         for rollouts in {id(r): r for r in (run.rollouts, other, cand_run and cand_run.rollouts) if r}.values():
             rollouts.close()
     return sums.stats(bf16_cfg.steps)
-
-
-# The cut on z (Adam's coordinates) in units of the recipe's own noise: the one with the most right decisions (an
-# admitted run that degraded counting twice) over the 208 stored runs of the built-in pairs (172 configurations,
-# studies/data/gradient_bias_toys.jsonl, `python studies/gradient_bias.py --report ...`); each pair held out in turn
-# in docs/admission.md, "Self-calibrated". Unitless: the same number on any model and recipe.
-CUT = 2.88
-SIGMAS = 1.0  # ADMIT needs z + SIGMAS * se <= CUT, REJECT z - SIGMAS * se > CUT; between them UNCERTAIN
-
-
-def decide(numbers: dict, cut: float, sigmas: float = SIGMAS, mode: str = "adam") -> dict:
-    """ADMIT / UNCERTAIN / REJECT from measure()'s numbers: z against the cut with its standard error, and for
-    UNCERTAIN how many batches would decide (the standard error falls as 1 / sqrt(M))."""
-    T, M = numbers["T"], numbers["M"]
-    z = numbers[f"{mode}_z"]
-    se = math.sqrt(T / 2) * numbers[f"{mode}_bias_se"] / max(numbers[f"{mode}_noise"], 1e-30)
-    if z + sigmas * se <= cut:
-        verdict = "ADMIT"
-    elif z - sigmas * se > cut:
-        verdict = "REJECT"
-    else:
-        verdict = "UNCERTAIN"
-    out = {"decision": verdict, "z": z, "z_se": se, "cut": cut, "sigmas": sigmas, "batches": M, "steps": T}
-    if verdict == "UNCERTAIN":
-        gap = abs(z - cut)
-        out["batches_to_decide"] = math.ceil(M * (sigmas * se / gap) ** 2) if gap > 0 else None
-    return out

@@ -2,7 +2,8 @@
 what spans sections; read from YAML and `--set key=value` by config_file.py, saved resolved.
 
 A YAML file holds any subset of the settings below (the rest keep their defaults). The run-wide ones are top-level
-keys; the others live in sections (SECTIONS: data, sampling, loss, optim, eval, engine, async, guard, compute), each a
+keys; the others live in sections (SECTIONS: data, sampling, loss, optim, eval, engine, async, guard, canary,
+compute), each a
 frozen dataclass that checks its own values in __post_init__:
 
     family: qwen3            # the built-in pair to distill (ignored when student and teacher are given)
@@ -24,13 +25,13 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from opd.engines import kinds as engines
 from opd.io.errors import require
 from opd.config.sections import (FAMILIES, FILE_PROMPT_TOKENS, REAL_PAIRS, SCHEDULES, TOPK_TEACHER_LOSSES, AsyncConfig,
-                          ComputeConfig, DataConfig, EngineConfig, EvalConfig, GuardConfig, LossConfig, OptimConfig,
+                          CanaryConfig, ComputeConfig, DataConfig, EngineConfig, EvalConfig, GuardConfig, LossConfig, OptimConfig,
                           RayConfig, SamplingConfig, TeacherConfig, check_numbers)
 from opd.data.task import get_task
 
 SECTIONS = {"teacher": TeacherConfig, "data": DataConfig, "sampling": SamplingConfig, "loss": LossConfig,
             "optim": OptimConfig, "eval": EvalConfig, "engine": EngineConfig, "async": AsyncConfig, "ray": RayConfig,
-            "guard": GuardConfig, "compute": ComputeConfig}  # a config file's sections (YAML keys) and their types
+            "guard": GuardConfig, "canary": CanaryConfig, "compute": ComputeConfig}  # a config file's sections (YAML keys) and their types
 
 
 def attribute(key: str) -> str:
@@ -65,6 +66,7 @@ class TrainConfig:
     async_: AsyncConfig = field(default_factory=AsyncConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
 
     def __post_init__(self):
@@ -107,6 +109,11 @@ class TrainConfig:
                 "the truncation",
                 "sample untruncated (top_k 0, top_p 1: OPD's on-policy default), or use engine builtin")
         self._check_teacher_side()
+        require(not self.canary.plan or self.schedule == "sync", "config: canary training runs the synchronous "
+                "schedule (its shadow batch and the trained one are sampled by the same weights)",
+                "set schedule=sync; a stale candidate is measured before the run by `opd admit --self`")
+        require(not self.canary.plan or self.canary.plan != self.plan, f"config: canary.plan {self.canary.plan!r} "
+                "is the run's own plan", "name a candidate that differs from `plan`")
         require(self.shards <= self.batch_size, f"config: sampling.shards {self.shards} is more than batch_size "
                 f"{self.batch_size}", "each sub-batch needs a prompt; leave sampling.shards at 0 (one per worker)")
 

@@ -270,6 +270,31 @@ class GuardConfig:
 
 
 @dataclass(frozen=True)
+class CanaryConfig:
+    """Canary training (training/canary.py): the run trains on its own plan while a candidate plan samples the same
+    prompts with the same seeds beside it; the candidate is promoted when the gradient-bias statistic (health/drift.py)
+    admits it, and dropped again when the same statistic, watched after the switch, rejects it."""
+    plan: str = ""  # the candidate's rollout plan (plan.py); "": off
+    every: int = 1  # a shadow batch every this many steps before the decision
+    min_batches: int = 4  # pairs of gradients before any decision
+    max_batches: int = 16  # pairs without a decision: the run stays on its own plan and stops shadowing
+    cut: float = 0.0  # the cut on z; 0: the shipped one (health/drift.py CUT)
+    watch_every: int = 4  # after a promotion: a shadow batch of the run's own plan every this many steps; 0: none
+
+    def __post_init__(self):
+        check_numbers(self, "canary.")
+        require(isinstance(self.plan, str), f"config: canary.plan must be a plan string, got {self.plan!r:.60}",
+                "e.g. canary.plan='kv=fp8_e4m3'")
+        _at_least(self, "canary", ["every", "min_batches"], 1, "")
+        _at_least(self, "canary", ["watch_every"], 0, "0 stops watching after a promotion")
+        require(self.min_batches >= 2, f"config: canary.min_batches must be >= 2, got {self.min_batches}",
+                "the statistic needs two pairs for its noise")
+        require(self.max_batches >= self.min_batches, f"config: canary.max_batches ({self.max_batches}) is below "
+                f"canary.min_batches ({self.min_batches})", "raise canary.max_batches")
+        require(self.cut >= 0, f"config: canary.cut must be >= 0, got {self.cut}", "0 uses the shipped cut")
+
+
+@dataclass(frozen=True)
 class ComputeConfig:
     """Devices, dtypes and how full-vocabulary work is split (memory)."""
     device: str = "auto"  # learner and rollout engine: auto (CUDA when present, else CPU), cpu, cuda, cuda:N

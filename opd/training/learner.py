@@ -234,3 +234,9 @@ def completion_logprobs(model: Transformer, batch: Batch, temperature: float = 1
 def token_logprobs(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """[B, N, V], [B, N] -> [B, N]: the log-prob of each sampled token."""
     return logp.gather(-1, tokens[..., None])[..., 0]
+
+
+def flat_gradient(model: torch.nn.Module) -> torch.Tensor:
+    """The model's gradients as one float32 vector (a parameter without one counts as zeros), parameters in order."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                      for p in model.parameters()])

@@ -5,6 +5,7 @@ model and its steps), and the rules a resume obeys (never fewer steps than done,
 """
 import math
 from dataclasses import dataclass
+from typing import Literal
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ class State:
     skipped: int = 0  # non-finite steps in total
     fallback: bool = False  # the runtime guard switched the rollouts to a safer plan (kept on resume)
     fallback_plan: str = ""  # the plan it switched to last ("" with fallback: BF16, as before this field existed)
+    canary: str = ""  # canary training's phase (canary.PHASES); "": no canary
 
 
 STATE_FILE = "trainer_state.safetensors"  # optimizer, engine scales, async batches: tensors + JSON (wire.py)
@@ -44,6 +46,7 @@ class StateFile(Schema):
     skipped: conint(strict=True, ge=0, lt=2 ** 31) = 0
     fallback: StrictBool = False
     fallback_plan: StrictStr = ""
+    canary: Literal["", "shadow", "promoted", "rejected", "undecided", "fallen_back"] = ""
 
 
 def save_state(run_dir: Path, run, wait: bool = True) -> None:
@@ -51,6 +54,8 @@ def save_state(run_dir: Path, run, wait: bool = True) -> None:
     JSON: a checkpoint someone hands you cannot run code when it is resumed (wire.py)."""
     blob = {"optimizer": run.opt.state_dict(), **run.rollouts.state_dict(wait)}
     blob |= run.teacher.state_dict()  # a teacher engine's calibrated KV scales, kept for its lifetime
+    if run.canary is not None:
+        blob |= run.canary.state_dict()
     save_checkpoint(run_dir / "checkpoint", run.student, run.tok, extra_json={"trainer_state.json": vars(run.state)},
                     extra_trees={STATE_FILE: blob})
 
@@ -92,6 +97,8 @@ def load_state(run_dir: Path, run) -> tuple[State, dict]:
     run.student.load_state_dict(saved.state_dict())
     run.opt.load_state_dict(blob["optimizer"])
     run.state = state
+    if run.canary is not None:
+        run.canary.load_state_dict(blob, str(folder / STATE_FILE), fix)
     if state.fallback:
         run.use_plan(Plan.parse(state.fallback_plan or FLOOR_PLAN, run.student.cfg.num_layers))
     return state, blob

@@ -142,6 +142,7 @@ class Run:
     state: State
     student_dir: Path
     guard: Guard  # the runtime admission check (cfg.guard.every > 0)
+    canary: object = None  # canary.Canary (cfg.canary.plan set), made by the trainer, which knows the run folder
 
     def use_plan(self, plan: Plan) -> None:
         """Sample under plan from now on (the guard's fallback, or one a resumed run recorded)."""

@@ -109,10 +109,11 @@ def teacher_side_metrics(check, batch, scores: Scores) -> dict:
 
 
 def train_step(student: Transformer, teacher, opt: torch.optim.Optimizer, batch, cfg: TrainConfig,
-               lr: float, version: int, rollout=None) -> tuple[dict, bool]:
+               lr: float, version: int, rollout=None, on_grad=None) -> tuple[dict, bool]:
     """One learner update on a batch of rollouts -> (metrics, whether the update was applied). teacher: who scores
     for the teacher (teacher.Teacher; a served one is checked against the trainer's on the batch's first rows).
-    rollout: hidden rows -> the engine's log-probs, for the exact KL (sync, builtin engine)."""
+    rollout: hidden rows -> the engine's log-probs, for the exact KL (sync, builtin engine). on_grad: called with no
+    arguments after a finite backward pass, before clipping (the canary keeps the gradient there)."""
     start = time.perf_counter()
     opt.zero_grad(set_to_none=True)
     served = teacher is not teacher.trainer
@@ -120,6 +121,8 @@ def train_step(student: Transformer, teacher, opt: torch.optim.Optimizer, batch,
     scores = score_batch(student, batch, teacher, Scoring.of(cfg), rollout, backward=True)
     metrics = dict(scores.metrics)
     ok = math.isfinite(scores.loss)
+    if ok and on_grad is not None:
+        on_grad()
     if ok:
         grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.optim.grad_clip).item()
         ok = math.isfinite(grad_norm)
@@ -144,8 +147,9 @@ def run_step(run: Run) -> dict:
     sampled = run.rollouts.next_batch(state.step, state.version)
     rollouts, sample_metrics, rollout = sampled.rollouts, sampled.metrics, sampled.engine_logprobs
     batch = collate(rollouts, run.tok.pad_id)
+    on_grad = run.canary.before_step(state.step, state.version) if run.canary is not None else None
     metrics, ok = train_step(run.student, run.teacher, run.opt, batch, cfg, lr_at(state.version, cfg), state.version,
-                             rollout)
+                             rollout, on_grad)
     state.step += 1
     if ok:
         state.version += 1
@@ -156,6 +160,8 @@ def run_step(run: Run) -> dict:
     else:
         state.bad_steps += 1
         state.skipped += 1
+    if run.canary is not None:  # after the publish: a switch re-makes the engine on the newest weights
+        metrics |= run.canary.after_step(state.step - 1, ok)
     elapsed = time.perf_counter() - start
     return metrics | sample_metrics | {"train/skipped_steps": state.skipped, "train/version": state.version,
                                         "time/step": elapsed,
@@ -176,6 +182,9 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
         run = setup(cfg)
         cfg = run.cfg  # with the sampling settings resolved (config.resolve_generation): what is saved and compared
         try:
+            if cfg.canary.plan:
+                from opd.training.canary import Canary  # only a canary run needs it
+                run.canary = Canary(run, run_dir)
             saved = {}
             if resume:
                 check_same_run(run_dir, cfg)
@@ -185,10 +194,14 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
                 clear_run_dir(run_dir)
             save_config(run_dir, cfg)
             run.rollouts.start(run.student.state_dict(), run.state.version, saved)
+            if run.canary is not None:
+                run.canary.start()
             return _train(run, cfg, run_dir, progress, on_step, before)
         finally:
             run.rollouts.close()
             run.teacher.close()
+            if run.canary is not None:
+                run.canary.close()
 
 
 class Interrupted(KeyboardInterrupt):
@@ -264,6 +277,8 @@ def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, befor
                     metrics |= out
                     if safer is not None:
                         fall_back(run, safer)
+                        if run.canary is not None:
+                            run.canary.guard_fell_back(step)
                 except OpdError:  # guard.action stop (or the fallback failed): the step was taken; log it, then stop
                     log.write(step, metrics)
                     logged = step + 1
@@ -305,6 +320,8 @@ def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, befor
                "plan": str(run.plan), "schedule": cfg.schedule, "guard_fallback": run.state.fallback,
                **_seconds(read_metrics(run_dir))}
     summary |= {f"async/{k}": v for k, v in run.rollouts.counts.items()}
+    if run.canary is not None:
+        summary["canary"] = run.canary.summary()
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     if received:  # it came during the final evaluation: the run is complete; whoever called train stops here
         raise Interrupted(received[0], at_boundary=True, summary=summary)

@@ -1,0 +1,115 @@
+"""The gradient-bias statistic (issue 57, candidate (a)), as arithmetic on gradients: `opd admit --self`
+(admission/bias.py) feeds it gradients measured before a run, canary training (training/canary.py) the pairs of a
+running one. No model here: M pairs (g_i, c_i) of OPD gradients of the same batch (same prompts and sampling seed:
+common random numbers), g_i with the reference rollouts, c_i with the candidate's, d_i = c_i - g_i, and
+
+    bias^2  = |mean d|^2 - var(d) / M      (unbiased: the coupling noise of d taken out; its standard error var(d)/M)
+    noise^2 = var(g)                        (the per-batch SGD noise of the reference rollouts)
+    z = sqrt(T / 2) * bias / noise          (T steps: a bias drifts T steps the same way while the gap between two
+                                             reference seeds grows as sqrt(2 T))
+
+in the raw gradient and in AdamW's coordinates (each coordinate over the root of its mean square over both
+rollouts' gradients, the scale Adam divides by). `decide` turns z and its standard error into ADMIT / UNCERTAIN /
+REJECT against one unitless cut. Memory: five float64 vectors the size of the student (40 bytes a parameter).
+"""
+import math
+
+import torch
+
+
+class Sums:
+    """Per-coordinate running sums of g, g^2, c^2, d, d^2 (float64): every statistic is a sum over coordinates of
+    these, so M gradients of a 100M-parameter student need five vectors, not 2M.
+
+    successive: the pairs come from a running training run (canary.py), whose weights move between pairs, so var(g)
+    over the pairs would count the drift of the mean gradient along the run as noise; the noise is then taken from
+    successive differences, |g_i - g_{i-1}|^2 / 2 (what one step's drift adds is small beside a batch's noise), which
+    costs two more vectors (the last g and the sum)."""
+
+    def __init__(self, successive: bool = False):
+        self.M, self.sums, self.successive = 0, None, successive
+
+    def add(self, g: torch.Tensor, c: torch.Tensor) -> None:
+        g, d = g.double(), c.double() - g.double()
+        if self.sums is None:
+            self.sums = [torch.zeros_like(g) for _ in range(7 if self.successive else 5)]
+        for total, x in zip(self.sums, (g, g * g, (g + d) ** 2, d, d * d)):
+            total += x
+        if self.successive:
+            last, total = self.sums[5], self.sums[6]
+            if self.M:
+                total += (g - last) ** 2
+            last.copy_(g)
+        self.M += 1
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (canary training resumes its measurement exactly)."""
+        return {"M": self.M, "sums": list(self.sums) if self.sums is not None else []}
+
+    @classmethod
+    def from_state(cls, saved, size: int, successive: bool = False) -> "Sums | None":
+        """state_dict()'s output for gradients of `size` coordinates, or None where it is not one."""
+        sums = saved.get("sums") if isinstance(saved, dict) else None
+        M = saved.get("M") if isinstance(saved, dict) else None
+        n = 7 if successive else 5
+        if not isinstance(M, int) or isinstance(M, bool) or M < 0 or not isinstance(sums, list) or \
+                len(sums) != (n if M else 0) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.float64
+                                                         and t.shape == (size,) and bool(torch.isfinite(t).all())
+                                                         for t in sums):
+            return None
+        out = cls(successive)
+        out.M, out.sums = M, (sums or None)
+        return out
+
+    def stats(self, steps: int) -> dict:
+        """bias, noise and z (module docstring), raw and in AdamW's coordinates."""
+        M, (sg, sgg, scc, sd, sdd) = self.M, self.sums[:5]
+        # Adam's denominator, pooled over both rollouts' gradients (a coordinate only the candidate's rollouts reach,
+        # an embedding row of a token BF16 never sampled, is not divided by ~0) plus AdamW's eps
+        scale = ((sgg + scc) / (2 * M)).sqrt() + 1e-8
+        out = {"M": M, "T": steps}
+        for name, w in {"raw": torch.ones_like(scale), "adam": scale.pow(-2)}.items():
+            var_d = ((sdd - sd * sd / M) * w).sum().item() / (M - 1)
+            noise2 = ((self.sums[6] if self.successive else sgg - sg * sg / M) * w).sum().item() / (
+                (2 if self.successive else 1) * (M - 1))
+            bias2 = ((sd / M).pow(2) * w).sum().item() - var_d / M
+            bias, noise = math.sqrt(max(bias2, 0.0)), math.sqrt(max(noise2, 0.0))
+            out |= {f"{name}_bias": bias, f"{name}_noise": noise, f"{name}_coupling": math.sqrt(max(var_d, 0.0)),
+                    f"{name}_bias_se": math.sqrt(max(var_d, 0.0) / M),
+                    f"{name}_z": math.sqrt(steps / 2) * bias / max(noise, 1e-30)}
+        return out
+
+
+def stats(ref: list[torch.Tensor], cand: list[torch.Tensor], steps: int) -> dict:
+    """Sums.stats of paired lists of gradients."""
+    sums = Sums()
+    for g, c in zip(ref, cand):
+        sums.add(g, c)
+    return sums.stats(steps)
+
+
+# The cut on z (Adam's coordinates) in units of the recipe's own noise: the one with the most right decisions (an
+# admitted run that degraded counting twice) over the 208 stored runs of the built-in pairs (172 configurations,
+# studies/data/gradient_bias_toys.jsonl, `python studies/gradient_bias.py --report ...`); each pair held out in turn
+# in docs/admission.md, "Self-calibrated". Unitless: the same number on any model and recipe.
+CUT = 2.88
+SIGMAS = 1.0  # ADMIT needs z + SIGMAS * se <= CUT, REJECT z - SIGMAS * se > CUT; between them UNCERTAIN
+
+
+def decide(numbers: dict, cut: float, sigmas: float = SIGMAS, mode: str = "adam") -> dict:
+    """ADMIT / UNCERTAIN / REJECT from measure()'s numbers: z against the cut with its standard error, and for
+    UNCERTAIN how many batches would decide (the standard error falls as 1 / sqrt(M))."""
+    T, M = numbers["T"], numbers["M"]
+    z = numbers[f"{mode}_z"]
+    se = math.sqrt(T / 2) * numbers[f"{mode}_bias_se"] / max(numbers[f"{mode}_noise"], 1e-30)
+    if z + sigmas * se <= cut:
+        verdict = "ADMIT"
+    elif z - sigmas * se > cut:
+        verdict = "REJECT"
+    else:
+        verdict = "UNCERTAIN"
+    out = {"decision": verdict, "z": z, "z_se": se, "cut": cut, "sigmas": sigmas, "batches": M, "steps": T}
+    if verdict == "UNCERTAIN":
+        gap = abs(z - cut)
+        out["batches_to_decide"] = math.ceil(M * (sigmas * se / gap) ** 2) if gap > 0 else None
+    return out

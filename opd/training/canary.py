@@ -1,0 +1,222 @@
+"""Canary training: take a cheaper rollout plan only when the run's own evidence admits it, and drop it when the same
+evidence turns against it.
+
+The run trains on its own plan (the reference: BF16, or whatever `plan` names). Every `canary.every` steps a shadow
+engine under the candidate plan (`canary.plan`) samples the same prompt batch with the same sampling seed (common
+random numbers), and the OPD gradient of the shadow batch, c, is measured beside the training step's own gradient g
+(before clipping, at the same weights): one pair of health/drift.py's statistic, whose horizon T is the run's
+remaining steps. From `canary.min_batches` pairs on, each new pair decides:
+
+    ADMIT      the candidate is promoted: the training rollouts come from it from the next step on
+    REJECT     the run stays on its plan; the shadow stops (no more cost)
+    UNCERTAIN  go on; after `canary.max_batches` pairs the run stays on its plan and the shadow stops
+
+After a promotion the roles swap: every `canary.watch_every` steps the shadow samples under the run's own plan, the
+training gradient is the candidate's, and a REJECT of the same statistic (on fresh pairs, min_batches of them) falls
+back to the run's plan for the rest of the run. The runtime guard (guard.py), where on, still judges the live
+mismatch; its fallback ends the canary too. Every switch is a canary.jsonl event with the statistic's numbers and a
+line on stderr; the summary's `canary` entry says where the run ended; canary/* metrics are logged at each pair.
+
+Cost: a shadow step samples one more batch and takes one more backward pass (the shadow batch's), about one step's
+work, until the decision (min_batches to max_batches shadow steps), then one every watch_every steps after a promotion.
+Memory: the statistic's seven float64 vectors (56 bytes a parameter: its noise comes from successive pairs,
+drift.Sums) and two float32 gradients.
+
+A checkpoint keeps the phase (trainer_state.json), the statistic's sums and the shadow engine's KV scales (the trainer
+state file): a resumed run continues exactly. The shadow changes nothing that trains: a run whose candidate is never
+promoted trains the same weights as the run without a canary (tested); the one exception is a served teacher that
+calibrates its KV scales on the first batch it scores, which then sees the shadow batch first.
+"""
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from opd.config.runlog import write_atomic
+from opd.health.drift import CUT, Sums, decide
+from opd.io.errors import OpdError, require
+from opd.numerics.kv_cache import is_scale
+from opd.numerics.plan import Plan
+from opd.training.learner import Scoring, collate, flat_gradient, score_batch
+from opd.training.rollouts import SyncRollouts
+from opd.training.setup import engine_builder
+
+PHASES = ("shadow", "promoted", "rejected", "undecided", "fallen_back")  # the first two keep a shadow engine
+EVENTS = "canary.jsonl"
+
+
+class Canary:
+    """The canary of one run (cfg.canary.plan set). Its phase lives in run.state.canary, so a checkpoint keeps it."""
+
+    def __init__(self, run, run_dir: Path):
+        self.run, self.run_dir, self.settings = run, Path(run_dir), run.cfg.canary
+        self.reference = run.plan
+        try:
+            self.candidate = Plan.parse(self.settings.plan, len(run.plan.layers))
+        except OpdError as e:
+            raise OpdError(f"config: canary.plan: {e.problem}", e.fix) from None
+        require(self.candidate != self.reference, f"config: canary.plan {self.settings.plan!r} is the run's own "
+                f"plan ({self.reference})", "name a candidate that differs from `plan`")
+        self.names = {str(self.candidate): self.settings.plan,
+                      str(self.reference): (run.cfg.plan or "fp32") if isinstance(run.cfg.plan, str) else
+                      str(self.reference)}  # the plans as the config wrote them
+        self.cut = self.settings.cut or CUT
+        self.sums, self.shadow, self.saved_scales = Sums(successive=True), None, {}
+        self.shadow_grad = self.trained_grad = None
+
+    @property
+    def phase(self) -> str:
+        return self.run.state.canary
+
+    def shadow_plan(self) -> Plan:
+        return self.candidate if self.phase == "shadow" else self.reference
+
+    def start(self) -> None:
+        """Build the shadow engine where the phase keeps one (after a resume: with its saved KV scales); on resume,
+        canary.jsonl loses the events of the steps to be re-run (they are logged again)."""
+        if not self.run.state.canary:  # a fresh run (or one interrupted before its first checkpoint)
+            self.run.state.canary = "shadow"
+        path = self.run_dir / EVENTS
+        if path.is_file():
+            kept = [e for e in map(json.loads, path.read_text().splitlines()) if e["step"] < self.run.state.step]
+            write_atomic(path, "".join(json.dumps(e) + "\n" for e in kept))
+        if self.phase in ("shadow", "promoted"):
+            run = self.run
+            build = engine_builder(run.cfg, run.student, run.tok, run.student_dir, run.prompts)
+            self.shadow = SyncRollouts(build, self.shadow_plan(), run.prompts, run.params, run.cfg.seed,
+                                       exact_kl=False, n_shards=run.cfg.shards)
+            self.shadow.start(run.student.state_dict(), run.state.version,
+                              {"engine_scales": self.saved_scales} if self.saved_scales else {})
+
+    def due(self, step: int) -> bool:
+        if self.phase == "shadow":
+            return step % self.settings.every == 0
+        return self.phase == "promoted" and self.settings.watch_every > 0 and step % self.settings.watch_every == 0
+
+    def before_step(self, step: int, version: int):
+        """The shadow batch's gradient at the weights the step is about to train (when a pair is due) -> the hook
+        train_step calls after its backward pass (it keeps the training gradient), or None."""
+        self.shadow_grad = self.trained_grad = None
+        if self.shadow is None or not self.due(step):
+            return None
+        run, start = self.run, time.perf_counter()
+        self.shadow.publish(run.student.state_dict(), version)
+        sampled = self.shadow.next_batch(step, version)
+        run.student.zero_grad(set_to_none=True)
+        score_batch(run.student, collate(sampled.rollouts, run.tok.pad_id), run.teacher, Scoring.of(run.cfg),
+                    None, backward=True)
+        self.shadow_grad = flat_gradient(run.student)
+        run.student.zero_grad(set_to_none=True)
+        self.seconds = time.perf_counter() - start
+
+        def keep_training_gradient():
+            self.trained_grad = flat_gradient(run.student)
+        return keep_training_gradient
+
+    def after_step(self, step: int, ok: bool) -> dict:
+        """Add the step's pair (a finite step's) and decide -> canary/* metrics. A switch takes effect from the next
+        step's rollouts."""
+        if self.shadow_grad is None or self.trained_grad is None or not ok:
+            self.shadow_grad = self.trained_grad = None
+            return {}
+        promoted = self.phase == "promoted"
+        g, c = (self.shadow_grad, self.trained_grad) if promoted else (self.trained_grad, self.shadow_grad)
+        self.sums.add(g, c)
+        self.shadow_grad = self.trained_grad = None
+        out = {"canary/pairs": self.sums.M, "canary/promoted": float(promoted), "time/canary": self.seconds}
+        if self.sums.M < self.settings.min_batches:
+            return out
+        numbers = self.sums.stats(max(self.run.cfg.steps - step - 1, 1))
+        decision = decide(numbers, self.cut)
+        out |= {"canary/z": decision["z"], "canary/z_se": decision["z_se"]}
+        verdict = decision["decision"]
+        if not promoted and verdict == "ADMIT":
+            self._switch(step, "promoted", "promote", decision, numbers)
+        elif not promoted and verdict == "REJECT":
+            self._switch(step, "rejected", "reject", decision, numbers)
+        elif not promoted and self.sums.M >= self.settings.max_batches:
+            self._switch(step, "undecided", "undecided", decision, numbers)
+        elif promoted and verdict == "REJECT":
+            self._switch(step, "fallen_back", "fall_back", decision, numbers)
+        return out | {"canary/promoted": float(self.phase == "promoted")}
+
+    def _switch(self, step: int, phase: str, event: str, decision: dict, numbers: dict) -> None:
+        was = self.name(self.run.plan)
+        self.run.state.canary = phase
+        self.sums = Sums(successive=True)
+        if phase == "promoted":
+            self.run.use_plan(self.candidate)
+            self.shadow.set_plan(self.reference)
+        else:
+            if phase == "fallen_back":
+                self.run.use_plan(self.reference)
+            self.close()
+        z = f"z {decision['z']:.3g} +- {decision['z_se']:.3g} against the cut {decision['cut']:g} over " \
+            f"{decision['batches']} pairs, {decision['steps']} steps to go"
+        candidate, reference = self.name(self.candidate), self.name(self.reference)
+        line = {"promote": f"candidate {candidate} admitted ({z}): training on it from step {step + 1}",
+                "reject": f"candidate {candidate} rejected ({z}): the run stays on {reference}",
+                "undecided": f"candidate {candidate} undecided after {decision['batches']} pairs ({z}): the "
+                             f"run stays on {reference}",
+                "fall_back": f"candidate {candidate} rejected while training on it ({z}): back to "
+                             f"{reference} from step {step + 1}"}[event]
+        self._log({"step": step, "event": event, "from": was, "to": self.name(self.run.plan),
+                   "decision": decision, "numbers": numbers}, line)
+
+    def guard_fell_back(self, step: int) -> None:
+        """The runtime guard switched the rollouts to a safer plan: the canary ends there."""
+        if self.phase in ("shadow", "promoted"):
+            self.run.state.canary = "fallen_back" if self.phase == "promoted" else "rejected"
+            self.close()
+            self._log({"step": step, "event": "guard", "to": self.name(self.run.plan)},
+                      f"the runtime guard switched the rollouts to {self.name(self.run.plan)}: the canary stops")
+
+    def _log(self, event: dict, line: str) -> None:
+        with open(self.run_dir / EVENTS, "a") as f:
+            f.write(json.dumps(_finite(event)) + "\n")
+        print(f"opd: canary: step {event['step']}: {line}", file=sys.stderr)
+
+    def summary(self) -> dict:
+        events = self.run_dir / EVENTS
+        n = len(events.read_text().splitlines()) if events.is_file() else 0
+        return {"phase": self.phase, "candidate": self.name(self.candidate), "plan": self.name(self.run.plan),
+                "events": n}
+
+    def name(self, plan: Plan) -> str:
+        """A plan as the config wrote it (the candidate, the run's plan), else its canonical text."""
+        return self.names.get(str(plan), str(plan))
+
+    def state_dict(self) -> dict:
+        """The statistic's sums and the shadow engine's KV scales, for the trainer state file."""
+        return {"canary": self.sums.state_dict(),
+                "canary_scales": dict(self.shadow.scales) if self.shadow is not None else {}}
+
+    def load_state_dict(self, blob: dict, where: str, fix: str) -> None:
+        """What state_dict saved (checked), and the plan the phase trains on (a promoted run resumes on the
+        candidate)."""
+        size = sum(p.numel() for p in self.run.student.parameters())
+        sums = Sums.from_state(blob.get("canary", {"M": 0, "sums": []}), size, successive=True)
+        scales = blob.get("canary_scales", {})
+        heads = self.run.student.cfg.num_kv_heads
+        require(sums is not None and isinstance(scales, dict) and all(
+            isinstance(k, int) and isinstance(v, list) and len(v) == 2 and all(x is None or is_scale(x, heads)
+                                                                               for x in v)
+            for k, v in scales.items()), f"{where}: its canary state does not fit this run", fix)
+        self.sums, self.saved_scales = sums, scales
+        if self.phase == "promoted":
+            self.run.use_plan(self.candidate)
+
+    def close(self) -> None:
+        if self.shadow is not None:
+            self.shadow.close()
+            self.shadow = None
+
+
+def _finite(value):
+    """JSON has no NaN: a non-finite number is written as null."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return value if not isinstance(value, float) or math.isfinite(value) else None

@@ -1,0 +1,139 @@
+"""Canary training (training/canary.py) on tiny random models: the shadow changes nothing that trains, a harmless
+candidate is promoted and a harmful one is not, a promoted candidate falls back on the statistic's REJECT, and a run
+resumed across the switches equals the uninterrupted one."""
+import json
+
+import pytest
+import torch
+
+from opd.config.runlog import read_metrics
+from opd.io.errors import OpdError
+from opd.models.checkpoint import load_checkpoint
+from opd import make_config as opd_config
+from opd.training import canary
+from opd.training.trainer import train
+
+from helpers import comparable, config, crash_at, opd
+
+NO_DECISION = dict(min_batches=100, max_batches=100)  # pairs every step, never enough to decide
+
+
+def weights(folder):
+    model, _ = load_checkpoint(folder / "checkpoint")
+    return model.state_dict()
+
+
+def without_canary(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("canary/") and k != "time/canary"} for r in rows]
+
+
+def events(run_dir):
+    path = run_dir / "canary.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+def test_a_shadow_that_never_decides_changes_nothing_that_trains(pair, tmp_path):
+    """The oracle: the shadow batch's sampling and backward pass leave the training run as it was without a canary
+    (the same metrics and weights, bit for bit), while its pairs are taken every step."""
+    plain = config(pair, steps=4)
+    shadowed = config(pair, steps=4, canary=dict(plan="kv=fp8_e4m3", **NO_DECISION))
+    train(plain, tmp_path / "plain", progress=False)
+    summary = train(shadowed, tmp_path / "canary", progress=False)
+    a, b = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "canary")
+    assert comparable(without_canary(b)) == comparable(a)
+    assert [r.get("canary/pairs") for r in b[:4]] == [1, 2, 3, 4]
+    for name, tensor in weights(tmp_path / "plain").items():
+        assert torch.equal(tensor, weights(tmp_path / "canary")[name]), name
+    assert summary["canary"]["phase"] == "shadow" and events(tmp_path / "canary") == []
+
+
+def test_a_harmless_candidate_is_promoted_and_trains_from_the_next_step(pair, tmp_path):
+    """BF16 rollouts under a float32 run, with a cut no bias reaches: ADMIT at the second pair, and from the step
+    after it the training rollouts carry the bf16 engine's mismatch (before it, the float32 engine has none)."""
+    cfg = config(pair, steps=5, canary=dict(plan="forward=bf16 kv=bf16", min_batches=2, cut=1e6))
+    summary = train(cfg, tmp_path / "run", progress=False)
+    rows = read_metrics(tmp_path / "run")
+    [event] = events(tmp_path / "run")
+    assert event["event"] == "promote" and event["step"] == 1 and event["decision"]["decision"] == "ADMIT"
+    assert event["numbers"]["M"] == 2 and event["to"] == "forward=bf16 kv=bf16"
+    kl = [r["mismatch/kl_k3"] for r in rows[:5]]
+    assert max(kl[:2]) < 1e-9 < 1e-6 < min(kl[2:])  # float32 engine: rounding only; bf16: its mismatch
+    assert summary["canary"] == {"phase": "promoted", "candidate": "forward=bf16 kv=bf16",
+                                 "plan": "forward=bf16 kv=bf16", "events": 1}
+    assert rows[1]["canary/promoted"] == 1.0 and rows[0]["canary/promoted"] == 0.0
+
+
+@pytest.mark.parametrize("candidate, event", [("noise=1.0", "reject"), ("forward=bf16 kv=bf16", "promote")])
+def test_at_the_shipped_cut_bf16_is_promoted_and_full_weight_noise_is_rejected(tmp_path, candidate, event):
+    """The built-in llama pair under the first study's sampled_mu recipe (lr 1e-4, 5 warm-up steps; 24 steps of 16
+    here): weight noise of 100% on every layer (degraded in that study, z 6-31 there) is rejected and the run never
+    leaves its plan, the shadow stopping at the decision; BF16 rollouts under the float32 run are promoted."""
+    cfg = opd_config(family="llama", task="chain", steps=24, batch_size=16, threads=1, plan="", save_every=0,
+                     loss=dict(name="sampled_rkl", student_term="sampler"), optim=dict(lr=1e-4, warmup_steps=5),
+                     eval=dict(every=0, examples=8), canary=dict(plan=candidate, min_batches=4))
+    summary = train(cfg, tmp_path / "run", progress=False)
+    [first] = events(tmp_path / "run")
+    decision = first["decision"]
+    assert first["event"] == event and first["step"] == 3 and first["numbers"]["M"] == 4
+    rows = read_metrics(tmp_path / "run")[:24]
+    if event == "reject":
+        assert decision["z"] - decision["z_se"] > decision["cut"] == 2.88
+        assert all("canary/pairs" not in r for r in rows[4:])
+        assert all(r["mismatch/kl_k3"] < 1e-9 for r in rows)  # the training rollouts never left the float32 plan
+        assert summary["canary"]["phase"] == "rejected"
+    else:
+        assert decision["z"] + decision["z_se"] <= decision["cut"]
+        assert all(r["mismatch/kl_k3"] > 1e-6 for r in rows[4:]) and summary["canary"]["phase"] == "promoted"
+        assert [("canary/pairs" in r) for r in rows[4:9]] == [True, False, False, False, True]  # watched every 4
+
+
+def scripted(numbers, cut, sigmas=1.0):
+    """decide() by the steps left: ADMIT while more than 3 remain, REJECT after (a promotion, then a fall back)."""
+    verdict = "ADMIT" if numbers["T"] > 3 else "REJECT"
+    return {"decision": verdict, "z": 0.0, "z_se": 0.0, "cut": cut, "sigmas": sigmas, "batches": numbers["M"],
+            "steps": numbers["T"]}
+
+
+def test_a_promoted_candidate_falls_back_and_a_resume_across_both_switches_is_exact(pair, tmp_path, monkeypatch):
+    """Promoted at step 1 (two pairs), watched every step, rejected at step 4: trains on the candidate at steps 2-4
+    and on the run's plan again from step 5. A crash after step 3 resumes from the checkpoint at step 3 (promoted,
+    one watch pair in its sums) and logs the uninterrupted run's metrics and events."""
+    monkeypatch.setattr(canary, "decide", scripted)
+    cfg = config(pair, steps=8, canary=dict(plan="forward=bf16 kv=bf16", min_batches=2, watch_every=1))
+    train(cfg, tmp_path / "straight", progress=False)
+    assert [(e["event"], e["step"]) for e in events(tmp_path / "straight")] == [("promote", 1), ("fall_back", 4)]
+    kl = [r["mismatch/kl_k3"] for r in read_metrics(tmp_path / "straight")[:8]]
+    assert [k > 1e-6 for k in kl] == [False, False, True, True, True, False, False, False]
+    with pytest.raises(RuntimeError):
+        train(cfg, tmp_path / "split", progress=False, on_step=crash_at(3))
+    saved = json.loads((tmp_path / "split" / "checkpoint" / "trainer_state.json").read_text())
+    assert saved["step"] == 3 and saved["canary"] == "promoted"
+    summary = train(cfg, tmp_path / "split", resume=True, progress=False)
+    assert comparable(read_metrics(tmp_path / "split")) == comparable(read_metrics(tmp_path / "straight"))
+    assert events(tmp_path / "split") == events(tmp_path / "straight")
+    assert summary["canary"]["phase"] == "fallen_back" and summary["canary"]["plan"] == "fp32"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(canary=dict(plan="kv=fp9")), "canary.plan"),
+    (dict(canary=dict(plan="kv=fp8_e4m3"), schedule="async", threads=2), "synchronous"),
+    (dict(canary=dict(plan="kv=fp8_e4m3", min_batches=1)), "min_batches"),
+    (dict(canary=dict(plan="kv=fp8_e4m3", min_batches=8, max_batches=4)), "max_batches"),
+    (dict(canary=dict(plan="kv=bf16"), plan="kv=bf16"), "the run's own plan"),
+])
+def test_bad_canary_settings_are_one_line_errors(pair, tmp_path, overrides, message):
+    with pytest.raises(OpdError, match=message):
+        train(config(pair, **overrides), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_cli_takes_the_canary_section(pair, tmp_path):
+    student, teacher = pair
+    settings = [f"student={student}", f"teacher={teacher}", "task=add", "steps=3", "batch_size=4", "eval.every=0",
+                "eval.examples=8", "threads=1", "plan=", "canary.plan=kv=fp8_e4m3", "canary.min_batches=2",
+                "canary.cut=1e6"]
+    out = opd("train", *[x for s in settings for x in ("--set", s)], "--run-dir", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr
+    assert "opd: canary: step 1: candidate kv=fp8_e4m3 admitted" in out.stderr
+    bad = opd("train", "--set", "canary.every=0", "--run-dir", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("opd: error: config: canary.every must be positive")
