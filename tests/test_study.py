@@ -377,11 +377,12 @@ def test_gradient_bias_is_zero_for_the_bf16_rollouts_and_recovers_a_planted_bias
     g = torch.Generator().manual_seed(0)
     ref = [torch.randn(400, generator=g) for _ in range(64)]
     planted = torch.full((400,), 0.05)  # |b| = 1, against a coupling noise of 1 (se 0.125)
-    s = gradient_bias.stats(ref, [r + planted + 0.05 * torch.randn(400, generator=g) for r in ref], 8)
+    from opd.health import drift
+    s = drift.stats(ref, [r + planted + 0.05 * torch.randn(400, generator=g) for r in ref], 8)
     assert abs(s["raw_bias"] - 1) < 3 * s["raw_bias_se"]
     assert abs(s["raw_noise"] - 20) < 2 and s["raw_z"] == pytest.approx(2 * s["raw_bias"] / s["raw_noise"])
     # no bias, a coupling noise of 10: |mean d| alone would say ~1 standard error; the corrected estimate is far below
-    s = gradient_bias.stats(ref, [r + 0.5 * torch.randn(400, generator=g) for r in ref], 8)
+    s = drift.stats(ref, [r + 0.5 * torch.randn(400, generator=g) for r in ref], 8)
     assert s["raw_bias"] < 0.6 * s["raw_bias_se"]
     # a configuration that differs only in its learning rate reuses the measurement, unless a warm-up trained first
     row = lambda lr, plan: {"config": {"plan": plan, "optim": {"lr": lr, "warmup_steps": 1}}}  # noqa: E731
@@ -390,6 +391,42 @@ def test_gradient_bias_is_zero_for_the_bf16_rollouts_and_recovers_a_planted_bias
     assert study.signature(group(1e-4, 0)) == study.signature(group(3e-5, 0))
     assert study.signature(group(1e-4, 0)) != study.signature(group(1e-4, 0, "kv=int8"))
     assert study.signature(group(1e-4, 2)) != study.signature(group(3e-5, 2))
+
+
+def test_successive_noise_leaves_out_the_drift_of_a_moving_mean_gradient():
+    """drift.Sums(successive=True), canary training's: the pairs of a running run, whose mean gradient moves between
+    pairs. A mean moving by 10 noise units over 64 pairs inflates var(g) about 9 times; the successive differences
+    measure the per-batch noise (20) within 10%; the bias and its standard error are the same either way."""
+    import torch
+    from opd.health import drift
+    g = torch.Generator().manual_seed(1)
+    ref = [torch.randn(400, generator=g) + (i / 63) * torch.full((400,), 10.0) for i in range(64)]
+    cand = [r + 0.05 + 0.05 * torch.randn(400, generator=g) for r in ref]
+    plain, moving = drift.Sums(), drift.Sums(successive=True)
+    for r, c in zip(ref, cand):
+        plain.add(r, c)
+        moving.add(r, c)
+    a, b = plain.stats(8), moving.stats(8)
+    assert a["raw_noise"] > 2.5 * 20 and abs(b["raw_noise"] - 20) < 2
+    assert a["raw_bias"] == b["raw_bias"] and a["raw_bias_se"] == b["raw_bias_se"]
+    saved = moving.state_dict()
+    assert drift.Sums.from_state(saved, 400, successive=True).stats(8) == b
+    assert drift.Sums.from_state(saved, 400) is None and drift.Sums.from_state(saved, 399, successive=True) is None
+
+
+def test_the_curve_trial_reads_the_gap_off_the_stored_training_curves():
+    """paired_trial.py --curves: the candidate's first-K-step training reverse KL against the BF16 run of its seed,
+    over the mean gap of the other BF16 seeds to that one."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "studies"))
+    import paired_trial
+    run = lambda source, seed, curve, degraded=False: {  # noqa: E731
+        "study": "s", "family": "llama", "estimator": "full_rkl", "source": source, "level": 1 if source != "bf16"
+        else 0, "seed": seed, "degraded": degraded, "curve": {"rkl_sampled": curve}}
+    rows = [run("bf16", 0, [1.0, 1.0, 5.0]), run("bf16", 1, [1.5, 1.0, 0.0]), run("bf16", 2, [2.0, 1.0, 0.0]),
+            run("kv", 0, [3.0, 2.0, 0.0], True), run("kv", 3, [9.0, 9.0, 9.0], True)]  # seed 3: no BF16 partner
+    [z] = paired_trial.curve_z(rows, ("llama",), 2)
+    assert z == {"pair": "llama", "degraded": True, "z": 3.0 / 0.75}  # gap 3; BF16 gaps to seed 0: 0.5 and 1
+    assert paired_trial.curve_z(rows, ("llama",), 4) == []  # curves shorter than K
 
 
 def test_paired_trial_measures_the_gap_in_units_of_the_recipes_seed_gap():

@@ -17,12 +17,11 @@ rollouts' gradients, the scale Adam divides by). It costs 2M gradients (about 2M
 rollouts and backward passes) and trains nothing. studies/gradient_bias.py measures it on the stored studies.
 """
 import copy
-import math
 from dataclasses import replace
 
 import torch
 
-from opd.health.drift import CUT, SIGMAS, Sums, decide, stats  # noqa: F401 (this module's statistic)
+from opd.health.drift import Sums
 from opd.numerics.plan import Plan
 from opd.training.learner import Scoring, collate, flat_gradient, score_batch
 from opd.training.rollouts import SyncRollouts
@@ -44,62 +43,6 @@ def batch_gradient(run, batch, engine_logprobs=None) -> torch.Tensor:
     out = flat_gradient(run.student)
     run.student.zero_grad(set_to_none=True)
     return out
-
-
-@torch.no_grad()
-def _move(params: list, flat: torch.Tensor) -> None:
-    at = 0
-    for p in params:
-        p += flat[at:at + p.numel()].view_as(p).to(p.dtype)
-        at += p.numel()
-
-
-def curvature(cfg, batches: int) -> dict:
-    """kappa: the share of the gradient that one step of the recipe removes, in Adam's coordinates. On M batches of
-    rollouts (held fixed) at the initial student, with g their mean gradient and s the root mean square of theirs
-    (Adam's denominator at steady state), the step -lr * g / s (Adam's, its momentum averaging ~10 batches; one batch's
-    own gradient would measure how fast a step overfits that batch) changes the mean gradient to g', and
-
-        kappa = (g - g') . (g / s) / g . (g / s)
-
-    (on a quadratic: lr times the curvature along the preconditioned gradient). A bias b held T steps against a
-    restoring rate kappa drifts (b / h)(1 - exp(-kappa T)) while two BF16 seeds part by sigma * lr *
-    sqrt((1 - exp(-2 kappa T)) / kappa) (an Ornstein-Uhlenbeck process), so
-
-        z_ou = (bias / noise) * (1 - exp(-kappa T)) / sqrt(kappa (1 - exp(-2 kappa T)))
-
-    which is sqrt(T / 2) * bias / noise while kappa T is small and bias / (noise sqrt(kappa)) once the run has
-    settled: how the learning rate enters. A heuristic past kappa ~ 1: on the llama pair's full_rkl recipe kappa is
-    0.14, 1.08 and 4.0 at lr 3e-6, 3e-5 and 3e-4 (the recipe's), not linear in lr; Adam runs there at the edge of
-    stability along these directions, where the quadratic picture no longer holds (dev/LOG.md)."""
-    run = setup(replace(cfg, schedule="sync"))
-    run.rollouts.start(run.student.state_dict(), 0, {})
-    try:
-        fixed = []
-        for i in range(batches):
-            sampled = run.rollouts.next_batch(1000 + i, 0)
-            fixed.append(collate(sampled.rollouts, run.tok.pad_id))
-        g0 = [batch_gradient(run, b) for b in fixed]
-        scale = torch.stack(g0).pow(2).mean(0).sqrt() + 1e-8
-        mean = torch.stack(g0).mean(0)
-        step = -cfg.optim.lr * mean / scale  # Adam's step: its momentum averages ~1 / (1 - beta1) = 10 batches
-        params = list(run.student.parameters())
-        _move(params, step)
-        moved = torch.stack([batch_gradient(run, b) for b in fixed]).mean(0)
-        _move(params, -step)
-        num = ((mean - moved).double() * (mean / scale).double()).sum().item()
-        den = (mean.double() * (mean / scale).double()).sum().item()
-    finally:
-        run.rollouts.close()
-    return {"kappa": num / den, "lr": cfg.optim.lr, "T": cfg.steps}
-
-
-def z_ou(bias: float, noise: float, kappa: float, steps: int) -> float:
-    """curvature()'s z: the bias's drift over the seeds' spread after `steps` steps at restoring rate kappa."""
-    if kappa * steps < 1e-6:
-        return math.sqrt(steps / 2) * bias / max(noise, 1e-30)
-    k = max(kappa, 1e-12)
-    return bias / max(noise, 1e-30) * (1 - math.exp(-k * steps)) / math.sqrt(k * (1 - math.exp(-2 * k * steps)))
 
 
 def warmed_run(cfg, steps: int):

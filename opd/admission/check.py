@@ -188,16 +188,16 @@ def check_self(cfg: TrainConfig, batches: int = 8, cut: float | None = None) -> 
     """`opd admit --self`: decide from the user's own model and recipe (bias.py). The candidate (the config's plan
     and staleness) against BF16 synchronous rollouts of the same config, with common random numbers, on `batches`
     batches of the run's own prompts: its gradient bias in units of the recipe's own BF16 batch noise, carried over
-    the run's steps (z), against bias.CUT, with the measurement's standard error (UNCERTAIN where it straddles
+    the run's steps (z), against drift.CUT, with the measurement's standard error (UNCERTAIN where it straddles
     the cut, with the batches that would decide)."""
     start = time.perf_counter()
     require_installed(cfg.engine.name)
-    cut = bias.CUT if cut is None else cut
+    cut = drift.CUT if cut is None else cut
     stale = staleness(cfg)
     floor = replace(cfg, plan=FLOOR_PLAN, schedule="sync", guard=GuardConfig())
     with restored_threads():
         numbers = bias.measure(floor, replace(cfg, guard=GuardConfig()), stale, batches)
-    out = bias.decide(numbers, cut)
+    out = drift.decide(numbers, cut)
     z, se, T = out["z"], out["z_se"], out["steps"]
     what = f"plan {cfg.plan or 'fp32'}" + (f" at staleness {stale}" if stale else "")
     reasons = [f"{what}: its rollouts bias the OPD gradient by {numbers['adam_bias']:.3g} (Adam's units, the "

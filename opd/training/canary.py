@@ -33,8 +33,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from opd.config.runlog import write_atomic
 from opd.health.drift import CUT, Sums, decide
 from opd.io.errors import OpdError, require
