@@ -58,15 +58,16 @@ demo: $(STAMP)
 	$(VENV)/bin/opd report runs/demo --out runs/demo-report
 	@echo "the report (Markdown beside it): runs/demo-report/report.html"
 
-# The Ray tests run in a network namespace with only loopback (unshare -n; CI runs as root): a local Ray cluster
-# here would otherwise listen on the machine's own address. Without the namespace they skip, saying so.
+# The Ray tests and the sharded learner's (its ranks rendezvous over TCP) run in a network namespace with only
+# loopback (unshare -n; CI runs as root): a local Ray cluster or a rank's store here would otherwise listen on the
+# machine's own address. Without the namespace they skip, saying so.
 test: $(VLLM_STAMP) $(RAY_STAMP) $(REAL_STAMP) sandbox
-	$(PY) -m pytest -q -m "not ray" -n 2 --dist loadfile
+	$(PY) -m pytest -q -m "not ray and not distributed" -n 2 --dist loadfile
 	@if unshare -n true 2>/dev/null; then \
-	  unshare -n sh -c '$(LO_UP) && exec $(PY) -m pytest -q -m ray'; \
+	  unshare -n sh -c '$(LO_UP) && exec $(PY) -m pytest -q -m "ray or distributed"'; \
 	else \
-	  echo "make test: no network namespace here (unshare -n needs root): the Ray tests skip"; \
-	  $(PY) -m pytest -q -m ray; \
+	  echo "make test: no network namespace here (unshare -n needs root): the Ray and sharded-learner tests skip"; \
+	  $(PY) -m pytest -q -m "ray or distributed"; \
 	fi
 
 # The fuzz suite at full size: 500 mutated examples per file kind (make test runs 20 per kind)

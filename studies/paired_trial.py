@@ -16,13 +16,6 @@ accuracy is printed beside never-admit and always-admit on the same runs.
     python studies/paired_trial.py --out studies/data/paired_trial.jsonl      # the toy pairs' stored configs
     python studies/paired_trial.py --quick                                    # one recipe, one candidate: seconds
     python studies/paired_trial.py --report studies/data/paired_trial.jsonl  # the accuracies, nothing run
-    python studies/paired_trial.py --curves                                   # the stored runs' own training
-                                                                              # curves (every pair), nothing run
-
---curves is the same trial read off the stored full-length runs at no cost: their training reverse KL
-(loss/rkl_sampled, on each run's own rollouts), summed over the first K steps, the candidate's gap to the BF16 run of
-its seed (same prompts and sampling seeds) over the mean gap between BF16 seeds. The real pair's stored runs have no
-held-out evaluation before step 16, so this is where candidate (b) can be read on them without new runs.
 
 One JSON line per trial run (BF16 seeds and candidates) is appended to --out; one already there is not run again.
 """
@@ -129,40 +122,6 @@ def report(lines: list[dict]) -> dict:
     return result
 
 
-def curve_z(rows: list[dict], pairs: tuple, K: int) -> list[dict]:
-    """One {pair, degraded, z} per stored candidate run with a BF16 run of its seed and >= 2 BF16 seeds (--curves)."""
-    out = []
-    for recipe, runs, points in bench.recipes(rows, pairs):
-        bf16 = {r["seed"]: sum(r["curve"]["rkl_sampled"][:K]) for r in runs if len(r.get("curve", {}).get(
-            "rkl_sampled", [])) >= K}
-        if len(bf16) < 2:
-            continue
-        for prs in points.values():
-            for r in prs:
-                curve = r.get("curve", {}).get("rkl_sampled", [])
-                if r["seed"] not in bf16 or len(curve) < K:
-                    continue
-                ref = bf16[r["seed"]]
-                noise = statistics.mean(abs(v - ref) for s, v in bf16.items() if s != r["seed"])
-                out.append({"pair": recipe.split("|")[1], "degraded": bool(r["degraded"]),
-                            "z": abs(sum(curve[:K]) - ref) / max(noise, 1e-12)})
-    return out
-
-
-def curve_report(rows: list[dict], pairs: tuple = PAIRS, steps=(2, 4, 6, 8)) -> dict:
-    result = {}
-    for K in steps:
-        runs = curve_z(rows, pairs, K)
-        for pair in sorted({r["pair"] for r in runs}):
-            h = held_out(runs, pair, "z")
-            print(f"curves K={K} held out {pair:8} ({h['n']:3} runs) > {h['cut']:7.3g}: accuracy {h['accuracy']:.3f}, "
-                  f"admitted and degraded {h['admitted_degraded']:.3f} | never-admit {h['never_admit']:.3f}, "
-                  f"always-admit {h['always_admit']:.3f}")
-            result[f"curves_accuracy_k{K}_{pair}"] = h["accuracy"]
-            result[f"curves_admitted_degraded_k{K}_{pair}"] = h["admitted_degraded"]
-    return result
-
-
 def read_lines(path: Path | None) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path and path.is_file() else []
 
@@ -176,12 +135,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=2, help="held-out evaluation every this many steps")
     parser.add_argument("--report", default="", help="only print the accuracies of this file's lines")
     parser.add_argument("--quick", action="store_true", help="one recipe's BF16 seeds and one candidate, 2 steps")
-    parser.add_argument("--curves", action="store_true", help="read the trial off the stored runs' training curves")
     args = parser.parse_args()
-    if args.curves:
-        result = curve_report(bench.stored_rows())
-        print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
-        return
     if args.report:
         result = report(read_lines(Path(args.report)))
         print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))

@@ -414,21 +414,6 @@ def test_successive_noise_leaves_out_the_drift_of_a_moving_mean_gradient():
     assert drift.Sums.from_state(saved, 400) is None and drift.Sums.from_state(saved, 399, successive=True) is None
 
 
-def test_the_curve_trial_reads_the_gap_off_the_stored_training_curves():
-    """paired_trial.py --curves: the candidate's first-K-step training reverse KL against the BF16 run of its seed,
-    over the mean gap of the other BF16 seeds to that one."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "studies"))
-    import paired_trial
-    run = lambda source, seed, curve, degraded=False: {  # noqa: E731
-        "study": "s", "family": "llama", "estimator": "full_rkl", "source": source, "level": 1 if source != "bf16"
-        else 0, "seed": seed, "degraded": degraded, "curve": {"rkl_sampled": curve}}
-    rows = [run("bf16", 0, [1.0, 1.0, 5.0]), run("bf16", 1, [1.5, 1.0, 0.0]), run("bf16", 2, [2.0, 1.0, 0.0]),
-            run("kv", 0, [3.0, 2.0, 0.0], True), run("kv", 3, [9.0, 9.0, 9.0], True)]  # seed 3: no BF16 partner
-    [z] = paired_trial.curve_z(rows, ("llama",), 2)
-    assert z == {"pair": "llama", "degraded": True, "z": 3.0 / 0.75}  # gap 3; BF16 gaps to seed 0: 0.5 and 1
-    assert paired_trial.curve_z(rows, ("llama",), 4) == []  # curves shorter than K
-
-
 def test_paired_trial_measures_the_gap_in_units_of_the_recipes_seed_gap():
     """studies/paired_trial.py: the candidate of seed 0 against BF16 seed 0, over the mean gap of the other BF16 seeds
     to seed 0, on held-out reverse KL and entropy (z the larger); the cut comes from the other pairs only."""

@@ -5,6 +5,7 @@ import argparse
 import json
 import math
 import sys
+import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
@@ -246,8 +247,25 @@ def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, r
     if run_dir is None:
         require(not resume, "--resume needs --run-dir", "name the run directory to continue")
         run_dir = Path("runs") / f"{cfg.family if not cfg.student else 'opd'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    print(f"run directory: {run_dir}", flush=True)  # stdout: stderr is for progress and the one error line
+    ranks = cfg.compute.learner_ranks
+    if ranks > 1:
+        from opd.config.runlog import check_run_dir
+        from opd.training import sharded
+        if not sharded.launched():  # start the ranks here (each runs this command with its rank's environment)
+            sharded.check_placement(cfg)
+            check_run_dir(run_dir, resume, overwrite)  # its one-line errors before any rank starts
+            argv = ["train", *(["--config", str(config)] if config else []),
+                    *[x for o in overrides or [] for x in ("--set", o)], "--run-dir", str(run_dir),
+                    *(["--resume"] if resume else []), *(["--overwrite"] if overwrite else []),
+                    *(["--quiet"] if quiet else [])]
+            print(f"run directory: {run_dir} (learner sharded over {ranks} ranks)", flush=True)
+            return sharded.launch(argv, ranks)
+    leader = ranks == 1 or os.environ.get("RANK") == "0"
+    if leader:
+        print(f"run directory: {run_dir}", flush=True)  # stdout: stderr is for progress and the one error line
     summary = train(cfg, run_dir, resume=resume, overwrite=overwrite, progress=not quiet)
+    if summary is None:  # a sharded learner's rank other than 0
+        return
     before, after = summary["before"] or {}, summary["after"]
     print(f"{'':10} {'accuracy':>9} {'sampled':>9} {'rkl':>9} {'entropy':>9}")  # entropy: eval/entropy (collapse)
     for name, row in (("before", before), ("after", after)):

@@ -114,8 +114,29 @@ class TrainConfig:
                 "set schedule=sync; a stale candidate is measured before the run by `opd admit --self`")
         require(not self.canary.plan or self.canary.plan != self.plan, f"config: canary.plan {self.canary.plan!r} "
                 "is the run's own plan", "name a candidate that differs from `plan`")
+        self._check_sharded_learner()
         require(self.shards <= self.batch_size, f"config: sampling.shards {self.shards} is more than batch_size "
                 f"{self.batch_size}", "each sub-batch needs a prompt; leave sampling.shards at 0 (one per worker)")
+
+    def _check_sharded_learner(self) -> None:
+        ranks = self.compute.learner_ranks
+        if ranks == 1:
+            return
+        why = f"config: a learner sharded over {ranks} ranks (compute.learner_ranks) "
+        require(self.schedule == "sync", why + "runs the synchronous schedule (not yet async)", "set schedule=sync")
+        require(self.engine.name == "builtin", why + f"samples with the builtin engine on each rank, not "
+                f"{self.engine.name}", "set engine.name=builtin")
+        require(not self.teacher.served, why + "scores with the trainer's teacher on each rank (not yet a served or "
+                "top-k teacher)", "drop teacher.engine / teacher.topk")
+        require(not self.guard.every and not self.canary.plan, why + "has no runtime guard or canary yet",
+                "set guard.every=0 and canary.plan=''")
+        require(self.batch_size % ranks == 0, f"config: batch_size {self.batch_size} does not divide over "
+                f"{ranks} learner ranks", f"use a multiple of {ranks}")
+        require(self.sampling.shards in (0, ranks), f"config: sampling.shards {self.sampling.shards} with {ranks} "
+                "learner ranks: each rank samples one sub-batch", f"leave sampling.shards at 0 (= {ranks})")
+        plan = str(self.plan)
+        require("calibrate" not in plan, why + "cannot share calibrated KV scales (each rank's engine would "
+                "calibrate on its own sub-batch)", "use kv_scale=fixed or dynamic")
 
     def _check_teacher_side(self) -> None:
         require(not self.ray.teacher or not self.teacher.served,
@@ -141,7 +162,8 @@ class TrainConfig:
     @property
     def shards(self) -> int:
         """Sub-batches per batch (sampling.shards; 0: one per rollout worker)."""
-        return self.sampling.shards or self.rollout_workers
+        return self.sampling.shards or self.compute.learner_ranks if self.compute.learner_ranks > 1 else \
+            self.sampling.shards or self.rollout_workers
 
     @property
     def new_tokens(self) -> int:

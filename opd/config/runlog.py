@@ -29,7 +29,8 @@ from opd.config.files import build_config, dump_config, flatten, migrate
 from opd.io.errors import OpdError, require
 from opd.io.schema import Schema, read_jsonl as read_checked_jsonl, read_yaml
 
-RESUMABLE_CHANGES = ("steps", "async.worker_timeout", "async.max_worker_restarts")  # change no result
+# change no result (a sharded run's checkpoint is whole: N ranks write it, any M resume it)
+RESUMABLE_CHANGES = ("steps", "async.worker_timeout", "async.max_worker_restarts", "compute.learner_ranks")
 
 
 class RunDirLocked(OpdError):
@@ -150,8 +151,8 @@ def check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
     new = flatten(cfg.to_dict())
     changed = [k for k in new if new[k] != old.get(k) and k not in RESUMABLE_CHANGES]
     require(not changed, f"{run_dir} holds a run with a different config ({', '.join(changed)})",
-            "resume with the same config (only steps and the worker's fault limits may change), or use --overwrite "
-            "or another --run-dir")
+            "resume with the same config (only steps, the worker's fault limits and the learner ranks may change), or "
+            "use --overwrite or another --run-dir")
 
 
 def write_atomic(path: Path, text: str) -> None:

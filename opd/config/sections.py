@@ -303,6 +303,7 @@ class ComputeConfig:
     teacher_dtype: str = "float32"  # the teacher's weights and compute: float32 or bf16
     micro_batch_size: int = 0  # rollouts per learner/teacher forward (gradients accumulated); 0: the whole batch
     chunk_tokens: int = 0  # tokens per chunk of full-vocabulary work (chunked.py); 0: 2**24 floats / vocab
+    learner_ranks: int = 1  # processes the learner is sharded over (FSDP2, training/sharded.py); 1: not sharded
 
     def __post_init__(self):
         check_numbers(self, "compute.")
@@ -312,6 +313,7 @@ class ComputeConfig:
         check_dtype_name(self.dtype, "compute.dtype")
         check_dtype_name(self.teacher_dtype, "compute.teacher_dtype")
         _at_least(self, "compute", ["micro_batch_size", "chunk_tokens"], 0, "0 chooses it automatically")
+        _at_least(self, "compute", ["learner_ranks"], 1, "1: the learner in one process")
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,7 @@ class Scores:
     metrics: dict | None = None
     teacher_seconds: float = 0.0  # time in the teacher's forward and output layer
     teacher_tails: torch.Tensor | None = None  # [M] a top-k teacher's tail mass per token (teacher.py)
+    terms: dict | None = None  # the loss's per-token terms over the masked positions, row by row (losses.py)
 
 
 @dataclass(frozen=True)
@@ -182,12 +183,14 @@ class Scoring:
 
 
 def score_batch(student: Transformer, batch: Batch, teacher=None, how: Scoring = Scoring(),
-                rollout: Callable[[torch.Tensor], torch.Tensor] | None = None, backward: bool = False) -> Scores:
+                rollout: Callable[[torch.Tensor], torch.Tensor] | None = None, backward: bool = False,
+                total_tokens: float | None = None) -> Scores:
     """Score every sampled token of the batch with the student (at how.temperature), the teacher (teacher.Teacher:
     its `source` of each micro-batch) and, when the batch has the engine's hidden states, the rollout distributions
     (`rollout`: hidden rows -> the engine's log-probs). With a loss and backward=True, the loss's gradient is
-    accumulated into the student's .grad, micro-batch by micro-batch."""
-    weight = 1 / max(batch.num_tokens, 1)  # every token's share of the whole batch's mean
+    accumulated into the student's .grad, micro-batch by micro-batch. total_tokens: the tokens of the whole batch
+    this one is part of (a sharded learner's sub-batch: training/sharded.py); default: this batch's."""
+    weight = 1 / max(total_tokens or batch.num_tokens, 1)  # every token's share of the whole batch's mean
     value, parts, seconds, tails = 0.0, [], 0.0, []
     autocast = how.autocast
     for mb in batch.micro_batches(how.micro_batch_size):
@@ -206,7 +209,7 @@ def score_batch(student: Transformer, batch: Batch, teacher=None, how: Scoring =
     field = lambda name: unpack(terms[name], batch.mask) if name in terms else None  # noqa: E731
     metrics = loss_metrics(terms, torch.ones_like(terms["s_y"], dtype=torch.bool)) if how.loss is not None else None
     return Scores(field("s_y"), field("t_y"), field("kl_exact"), field("rkl"), value, metrics, seconds,
-                  torch.cat(tails).cpu() if tails else None)
+                  torch.cat(tails).cpu() if tails else None, {k: v.detach() for k, v in terms.items()})
 
 
 def _score_rows(student: Transformer, mb: Batch, teacher: Source | None, loss: LossConfig | None, temperature: float,

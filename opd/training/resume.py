@@ -52,11 +52,18 @@ class StateFile(Schema):
 def save_state(run_dir: Path, run, wait: bool = True) -> None:
     """run: the train.setup.Run being saved. wait (async): collect the batches in flight first, so that a resume continues exactly. Everything is tensors +
     JSON: a checkpoint someone hands you cannot run code when it is resumed (wire.py)."""
-    blob = {"optimizer": run.opt.state_dict(), **run.rollouts.state_dict(wait)}
+    shard, student = run.shard, run.student
+    if shard is not None:  # every rank gathers (a collective), rank 0 writes the one-rank run's checkpoint
+        optimizer, student = shard.full_optimizer_state(run.opt), shard.full_model
+        if not shard.leader:
+            return
+    else:
+        optimizer = run.opt.state_dict()
+    blob = {"optimizer": optimizer, **run.rollouts.state_dict(wait)}
     blob |= run.teacher.state_dict()  # a teacher engine's calibrated KV scales, kept for its lifetime
     if run.canary is not None:
         blob |= run.canary.state_dict()
-    save_checkpoint(run_dir / "checkpoint", run.student, run.tok, extra_json={"trainer_state.json": vars(run.state)},
+    save_checkpoint(run_dir / "checkpoint", student, run.tok, extra_json={"trainer_state.json": vars(run.state)},
                     extra_trees={STATE_FILE: blob})
 
 

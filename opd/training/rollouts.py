@@ -94,11 +94,12 @@ class SyncRollouts:
     counts: dict = {}
 
     def __init__(self, build: Callable[[Plan], object], plan: Plan, prompts, params: SamplingParams, seed: int,
-                 exact_kl: bool, n_shards: int = 1):
+                 exact_kl: bool, n_shards: int = 1, rank: int | None = None):
         """build(plan) -> an engine (engines.make_engine with the run's settings); exact_kl: keep the hidden states;
-        n_shards: sub-batches per batch (shards())."""
+        n_shards: sub-batches per batch (shards()); rank: sample only sub-batch `rank` (a sharded learner's rank,
+        sharded.py); None: all of them."""
         self.build, self.prompts, self.params, self.seed, self.exact_kl = build, prompts, params, seed, exact_kl
-        self.n_shards = n_shards
+        self.n_shards, self.rank = n_shards, rank
         self.engine = build(plan)
         self.published: tuple[dict, int] | None = None
 
@@ -117,6 +118,8 @@ class SyncRollouts:
     def next_batch(self, step: int, version: int) -> StepRollouts:
         start = time.perf_counter()
         parts = shards(self.prompts.batch(step), sampler_seed(self.seed, step), self.n_shards)
+        if self.rank is not None:
+            parts = parts[self.rank:self.rank + 1]
         rollouts = generate_shards(self.engine, parts, self.params, self.exact_kl)
         logprobs = functools.partial(self.engine.logprobs, params=self.params) if self.exact_kl else None
         return StepRollouts(rollouts, {"time/generate": time.perf_counter() - start}, logprobs)

@@ -5,6 +5,7 @@ rollouts (one engine in this process, or the async worker), the guard's limits. 
 Nothing here trains: loading is checked (both devices before any weights load, the two tokenizers equal token for
 token, no NaN/Inf weights), so a bad pair fails before minutes of work.
 """
+import copy
 import functools
 import sys
 from dataclasses import asdict, dataclass, field, replace
@@ -143,6 +144,11 @@ class Run:
     student_dir: Path
     guard: Guard  # the runtime admission check (cfg.guard.every > 0)
     canary: object = None  # canary.Canary (cfg.canary.plan set), made by the trainer, which knows the run folder
+    shard: object = None  # sharded.Sharding: this process is one rank of a sharded learner (compute.learner_ranks)
+
+    def weights(self) -> dict:
+        """The student's whole weights, to publish to the rollout engine (gathered from the shards: a collective)."""
+        return self.shard.full_state(self.student) if self.shard is not None else self.student.state_dict()
 
     def use_plan(self, plan: Plan) -> None:
         """Sample under plan from now on (the guard's fallback, or one a resumed run recorded)."""
@@ -150,16 +156,19 @@ class Run:
         self.rollouts.set_plan(plan)
 
 
-def setup(cfg: TrainConfig) -> Run:
+def setup(cfg: TrainConfig, shard=None) -> Run:
     """Load the pair and build the optimizer and the rollouts (an async worker starts in `Rollouts.start`, once the
-    weights to start from are known)."""
+    weights to start from are known). shard (sharded.Sharding): this process is one rank of a sharded learner; the
+    student is still whole here (the trainer shards it once a checkpoint is loaded), its rollout engine runs on a
+    whole copy, sampling this rank's sub-batch, and the threads are shared among the ranks."""
     asynchronous = cfg.schedule == "async"
     new_worker = RolloutWorker
     if asynchronous and cfg.async_.backend == "ray":  # the cluster first: its errors come before the models load
         from opd.training.ray_backend import RayWorkers, connect
         connect(cfg.ray, cfg.async_.worker_threads)
         new_worker = functools.partial(RayWorkers, settings=cfg.ray)
-    torch.set_num_threads(cfg.threads - cfg.async_.worker_threads if asynchronous else cfg.threads)
+    threads = cfg.threads - cfg.async_.worker_threads if asynchronous else cfg.threads
+    torch.set_num_threads(max(1, threads // shard.world) if shard is not None else threads)
     cfg = with_pair_defaults(cfg)
     student, teacher, tok, student_dir = load_pair(cfg)
     cfg = resolve_generation(cfg, tok.generation)
@@ -192,10 +201,14 @@ def setup(cfg: TrainConfig) -> Run:
                                  settings.worker_timeout, settings.max_worker_restarts, student.lm_head, cfg.shards,
                                  new_worker)
     else:
-        rollouts = SyncRollouts(engine_builder(cfg, student, tok, student_dir, prompts), plan, prompts, params, cfg.seed,
-                                exact_kl, cfg.shards)
+        sampler = student
+        if shard is not None:
+            shard.full_model = sampler = copy.deepcopy(student).requires_grad_(False)
+        rollouts = SyncRollouts(engine_builder(cfg, sampler, tok, student_dir, prompts), plan, prompts, params, cfg.seed,
+                                exact_kl, cfg.shards, rank=shard.rank if shard is not None else None)
     guard = Guard(cfg.guard, estimator_class(cfg.loss), cfg.engine.name, asynchronous)
-    return Run(cfg, student, scorer, tok, rollouts, plan, opt, prompts, params, State(), student_dir, guard)
+    return Run(cfg, student, scorer, tok, rollouts, plan, opt, prompts, params, State(), student_dir, guard,
+               shard=shard)
 
 
 def worker_spec(cfg: TrainConfig, model: Transformer, tok, plan: Plan, params: SamplingParams, return_hidden: bool,

@@ -22,7 +22,8 @@ import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,10 +31,11 @@ from tqdm import tqdm
 
 from opd.config.run import TrainConfig
 from opd.models.devices import autocast_dtype, restored_threads
-from opd.io.errors import OpdError
+from opd.io.errors import OpdError, first_line, require
 from opd.training.evaluate import greedy_accuracy, sampled_quality
-from opd.training.learner import Scores, Scoring, collate, numerics_mu, score_batch
+from opd.training.learner import Scores, Scoring, collate, numerics_mu, score_batch, unpack
 from opd.health.metrics import masked_mean
+from opd.training.losses import loss_metrics
 from opd.health.metrics import (exact_kl_metric, noise_to_signal, rollout_health, rollout_metrics, staleness_metrics,
                          teacher_mismatch_metrics, truncation_metrics)
 from opd.models.model import Transformer
@@ -58,7 +60,8 @@ def evaluate(run: Run, cfg: TrainConfig) -> dict:
     """Held-out quality of the learner at full precision (the rollout plan is not used here) on the run's held-out
     examples (prompts.py): greedy (unless eval.greedy is off) and sampled accuracy under `scoring` (none: no
     accuracy), and the reverse KL to the teacher and the entropy on the student's own samples."""
-    student, teacher, tok, start = run.student, run.teacher.trainer, run.tok, time.perf_counter()
+    student = run.shard.full_model if run.shard is not None else run.student  # whole weights (sharded.py)
+    teacher, tok, start = run.teacher.trainer, run.tok, time.perf_counter()
     examples = run.prompts.held_out
     batch_size = cfg.eval.batch_size  # 0: chunked.chunk_size (all 500 prompts at once at the built-in vocabulary)
     greedy = greedy_accuracy(student, tok, examples, cfg.new_tokens, batch_size, scoring=cfg.data.scoring) \
@@ -109,22 +112,33 @@ def teacher_side_metrics(check, batch, scores: Scores) -> dict:
 
 
 def train_step(student: Transformer, teacher, opt: torch.optim.Optimizer, batch, cfg: TrainConfig,
-               lr: float, version: int, rollout=None, on_grad=None) -> tuple[dict, bool]:
+               lr: float, version: int, rollout=None, on_grad=None, shard=None, rows=None,
+               pad_id: int = 0) -> tuple[dict, bool]:
     """One learner update on a batch of rollouts -> (metrics, whether the update was applied). teacher: who scores
     for the teacher (teacher.Teacher; a served one is checked against the trainer's on the batch's first rows).
     rollout: hidden rows -> the engine's log-probs, for the exact KL (sync, builtin engine). on_grad: called with no
-    arguments after a finite backward pass, before clipping (the canary keeps the gradient there)."""
+    arguments after a finite backward pass, before clipping (the canary keeps the gradient there). shard: this rank
+    of a sharded learner (sharded.Sharding), `batch` its sub-batch of rollouts `rows` (padded with pad_id): the loss is the whole batch's,
+    the gradient summed over the ranks, the metrics (on rank 0; {} elsewhere) the whole batch's."""
     start = time.perf_counter()
     opt.zero_grad(set_to_none=True)
     served = teacher is not teacher.trainer
     check = teacher.begin(batch.tokens.shape[0]) if served else None
-    scores = score_batch(student, batch, teacher, Scoring.of(cfg), rollout, backward=True)
-    metrics = dict(scores.metrics)
-    ok = math.isfinite(scores.loss)
+    # sharded: each token weighted by ranks / the whole batch's tokens, since FSDP averages the ranks' gradients
+    # (gloo has no pre-scaled sum), so the average is the whole batch's gradient
+    total = shard.total(batch.num_tokens) / shard.world if shard is not None else None
+    scores = score_batch(student, batch, teacher, Scoring.of(cfg), rollout, backward=True, total_tokens=total)
+    loss = shard.total(scores.loss) / shard.world if shard is not None else scores.loss
+    metrics = {}
+    ok = math.isfinite(loss)
     if ok and on_grad is not None:
         on_grad()
     if ok:
-        grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.optim.grad_clip).item()
+        if shard is not None:
+            shard.sum_replicated_grads(student)
+            grad_norm = shard.clip(student, cfg.optim.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.optim.grad_clip).item()
         ok = math.isfinite(grad_norm)
         metrics["train/grad_norm"] = grad_norm
     if ok:
@@ -132,12 +146,35 @@ def train_step(student: Transformer, teacher, opt: torch.optim.Optimizer, batch,
             group["lr"] = lr
         opt.step()
     with torch.no_grad():
-        metrics |= step_metrics(batch, scores, cfg, version)
+        if shard is not None:
+            parts = shard.gather(([strip(r) for r in rows], scores.terms, scores.teacher_seconds))
+            if not shard.leader:
+                return {}, ok
+            batch, scores = merged(parts, loss, pad_id)
+        metrics = dict(scores.metrics) | metrics | step_metrics(batch, scores, cfg, version)
         if check is not None:
             metrics |= teacher_side_metrics(check, batch, scores)
     metrics |= {"train/lr": lr, "time/teacher": scores.teacher_seconds,
                 "time/train": time.perf_counter() - start - scores.teacher_seconds}
     return metrics, ok
+
+
+def strip(rollout):
+    """A rollout without its hidden states (sent to rank 0 for the metrics, which do not read them)."""
+    return replace(rollout, hidden=None)
+
+
+def merged(parts: list, loss: float, pad_id: int):
+    """Rank 0's whole batch and Scores from every rank's (rollouts, per-token terms, teacher seconds), in rank order:
+    the batch a one-rank run collates, its scores as score_batch returns them (sharded.py)."""
+    rows = [r for rollouts, _, _ in parts for r in rollouts]
+    batch = collate(rows, pad_id)
+    terms = {name: torch.cat([t[name] for _, t, _ in parts]) for name in parts[0][1]}
+    field = lambda name: unpack(terms[name], batch.mask) if name in terms else None  # noqa: E731
+    scores = Scores(field("s_y"), field("t_y"), field("kl_exact"), field("rkl"), loss,
+                    loss_metrics(terms, torch.ones_like(terms["s_y"], dtype=torch.bool)),
+                    max(seconds for _, _, seconds in parts), None, terms)
+    return batch, scores
 
 
 def run_step(run: Run) -> dict:
@@ -149,13 +186,13 @@ def run_step(run: Run) -> dict:
     batch = collate(rollouts, run.tok.pad_id)
     on_grad = run.canary.before_step(state.step, state.version) if run.canary is not None else None
     metrics, ok = train_step(run.student, run.teacher, run.opt, batch, cfg, lr_at(state.version, cfg), state.version,
-                             rollout, on_grad)
+                             rollout, on_grad, run.shard, rollouts, run.tok.pad_id)
     state.step += 1
     if ok:
         state.version += 1
         state.bad_steps = 0
         sync = time.perf_counter()
-        run.rollouts.publish(run.student.state_dict(), state.version)
+        run.rollouts.publish(run.weights(), state.version)
         metrics["time/sync"] = time.perf_counter() - sync
     else:
         state.bad_steps += 1
@@ -163,45 +200,71 @@ def run_step(run: Run) -> dict:
     if run.canary is not None:  # after the publish: a switch re-makes the engine on the newest weights
         metrics |= run.canary.after_step(state.step - 1, ok)
     elapsed = time.perf_counter() - start
+    tokens = run.shard.total(batch.num_tokens) if run.shard is not None else batch.num_tokens
     return metrics | sample_metrics | {"train/skipped_steps": state.skipped, "train/version": state.version,
                                         "time/step": elapsed,
-                      "throughput/tokens_per_s": batch.num_tokens / elapsed}
+                      "throughput/tokens_per_s": tokens / elapsed}
 
 
 def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool = False,
-          progress: bool = True, on_step=None, before: dict | None = None) -> dict:
+          progress: bool = True, on_step=None, before: dict | None = None) -> dict | None:
     """Run (or continue) one OPD run in run_dir; returns the summary (also written to summary.json).
     on_step(step, run), if given, is called after each logged step (tests use it to inject faults). before, if given,
     is the initial student's held-out evaluation, measured earlier (a sweep shares it across runs): not measured again.
     The run directory is locked for this process (runlog.RunLock) and its rules are checked before the models load;
     a resume is checked against the checkpoint (check_resume) before anything is written, so a refused command leaves
-    the folder as it was."""
+    the folder as it was. With compute.learner_ranks > 1 this process is one rank of a sharded learner (sharded.py:
+    launched by `opd train` or torchrun): rank 0 writes the run directory and returns the summary, the others None."""
     run_dir = Path(run_dir)
-    with RunLock(run_dir), restored_threads():  # setup sets the run's thread count; the caller's comes back
-        check_run_dir(run_dir, resume, overwrite)
-        run = setup(cfg)
-        cfg = run.cfg  # with the sampling settings resolved (config.resolve_generation): what is saved and compared
-        try:
-            if cfg.canary.plan:
-                from opd.training.canary import Canary  # only a canary run needs it
-                run.canary = Canary(run, run_dir)
-            saved = {}
-            if resume:
-                check_same_run(run_dir, cfg)
-                run.state, saved = load_state(run_dir, run)
-                check_resume(run_dir, cfg, run.state)
-            elif overwrite:
-                clear_run_dir(run_dir)
-            save_config(run_dir, cfg)
-            run.rollouts.start(run.student.state_dict(), run.state.version, saved)
-            if run.canary is not None:
-                run.canary.start()
-            return _train(run, cfg, run_dir, progress, on_step, before)
-        finally:
-            run.rollouts.close()
-            run.teacher.close()
-            if run.canary is not None:
-                run.canary.close()
+    shard = None
+    if cfg.compute.learner_ranks > 1:
+        from opd.training import sharded
+        require(sharded.launched(), f"compute.learner_ranks {cfg.compute.learner_ranks}: the learner's ranks are "
+                "processes of one job", "run `opd train` (it launches them) or torchrun --nproc-per-node N -m opd.cli "
+                "train ...")
+        shard = sharded.start(cfg)
+    leader = shard is None or shard.leader
+    try:
+        with RunLock(run_dir) if leader else nullcontext(), restored_threads():
+            if leader:
+                check_run_dir(run_dir, resume, overwrite)
+            run = setup(cfg, shard)
+            cfg = run.cfg  # with the sampling settings resolved (config.resolve_generation): what is saved and compared
+            try:
+                if cfg.canary.plan:
+                    from opd.training.canary import Canary  # only a canary run needs it
+                    run.canary = Canary(run, run_dir)
+                saved = {}
+                if resume:
+                    check_same_run(run_dir, cfg)
+                    run.state, saved = load_state(run_dir, run)
+                    check_resume(run_dir, cfg, run.state)
+                elif overwrite and leader:
+                    clear_run_dir(run_dir)
+                if leader:
+                    save_config(run_dir, cfg)
+                if shard is not None:
+                    shard.full_model.load_state_dict(run.student.state_dict())
+                    run.opt = shard.shard(run.student, run.opt)
+                run.rollouts.start(run.weights(), run.state.version, saved or ({"engine_scales": {}} if shard else {}))
+                if run.canary is not None:
+                    run.canary.start()
+                return _train(run, cfg, run_dir, progress and leader, on_step, before)
+            finally:
+                run.rollouts.close()
+                run.teacher.close()
+                if run.canary is not None:
+                    run.canary.close()
+    except RuntimeError as e:
+        from opd.training import sharded
+        if shard is None or not sharded.collective_failure(e):
+            raise
+        raise OpdError(f"learner rank {shard.rank}: another rank stopped or could not be reached during a collective "
+                       f"({first_line(e):.200})", "the last checkpoint stands: --resume continues from it") from None
+    finally:
+        if shard is not None:
+            from opd.training import sharded
+            sharded.stop()
 
 
 class Interrupted(KeyboardInterrupt):
@@ -249,11 +312,13 @@ def fall_back(run: Run, plan: Plan) -> None:
 
 
 def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step, before: dict | None) -> dict:
-    log = RunLog(run_dir, run.state.step)
-    run.guard.resume(run_dir, run.state.step)
+    leader = run.shard is None or run.shard.leader
+    log = RunLog(run_dir, run.state.step) if leader else NoLog()
+    if leader:
+        run.guard.resume(run_dir, run.state.step)
     if run.state.step > 0:
         before = _first_eval(run_dir)
-    elif before is None:
+    elif before is None and leader:
         before = evaluate(run, cfg)
     bar = tqdm(range(run.state.step, cfg.steps), desc=f"opd {cfg.family if not cfg.student else 'train'}",
                disable=not progress, initial=run.state.step, total=cfg.steps)
@@ -265,10 +330,11 @@ def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, befor
     """The steps, then the final evaluation and the summary. On an error or a signal the state is saved only where it
     agrees with the log (every step the state has taken is logged): otherwise the last checkpoint stands."""
     last_eval, logged = before, run.state.step
+    leader = run.shard is None or run.shard.leader
     try:
         for step in bar:
-            metrics = dict(before) if step == 0 else {}
-            if step > 0 and cfg.eval.every and step % cfg.eval.every == 0:
+            metrics = dict(before or {}) if step == 0 else {}
+            if step > 0 and cfg.eval.every and step % cfg.eval.every == 0 and leader:
                 metrics |= (last_eval := evaluate(run, cfg))
             metrics |= run_step(run)
             if run.guard.observe(step, metrics):
@@ -285,9 +351,11 @@ def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, befor
                     raise
             log.write(step, metrics)
             logged = step + 1
-            bar.set_postfix(rkl=f"{metrics['loss/rkl_sampled']:.4f}", kl_k3=f"{metrics.get('mismatch/kl_k3', 0):.1e}",
-                            acc=f"{last_eval['eval/accuracy']:.3f}" if last_eval and isinstance(
-                                last_eval.get("eval/accuracy"), float) else "-")
+            if leader:  # the other ranks of a sharded learner have no metrics of the whole batch
+                bar.set_postfix(rkl=f"{metrics['loss/rkl_sampled']:.4f}",
+                                kl_k3=f"{metrics.get('mismatch/kl_k3', 0):.1e}",
+                                acc=f"{last_eval['eval/accuracy']:.3f}" if last_eval and isinstance(
+                                    last_eval.get("eval/accuracy"), float) else "-")
             if run.state.bad_steps >= cfg.max_bad_steps:
                 raise OpdError(f"the loss or gradient was not finite for {run.state.bad_steps} steps in a row "
                                f"(last at step {step})", "lower lr, check the checkpoints for NaN/Inf weights, "
@@ -297,6 +365,8 @@ def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, befor
                 save_state(run_dir, run)
             if on_step is not None:
                 on_step(step, run)
+            if run.shard is not None and run.shard.any(bool(received)):  # every rank stops at the same boundary
+                raise Interrupted(received[0] if received else signal.SIGTERM, at_boundary=True)
             if received:
                 raise Interrupted(received[0], at_boundary=True)
     except (Interrupted, OpdError) as e:
@@ -312,10 +382,12 @@ def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, befor
         finally:
             log.close()
         raise
-    after = evaluate(run, cfg)
+    after = evaluate(run, cfg) if leader else {}
     log.write(cfg.steps, after)
     log.close()
     save_state(run_dir, run, wait=False)
+    if not leader:
+        return None
     summary = {"before": before, "after": after, "steps": run.state.step, "skipped_steps": run.state.skipped,
                "plan": str(run.plan), "schedule": cfg.schedule, "guard_fallback": run.state.fallback,
                **_seconds(read_metrics(run_dir))}
@@ -326,6 +398,19 @@ def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, befor
     if received:  # it came during the final evaluation: the run is complete; whoever called train stops here
         raise Interrupted(received[0], at_boundary=True, summary=summary)
     return summary
+
+
+class NoLog:
+    """A sharded learner's ranks other than 0 log nothing (rank 0 logs the whole batch's metrics)."""
+
+    def write(self, step: int, metrics: dict) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _first_eval(run_dir: Path) -> dict | None:
