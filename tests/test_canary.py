@@ -114,12 +114,26 @@ def test_a_promoted_candidate_falls_back_and_a_resume_across_both_switches_is_ex
     assert summary["canary"]["phase"] == "fallen_back" and summary["canary"]["plan"] == "fp32"
 
 
+def test_starting_promoted_is_a_runtime_guard_on_the_same_statistic(pair, tmp_path, monkeypatch):
+    """canary.start promoted: the candidate trains from step 0, the run's plan is the watched shadow, and the
+    statistic's REJECT falls back (scripted: at the pair where 3 steps remain)."""
+    monkeypatch.setattr(canary, "decide", scripted)
+    cfg = config(pair, steps=6, canary=dict(plan="forward=bf16 kv=bf16", min_batches=2, watch_every=1,
+                                            start="promoted"))
+    summary = train(cfg, tmp_path / "run", progress=False)
+    assert [(e["event"], e["step"]) for e in events(tmp_path / "run")] == [("fall_back", 2)]
+    kl = [r["mismatch/kl_k3"] for r in read_metrics(tmp_path / "run")[:6]]
+    assert [k > 1e-6 for k in kl] == [True, True, True, False, False, False]
+    assert summary["canary"]["phase"] == "fallen_back"
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(canary=dict(plan="kv=fp9")), "canary.plan"),
     (dict(canary=dict(plan="kv=fp8_e4m3"), schedule="async", threads=2), "synchronous"),
     (dict(canary=dict(plan="kv=fp8_e4m3", min_batches=1)), "min_batches"),
     (dict(canary=dict(plan="kv=fp8_e4m3", min_batches=8, max_batches=4)), "max_batches"),
     (dict(canary=dict(plan="kv=bf16"), plan="kv=bf16"), "the run's own plan"),
+    (dict(canary=dict(plan="kv=bf16", start="later")), "canary.start"),
 ])
 def test_bad_canary_settings_are_one_line_errors(pair, tmp_path, overrides, message):
     with pytest.raises(OpdError, match=message):

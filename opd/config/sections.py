@@ -280,9 +280,12 @@ class CanaryConfig:
     max_batches: int = 16  # pairs without a decision: the run stays on its own plan and stops shadowing
     cut: float = 0.0  # the cut on z; 0: the shipped one (health/drift.py CUT)
     watch_every: int = 4  # after a promotion: a shadow batch of the run's own plan every this many steps; 0: none
+    start: str = "shadow"  # "shadow": on the run's plan until the candidate is admitted; "promoted": on the candidate
+    #                        from step 0, watched (the runtime guard on the gradient statistic: falls back on REJECT)
 
     def __post_init__(self):
         check_numbers(self, "canary.")
+        _one_of(self, "canary", "start", ("shadow", "promoted"))
         require(isinstance(self.plan, str), f"config: canary.plan must be a plan string, got {self.plan!r:.60}",
                 "e.g. canary.plan='kv=fp8_e4m3'")
         _at_least(self, "canary", ["every", "min_batches"], 1, "")

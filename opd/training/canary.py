@@ -13,7 +13,8 @@ remaining steps. From `canary.min_batches` pairs on, each new pair decides:
 
 After a promotion the roles swap: every `canary.watch_every` steps the shadow samples under the run's own plan, the
 training gradient is the candidate's, and a REJECT of the same statistic (on fresh pairs, min_batches of them) falls
-back to the run's plan for the rest of the run. The runtime guard (guard.py), where on, still judges the live
+back to the run's plan for the rest of the run. `canary.start: promoted` starts there: the run trains on the candidate
+from step 0, watched by the same statistic (a runtime guard on the gradient bias rather than on the rollouts' nsr). The runtime guard (guard.py), where on, still judges the live
 mismatch; its fallback ends the canary too. Every switch is a canary.jsonl event with the statistic's numbers and a
 line on stderr; the summary's `canary` entry says where the run ended; canary/* metrics are logged at each pair.
 
@@ -76,7 +77,9 @@ class Canary:
         """Build the shadow engine where the phase keeps one (after a resume: with its saved KV scales); on resume,
         canary.jsonl loses the events of the steps to be re-run (they are logged again)."""
         if not self.run.state.canary:  # a fresh run (or one interrupted before its first checkpoint)
-            self.run.state.canary = "shadow"
+            self.run.state.canary = self.settings.start
+            if self.phase == "promoted":
+                self.run.use_plan(self.candidate)
         path = self.run_dir / EVENTS
         if path.is_file():
             kept = [e for e in map(json.loads, path.read_text().splitlines()) if e["step"] < self.run.state.step]
