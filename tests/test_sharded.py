@@ -19,6 +19,7 @@ from helpers import assert_one_line_error, opd
 
 pytestmark = pytest.mark.distributed
 
+ASYNC = ["schedule=async", "async.max_staleness=1", "async.worker_threads=1"]
 RULES = {"loss/value": 1e-5, "loss/rkl_sampled": 1e-5, "train/grad_norm": 1e-5}  # relative: float rounding only
 WEIGHTS = 1e-6  # absolute, on weights of magnitude ~0.02-1 after a few AdamW steps of lr 1e-3
 
@@ -59,11 +60,13 @@ def same_run(a, b, steps):
 
 @pytest.mark.parametrize("loss, plan", [(["loss.name=full_rkl"], "plan="),
                                         (["loss.name=sampled_rkl", "loss.correction=tis"], "plan="),
-                                        (["loss.name=full_rkl"], "plan=kv=fp8_e4m3")])
+                                        (["loss.name=full_rkl"], "plan=kv=fp8_e4m3"),
+                                        (ASYNC, "plan=")])
 def test_two_ranks_train_what_one_rank_trains(pair, tmp_path, loss, plan):
     """Rank r samples sub-batch r (sampling.shards = 2 on one rank samples the same), the gradients averaged by FSDP
     and the all-reduce equal the whole batch's: the same losses, gradient norms and weights within float rounding,
-    for the full and a sampled estimator, under an FP8 KV cache too (fixed scale: each rank's engine is the same)."""
+    for the full and a sampled estimator, under an FP8 KV cache too (fixed scale: each rank's engine is the same), and
+    in the async schedule (each rank's rollout worker samples its sub-batch one step ahead)."""
     one, two = tmp_path / "one", tmp_path / "two"
     run(pair, one, plan, *loss)
     run(pair, two, plan, *loss, "compute.learner_ranks=2")
@@ -87,10 +90,23 @@ def test_a_run_on_two_ranks_resumes_on_one_or_two_and_exports_a_plain_hf_folder(
     assert torch.equal(model.state_dict()["model.norm.weight"], weights["model.norm.weight"])
 
 
+def test_an_async_run_resumes_on_its_own_rank_count_only(pair, tmp_path):
+    """Each rank's batches in flight are in the checkpoint: 2 -> 2 continues exactly; 2 -> 1 is refused in one line
+    (the sub-batches in flight are the two ranks')."""
+    run(pair, tmp_path / "straight", "compute.learner_ranks=2", *ASYNC, "steps=4")
+    split = tmp_path / "split"
+    run(pair, split, "compute.learner_ranks=2", *ASYNC, "steps=2")
+    out = opd("train", *settings(pair, "compute.learner_ranks=1", *ASYNC, "steps=4"), "--run-dir", split, "--quiet",
+              "--resume")
+    assert_one_line_error(out, "batches in flight of 2 learner ranks", "compute.learner_ranks=2")
+    run(pair, split, "compute.learner_ranks=2", *ASYNC, "steps=4", args=("--resume",))
+    same_run(tmp_path / "straight", split, 4)
+
+
 @pytest.mark.parametrize("extra, fragments", [
     (["compute.learner_ranks=4096", "batch_size=4096", "sampling.shards=0"], ["compute.learner_ranks 4096", "CPU core"]),
     (["compute.learner_ranks=2", "batch_size=5"], ["batch_size 5 does not divide over 2 learner ranks"]),
-    (["compute.learner_ranks=2", "schedule=async"], ["synchronous schedule"]),
+    (["compute.learner_ranks=2", *ASYNC, "async.backend=ray"], ["not yet Ray actors"]),
     (["compute.learner_ranks=2", "plan=kv=fp8_e4m3 kv_scale=calibrate"], ["calibrated KV scales"]),
     (["compute.learner_ranks=2", "sampling.shards=3"], ["sampling.shards 3"]),
 ])

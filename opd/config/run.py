@@ -123,7 +123,8 @@ class TrainConfig:
         if ranks == 1:
             return
         why = f"config: a learner sharded over {ranks} ranks (compute.learner_ranks) "
-        require(self.schedule == "sync", why + "runs the synchronous schedule (not yet async)", "set schedule=sync")
+        require(self.async_.backend == "process", why + "runs each rank's rollout worker as a process of its own "
+                "(not yet Ray actors)", "set async.backend=process")
         require(self.engine.name == "builtin", why + f"samples with the builtin engine on each rank, not "
                 f"{self.engine.name}", "set engine.name=builtin")
         require(not self.teacher.served, why + "scores with the trainer's teacher on each rank (not yet a served or "

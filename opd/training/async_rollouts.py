@@ -39,13 +39,13 @@ class AsyncRollouts:
 
     def __init__(self, spec: WorkerSpec, prompts, seed: int, max_staleness: int, lookahead: int, stale_policy: str,
                  worker_timeout: float, max_worker_restarts: int, lm_head=None, n_shards: int = 1,
-                 new_worker=RolloutWorker):
+                 new_worker=RolloutWorker, rank: int | None = None):
         """lookahead: batches sampled ahead of the one trained (`prefetch`, by default max_staleness); lm_head: the
         learner's output layer, for the exact KL of the rows the worker sends hidden states with (staleness 0, when
         the spec asks for hidden states), or None; n_shards: sub-batches per batch (rollouts.shards); new_worker:
         (address, spec, timeout) -> the worker handle (RolloutWorker: a process of our own; ray_backend.RayWorkers:
-        Ray actors)."""
-        self.new_worker, self.n_shards = new_worker, n_shards
+        Ray actors); rank: sample only sub-batch `rank` of each batch (a sharded learner's rank, sharded.py)."""
+        self.new_worker, self.n_shards, self.rank = new_worker, n_shards, rank
         self.spec, self.prompts, self.seed = spec, prompts, seed
         self.max_staleness, self.lookahead, self.stale_policy = max_staleness, lookahead, stale_policy
         self.worker_timeout, self.max_worker_restarts = worker_timeout, max_worker_restarts
@@ -175,6 +175,8 @@ class AsyncRollouts:
     def _send_generate(self, key: tuple[int, int]) -> None:
         index, attempt = key
         parts = shards(self.prompts.batch(index), sampler_seed(self.seed, index, attempt), self.n_shards)
+        if self.rank is not None:
+            parts = parts[self.rank:self.rank + 1]
         self.worker.send({"kind": "generate", "key": key, "prompts": [p for prompts, _ in parts for p in prompts],
                           "shards": [[len(prompts), seed] for prompts, seed in parts]})
 

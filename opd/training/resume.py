@@ -53,13 +53,17 @@ def save_state(run_dir: Path, run, wait: bool = True) -> None:
     """run: the train.setup.Run being saved. wait (async): collect the batches in flight first, so that a resume continues exactly. Everything is tensors +
     JSON: a checkpoint someone hands you cannot run code when it is resumed (wire.py)."""
     shard, student = run.shard, run.student
+    rollouts = run.rollouts.state_dict(wait)
     if shard is not None:  # every rank gathers (a collective), rank 0 writes the one-rank run's checkpoint
         optimizer, student = shard.full_optimizer_state(run.opt), shard.full_model
+        ranks = shard.gather(rollouts.pop("async", None))  # each rank's async batches in flight, in rank order
         if not shard.leader:
             return
+        if ranks[0] is not None:
+            rollouts["async_ranks"] = ranks
     else:
         optimizer = run.opt.state_dict()
-    blob = {"optimizer": optimizer, **run.rollouts.state_dict(wait)}
+    blob = {"optimizer": optimizer, **rollouts}
     blob |= run.teacher.state_dict()  # a teacher engine's calibrated KV scales, kept for its lifetime
     if run.canary is not None:
         blob |= run.canary.state_dict()

@@ -148,7 +148,7 @@ class Run:
 
     def weights(self) -> dict:
         """The student's whole weights, to publish to the rollout engine (gathered from the shards: a collective)."""
-        return self.shard.full_state(self.student) if self.shard is not None else self.student.state_dict()
+        return self.shard.refresh(self.student) if self.shard is not None else self.student.state_dict()
 
     def use_plan(self, plan: Plan) -> None:
         """Sample under plan from now on (the guard's fallback, or one a resumed run recorded)."""
@@ -199,7 +199,9 @@ def setup(cfg: TrainConfig, shard=None) -> Run:
         rollouts = AsyncRollouts(worker_spec(cfg, student, tok, plan, params, exact_kl, student_dir, prompts), prompts,
                                  cfg.seed, settings.max_staleness, settings.lookahead, settings.stale_policy,
                                  settings.worker_timeout, settings.max_worker_restarts, student.lm_head, cfg.shards,
-                                 new_worker)
+                                 new_worker, rank=shard.rank if shard is not None else None)
+        if shard is not None:
+            shard.full_model = copy.deepcopy(student).requires_grad_(False)  # what rank 0 evaluates and saves
     else:
         sampler = student
         if shard is not None:

@@ -13,13 +13,15 @@ batch's gradient. Clipping takes the global norm. The rollouts and the per-token
 gathered to rank 0, which logs the step's metrics over the whole batch as a one-rank run would.
 
 Rollouts: the built-in engine on each rank runs a whole copy of the student (the engine samples with whole weights;
-each publish gathers them from the shards into it). That copy is also what rank 0 evaluates and checkpoints.
+each publish gathers them from the shards into it). That copy is also what rank 0 evaluates and checkpoints. In the
+async schedule each rank has a rollout worker process of its own, sampling the rank's sub-batch ahead; a checkpoint
+keeps every rank's batches in flight, so an async run resumes exactly on its own rank count (refused on another).
 Checkpoints are gathered to rank 0 in the one-rank run's format (safetensors + JSON; the AdamW moments gathered from
 the shards): a run written by N ranks resumes on M (any M; tested 2 -> 1), and the student folder is a plain Hugging
 Face folder. Memory on rank 0 while saving: one whole copy of the AdamW moments (8 bytes a parameter).
 
-Not yet: the async schedule, the Ray backend, served or top-k teachers, the guard and canary training (each refused
-with its reason in config.run); calibrated KV scales (each rank's engine would calibrate on its own sub-batch).
+Not yet: the Ray backend, served or top-k teachers, the guard and canary training (each refused with its reason in
+config.run); calibrated KV scales (each rank's engine would calibrate on its own sub-batch).
 """
 import os
 import signal
@@ -227,6 +229,12 @@ class Sharding:
         """The student's whole state dict on every rank (an all-gather of each sharded tensor)."""
         return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in student.state_dict().items()}
 
+    @torch.no_grad()
+    def refresh(self, student) -> dict:
+        """The whole copy (full_model) brought to the student's newest weights (a collective) -> its state dict."""
+        self.full_model.load_state_dict(self.full_state(student))
+        return self.full_model.state_dict()
+
     def full_optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
         """AdamW's state dict with every moment whole (a collective: every rank calls it; all get the result)."""
         saved = opt.state_dict()
@@ -249,6 +257,20 @@ def start(cfg) -> Sharding:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     return Sharding(rank, world, device)
+
+
+def rank_state(saved: dict, shard: Sharding, run_dir) -> dict:
+    """A checkpoint's rollout state for this rank: an async run's checkpoint holds every rank's batches in flight
+    (`async_ranks`), each rank takes its own; a run written by another number of ranks is refused (its sub-batches
+    differ). A synchronous checkpoint is the same for every rank count."""
+    ranks = saved.get("async_ranks") if isinstance(saved, dict) else None
+    out = {k: v for k, v in (saved or {}).items() if k != "async_ranks"}
+    if ranks is None:
+        return out
+    require(isinstance(ranks, list) and len(ranks) == shard.world, f"{run_dir}: this async run's checkpoint holds "
+            f"the batches in flight of {len(ranks) if isinstance(ranks, list) else '?'} learner ranks, not "
+            f"{shard.world}", f"resume it with compute.learner_ranks={len(ranks) if isinstance(ranks, list) else 1}")
+    return out | {"async": ranks[shard.rank]}
 
 
 def collective_failure(e: BaseException) -> bool:

@@ -239,11 +239,16 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
                     check_same_run(run_dir, cfg)
                     run.state, saved = load_state(run_dir, run)
                     check_resume(run_dir, cfg, run.state)
+                    ranks = saved.get("async_ranks")
+                    require(shard is not None or not ranks, f"{run_dir}: this async run's checkpoint holds the "
+                            f"batches in flight of {len(ranks or [])} learner ranks, not 1",
+                            f"resume it with compute.learner_ranks={len(ranks or [])}")
                 elif overwrite and leader:
                     clear_run_dir(run_dir)
                 if leader:
                     save_config(run_dir, cfg)
                 if shard is not None:
+                    saved = sharded.rank_state(saved, shard, run_dir)
                     shard.full_model.load_state_dict(run.student.state_dict())
                     run.opt = shard.shard(run.student, run.opt)
                 run.rollouts.start(run.weights(), run.state.version, saved or ({"engine_scales": {}} if shard else {}))
