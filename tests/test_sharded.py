@@ -20,6 +20,7 @@ from helpers import assert_one_line_error, opd
 pytestmark = pytest.mark.distributed
 
 ASYNC = ["schedule=async", "async.max_staleness=1", "async.worker_threads=1"]
+GUARD = ["guard.every=1", "guard.action=fallback", "guard.limit=1e-12"]  # trips at once: BF16 from step 1
 RULES = {"loss/value": 1e-5, "loss/rkl_sampled": 1e-5, "train/grad_norm": 1e-5}  # relative: float rounding only
 WEIGHTS = 1e-6  # absolute, on weights of magnitude ~0.02-1 after a few AdamW steps of lr 1e-3
 
@@ -61,16 +62,32 @@ def same_run(a, b, steps):
 @pytest.mark.parametrize("loss, plan", [(["loss.name=full_rkl"], "plan="),
                                         (["loss.name=sampled_rkl", "loss.correction=tis"], "plan="),
                                         (["loss.name=full_rkl"], "plan=kv=fp8_e4m3"),
-                                        (ASYNC, "plan=")])
+                                        (ASYNC, "plan="),
+                                        (GUARD, "plan=noise=0.05")])
 def test_two_ranks_train_what_one_rank_trains(pair, tmp_path, loss, plan):
     """Rank r samples sub-batch r (sampling.shards = 2 on one rank samples the same), the gradients averaged by FSDP
     and the all-reduce equal the whole batch's: the same losses, gradient norms and weights within float rounding,
     for the full and a sampled estimator, under an FP8 KV cache too (fixed scale: each rank's engine is the same), and
-    in the async schedule (each rank's rollout worker samples its sub-batch one step ahead)."""
+    in the async schedule (each rank's rollout worker samples its sub-batch one step ahead), and with the runtime guard
+    (rank 0 judges the whole batch, every rank falls back at the same step; a sharded guard's ladder skips calibrated
+    KV scales, which each rank would calibrate on its own sub-batch: tested in test_guard_ladder_of_a_sharded_run)."""
     one, two = tmp_path / "one", tmp_path / "two"
     run(pair, one, plan, *loss)
     run(pair, two, plan, *loss, "compute.learner_ranks=2")
     same_run(one, two, 4)
+    if loss is GUARD:
+        events = [[json.loads(x) for x in (r / "guard.jsonl").read_text().splitlines()] for r in (one, two)]
+        assert events[0][0]["action"] == "fallback" and [e["step"] for e in events[0]] == [e["step"] for e in events[1]]
+        assert json.loads((two / "checkpoint" / "trainer_state.json").read_text())["fallback"] is True
+
+
+def test_guard_ladder_of_a_sharded_run():
+    """A fixed-scale FP8 cache falls back to calibrated scales on one rank, straight to BF16 on several."""
+    from opd.health.guard import safer_plan
+    from opd.numerics.plan import Plan
+    plan = Plan.parse("kv=fp8_e4m3", 2)
+    assert "calibrate" in str(safer_plan(plan, "builtin"))
+    assert safer_plan(plan, "builtin", calibrate=False) == Plan.parse("forward=bf16 kv=bf16", 2)
 
 
 def test_a_run_on_two_ranks_resumes_on_one_or_two_and_exports_a_plain_hf_folder(pair, tmp_path):

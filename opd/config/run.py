@@ -129,8 +129,7 @@ class TrainConfig:
                 f"{self.engine.name}", "set engine.name=builtin")
         require(not self.teacher.served, why + "scores with the trainer's teacher on each rank (not yet a served or "
                 "top-k teacher)", "drop teacher.engine / teacher.topk")
-        require(not self.guard.every and not self.canary.plan, why + "has no runtime guard or canary yet",
-                "set guard.every=0 and canary.plan=''")
+        require(not self.canary.plan, why + "has no canary training yet", "set canary.plan=''")
         require(self.batch_size % ranks == 0, f"config: batch_size {self.batch_size} does not divide over "
                 f"{ranks} learner ranks", f"use a multiple of {ranks}")
         require(self.sampling.shards in (0, ranks), f"config: sampling.shards {self.sampling.shards} with {ranks} "

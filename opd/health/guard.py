@@ -33,12 +33,14 @@ from opd.health.thresholds import load_thresholds
 GUARD_TOTAL = "stale/total_nsr"  # reported beside the decision, never judged (module docstring)
 
 
-def safer_plan(plan: Plan, engine: str = "builtin") -> Plan | None:
+def safer_plan(plan: Plan, engine: str = "builtin", calibrate: bool = True) -> Plan | None:
     """The guard's next rung down from plan: its fixed-scale FP8 KV layers calibrated (they keep all of the memory
     saving, and fix saturated outlier keys: docs/tolerance.md, "Outlier keys"; only an engine kind that calibrates
-    scales, engines.Kind), else BF16 rollouts; None when already at BF16."""
+    scales, engines.Kind, and not with calibrate=False: a sharded learner's ranks would each calibrate on their own
+    sub-batch), else BF16 rollouts; None when already at BF16."""
     floor = Plan.parse(FLOOR_PLAN, len(plan.layers))
-    return None if plan == floor else (calibrated(plan) if kind(engine).calibrates_scales else None) or floor
+    scaled = calibrated(plan) if calibrate and kind(engine).calibrates_scales else None
+    return None if plan == floor else scaled or floor
 
 
 def window_entry(metrics: dict) -> dict:
@@ -59,11 +61,12 @@ def log_event(run_dir: Path, event: dict, line: str) -> None:
 class Guard:
     """The guard of one run (settings.every > 0; with 0, `observe` is never due)."""
 
-    def __init__(self, settings, cls: str, engine: str, asynchronous: bool):
+    def __init__(self, settings, cls: str, engine: str, asynchronous: bool, calibrate: bool = True):
         """settings: the run's guard section (sections.GuardConfig); cls: its estimator class
-        (admission.estimator_class); engine: its rollout engine's kind (the fallback ladder depends on it)."""
+        (admission.estimator_class); engine: its rollout engine's kind (the fallback ladder depends on it);
+        calibrate: the ladder may calibrate KV scales (safer_plan)."""
         self.every, self.action, self.limit = settings.every, settings.action, settings.limit
-        self.engine, self.asynchronous, self.cls = engine, asynchronous, cls
+        self.engine, self.asynchronous, self.cls, self.calibrate = engine, asynchronous, cls, calibrate
         self.thresholds = load_thresholds(settings.thresholds) if settings.every and not settings.limit else None
         self.window: list[dict] = []
 
@@ -95,7 +98,7 @@ class Guard:
         out |= teacher_out
         if not decision.reject:
             return out, None
-        safer = safer_plan(plan, self.engine)
+        safer = safer_plan(plan, self.engine, self.calibrate)
         action = "warn" if self.action == "fallback" and safer is None else self.action
         event = {"step": step, "action": action, "nsr": nsr, "ess_frac": ess, "limit": decision.limit,
                  "reject_at": decision.reject_at, "plan": str(plan), "reasons": decision.reasons}

@@ -310,6 +310,32 @@ def step_boundary_signals():
             signal.signal(sig, old)
 
 
+def guard_due(run: Run, step: int, metrics: dict) -> bool:
+    """Whether the guard checks after this step. A sharded learner's rank 0 holds the whole batch's metrics and keeps
+    the guard's window; the other ranks only count the steps."""
+    if run.shard is None or run.shard.leader:
+        return run.guard.observe(step, metrics)
+    return bool(run.guard.every) and (step + 1) % run.guard.every == 0
+
+
+def guard_check(run: Run, step: int, run_dir: Path) -> tuple[dict, Plan | None]:
+    """run.guard.check; on a sharded learner rank 0 checks and every rank gets its outcome (the plan to fall back to,
+    or the error that stops the run), so that all of them switch, or stop, at the same step."""
+    if run.shard is None:
+        return run.guard.check(step, run.plan, run_dir)
+    outcome, out = None, {}
+    if run.shard.leader:
+        try:
+            out, safer = run.guard.check(step, run.plan, run_dir)
+            outcome = ("plan", str(safer) if safer is not None else None)
+        except OpdError as e:
+            outcome = ("stop", e.problem, e.fix)
+    outcome = run.shard.broadcast(outcome)
+    if outcome[0] == "stop":
+        raise OpdError(outcome[1], outcome[2])
+    return out, Plan.parse(outcome[1], len(run.plan.layers)) if outcome[1] is not None else None
+
+
 def fall_back(run: Run, plan: Plan) -> None:
     """The guard's `fallback`: plan from now on (recorded in the state, so a resumed run keeps it)."""
     run.state.fallback, run.state.fallback_plan = True, str(plan)
@@ -342,9 +368,9 @@ def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, befor
             if step > 0 and cfg.eval.every and step % cfg.eval.every == 0 and leader:
                 metrics |= (last_eval := evaluate(run, cfg))
             metrics |= run_step(run)
-            if run.guard.observe(step, metrics):
+            if guard_due(run, step, metrics):
                 try:
-                    out, safer = run.guard.check(step, run.plan, run_dir)
+                    out, safer = guard_check(run, step, run_dir)
                     metrics |= out
                     if safer is not None:
                         fall_back(run, safer)
