@@ -32,16 +32,25 @@ def events(run_dir):
     return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
 
 
-def test_a_shadow_that_never_decides_changes_nothing_that_trains(pair, tmp_path):
+@pytest.mark.parametrize("stale", [0, 1])
+def test_a_shadow_that_never_decides_changes_nothing_that_trains(pair, tmp_path, stale):
     """The oracle: the shadow batch's sampling and backward pass leave the training run as it was without a canary
-    (the same metrics and weights, bit for bit), while its pairs are taken every step."""
-    plain = config(pair, steps=4)
-    shadowed = config(pair, steps=4, canary=dict(plan="kv=fp8_e4m3", **NO_DECISION))
+    (the same metrics and weights, bit for bit), while its pairs are taken every step; a stale candidate's shadow
+    samples with the weights one version older (none older at step 0, as the async schedule while it fills)."""
+    plain = config(pair, steps=4, threads=2, async_=dict(worker_threads=1))
+    shadowed = config(pair, steps=4, threads=2, async_=dict(worker_threads=1),
+                      canary=dict(plan="kv=fp8_e4m3", max_staleness=stale, **NO_DECISION))
     train(plain, tmp_path / "plain", progress=False)
     summary = train(shadowed, tmp_path / "canary", progress=False)
     a, b = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "canary")
     assert comparable(without_canary(b)) == comparable(a)
     assert [r.get("canary/pairs") for r in b[:4]] == [1, 2, 3, 4]
+    assert [r.get("canary/shadow_version_gap") for r in b[:4]] == [0, stale, stale, stale]
+    if stale:  # the older weights are in the checkpoint: a crash after step 3 resumes (from step 3) exactly
+        with pytest.raises(RuntimeError):
+            train(shadowed, tmp_path / "split", progress=False, on_step=crash_at(3))
+        train(shadowed, tmp_path / "split", resume=True, progress=False)
+        assert comparable(read_metrics(tmp_path / "split")) == comparable(b)
     for name, tensor in weights(tmp_path / "plain").items():
         assert torch.equal(tensor, weights(tmp_path / "canary")[name]), name
     assert summary["canary"]["phase"] == "shadow" and events(tmp_path / "canary") == []
@@ -127,6 +136,28 @@ def test_starting_promoted_is_a_runtime_guard_on_the_same_statistic(pair, tmp_pa
     assert summary["canary"]["phase"] == "fallen_back"
 
 
+def test_a_stale_candidate_is_promoted_into_the_async_schedule_and_resumes_exactly_across_both_switches(
+        pair, tmp_path, monkeypatch):
+    """The seed recipe as a canary: FP8 KV at staleness 1. Promoted at step 1, the run continues in the async
+    schedule (a worker process; from step 2 on the rollouts trained at step s were sampled by version s - 1 once the
+    pipeline fills), falls back to synchronous float32 at step 4; a crash after step 3 resumes from the checkpoint at
+    step 3, whose async batches in flight come back, to the uninterrupted run's metrics and events."""
+    monkeypatch.setattr(canary, "decide", scripted)
+    cfg = config(pair, steps=8, threads=2, async_=dict(worker_threads=1),
+                 canary=dict(plan="kv=fp8_e4m3", max_staleness=1, min_batches=2, watch_every=1))
+    train(cfg, tmp_path / "straight", progress=False)
+    assert [(e["event"], e["step"]) for e in events(tmp_path / "straight")] == [("promote", 1), ("fall_back", 4)]
+    rows = read_metrics(tmp_path / "straight")[:8]
+    assert [r.get("stale/version_gap_mean", 0) for r in rows] == [0, 0, 0, 1, 1, 0, 0, 0]
+    assert [r["mismatch/kl_k3"] > 1e-6 for r in rows] == [False, False, True, True, True, False, False, False]
+    with pytest.raises(RuntimeError):
+        train(cfg, tmp_path / "split", progress=False, on_step=crash_at(3))
+    summary = train(cfg, tmp_path / "split", resume=True, progress=False)
+    assert comparable(read_metrics(tmp_path / "split")) == comparable(read_metrics(tmp_path / "straight"))
+    assert events(tmp_path / "split") == events(tmp_path / "straight")
+    assert summary["canary"]["phase"] == "fallen_back"
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(canary=dict(plan="kv=fp9")), "canary.plan"),
     (dict(canary=dict(plan="kv=fp8_e4m3"), schedule="async", threads=2), "synchronous"),
@@ -134,6 +165,8 @@ def test_starting_promoted_is_a_runtime_guard_on_the_same_statistic(pair, tmp_pa
     (dict(canary=dict(plan="kv=fp8_e4m3", min_batches=8, max_batches=4)), "max_batches"),
     (dict(canary=dict(plan="kv=bf16"), plan="kv=bf16"), "the run's own plan"),
     (dict(canary=dict(plan="kv=bf16", start="later")), "canary.start"),
+    (dict(canary=dict(plan="kv=bf16", max_staleness=1)), "a stale canary candidate"),
+    (dict(canary=dict(plan="kv=bf16", max_staleness=-1)), "canary.max_staleness"),
 ])
 def test_bad_canary_settings_are_one_line_errors(pair, tmp_path, overrides, message):
     with pytest.raises(OpdError, match=message):

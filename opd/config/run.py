@@ -112,8 +112,14 @@ class TrainConfig:
         require(not self.canary.plan or self.schedule == "sync", "config: canary training runs the synchronous "
                 "schedule (its shadow batch and the trained one are sampled by the same weights)",
                 "set schedule=sync; a stale candidate is measured before the run by `opd admit --self`")
-        require(not self.canary.plan or self.canary.plan != self.plan, f"config: canary.plan {self.canary.plan!r} "
-                "is the run's own plan", "name a candidate that differs from `plan`")
+        require(not self.canary.plan or self.canary.plan != self.plan or self.canary.max_staleness,
+                f"config: canary.plan {self.canary.plan!r} is the run's own plan", "name a candidate that differs from "
+                "`plan`, or a canary.max_staleness")
+        require(not self.canary.max_staleness or (self.threads > self.async_.worker_threads and
+                                                   self.async_.backend == "process"),
+                "config: a stale canary candidate trains, once promoted, in the async schedule: a worker process "
+                f"beside the trainer (threads {self.threads}, async.worker_threads {self.async_.worker_threads}, "
+                f"async.backend {self.async_.backend})", "use threads > async.worker_threads and async.backend=process")
         self._check_sharded_learner()
         require(self.shards <= self.batch_size, f"config: sampling.shards {self.shards} is more than batch_size "
                 f"{self.batch_size}", "each sub-batch needs a prompt; leave sampling.shards at 0 (one per worker)")

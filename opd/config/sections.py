@@ -275,6 +275,7 @@ class CanaryConfig:
     prompts with the same seeds beside it; the candidate is promoted when the gradient-bias statistic (health/drift.py)
     admits it, and dropped again when the same statistic, watched after the switch, rejects it."""
     plan: str = ""  # the candidate's rollout plan (plan.py); "": off
+    max_staleness: int = 0  # the candidate's schedule: async at this staleness (the async section's worker settings)
     every: int = 1  # a shadow batch every this many steps before the decision
     min_batches: int = 4  # pairs of gradients before any decision
     max_batches: int = 16  # pairs without a decision: the run stays on its own plan and stops shadowing
@@ -290,6 +291,7 @@ class CanaryConfig:
                 "e.g. canary.plan='kv=fp8_e4m3'")
         _at_least(self, "canary", ["every", "min_batches"], 1, "")
         _at_least(self, "canary", ["watch_every"], 0, "0 stops watching after a promotion")
+        _at_least(self, "canary", ["max_staleness"], 0, "0: the synchronous schedule")
         require(self.min_batches >= 2, f"config: canary.min_batches must be >= 2, got {self.min_batches}",
                 "the statistic needs two pairs for its noise")
         require(self.max_batches >= self.min_batches, f"config: canary.max_batches ({self.max_batches}) is below "

@@ -159,7 +159,7 @@ class AsyncRollouts:
                    "time/rollout_in_queue": max(0.0, time.time() - result.finished_at),
                    "time/generate": result.seconds[0], "time/recompute": result.seconds[1],
                    **{f"async/{k}": v for k, v in self.counts.items()}}
-        return StepRollouts(result.rollouts, metrics, self.engine_logprobs)
+        return StepRollouts(result.rollouts, metrics, self.engine_logprobs, key)
 
     # -- internals -------------------------------------------------------------------------------------------------
     def _engine_logprobs(self):

@@ -18,6 +18,10 @@ from step 0, watched by the same statistic (a runtime guard on the gradient bias
 mismatch; its fallback ends the canary too. Every switch is a canary.jsonl event with the statistic's numbers and a
 line on stderr; the summary's `canary` entry says where the run ended; canary/* metrics are logged at each pair.
 
+A stale candidate (`canary.max_staleness` k > 0): the shadow samples with the weights k versions older (kept: k + 1
+copies of the student), and a promotion switches the run to the async schedule at staleness k (a worker process from
+the next prompt batch on); a fall back to the in-process engine.
+
 Cost: a shadow step samples one more batch and takes one more backward pass (the shadow batch's), about one step's
 work, until the decision (min_batches to max_batches shadow steps), then one every watch_every steps after a promotion.
 Memory: the statistic's seven float64 vectors (56 bytes a parameter: its noise comes from successive pairs,
@@ -28,11 +32,14 @@ state file): a resumed run continues exactly. The shadow changes nothing that tr
 promoted trains the same weights as the run without a canary (tested); the one exception is a served teacher that
 calibrates its KV scales on the first batch it scores, which then sees the shadow batch first.
 """
+import copy
 import json
 import math
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from opd.config.runlog import write_atomic
 from opd.health.drift import CUT, Sums, decide
@@ -41,7 +48,7 @@ from opd.numerics.kv_cache import is_scale
 from opd.numerics.plan import Plan
 from opd.training.learner import Scoring, collate, flat_gradient, score_batch
 from opd.training.rollouts import SyncRollouts
-from opd.training.setup import engine_builder
+from opd.training.setup import engine_builder, schedule_rollouts
 
 PHASES = ("shadow", "promoted", "rejected", "undecided", "fallen_back")  # the first two keep a shadow engine
 EVENTS = "canary.jsonl"
@@ -57,14 +64,17 @@ class Canary:
             self.candidate = Plan.parse(self.settings.plan, len(run.plan.layers))
         except OpdError as e:
             raise OpdError(f"config: canary.plan: {e.problem}", e.fix) from None
-        require(self.candidate != self.reference, f"config: canary.plan {self.settings.plan!r} is the run's own "
-                f"plan ({self.reference})", "name a candidate that differs from `plan`")
+        require(self.candidate != self.reference or self.settings.max_staleness > 0, f"config: canary.plan "
+                f"{self.settings.plan!r} is the run's own plan ({self.reference})", "name a candidate that differs "
+                "from `plan`, or a canary.max_staleness")
         self.names = {str(self.candidate): self.settings.plan,
                       str(self.reference): (run.cfg.plan or "fp32") if isinstance(run.cfg.plan, str) else
                       str(self.reference)}  # the plans as the config wrote them
         self.cut = self.settings.cut or CUT
         self.sums, self.shadow, self.saved_scales = Sums(successive=True), None, {}
         self.shadow_grad = self.trained_grad = None
+        self.stale = self.settings.max_staleness  # the candidate's schedule: async at this staleness (0: sync)
+        self.history: dict[int, dict] = {}  # version -> weights, the last `stale` + 1 (a stale shadow samples them)
 
     @property
     def phase(self) -> str:
@@ -73,39 +83,74 @@ class Canary:
     def shadow_plan(self) -> Plan:
         return self.candidate if self.phase == "shadow" else self.reference
 
+    def train_on(self, plan: Plan, staleness: int, first_batch: int, start: bool = True) -> None:
+        """The run's rollouts from now on: plan, and the async schedule at `staleness` (0: the synchronous one); a
+        switch of schedule replaces the rollouts (a worker process starts or stops), sampling from `first_batch` on."""
+        run = self.run
+        if isinstance(run.rollouts, SyncRollouts) == (staleness == 0):
+            run.use_plan(plan)
+            return
+        run.rollouts.close()
+        run.rollouts = schedule_rollouts(run, plan, staleness or None, first_batch)
+        run.plan = plan
+        if start:
+            run.rollouts.start(run.weights(), run.state.version, {})
+            if not staleness:  # a new engine starts at version 0: it is told the weights' version
+                run.rollouts.publish(run.weights(), run.state.version)
+
     def start(self) -> None:
         """Build the shadow engine where the phase keeps one (after a resume: with its saved KV scales); on resume,
         canary.jsonl loses the events of the steps to be re-run (they are logged again)."""
         if not self.run.state.canary:  # a fresh run (or one interrupted before its first checkpoint)
             self.run.state.canary = self.settings.start
             if self.phase == "promoted":
-                self.run.use_plan(self.candidate)
+                self.train_on(self.candidate, self.stale, self.run.state.step)
         path = self.run_dir / EVENTS
         if path.is_file():
             kept = [e for e in map(json.loads, path.read_text().splitlines()) if e["step"] < self.run.state.step]
             write_atomic(path, "".join(json.dumps(e) + "\n" for e in kept))
         if self.phase in ("shadow", "promoted"):
-            run = self.run
-            build = engine_builder(run.cfg, run.student, run.tok, run.student_dir, run.prompts)
-            self.shadow = SyncRollouts(build, self.shadow_plan(), run.prompts, run.params, run.cfg.seed,
-                                       exact_kl=False, n_shards=run.cfg.shards)
-            self.shadow.start(run.student.state_dict(), run.state.version,
-                              {"engine_scales": self.saved_scales} if self.saved_scales else {})
+            self._build_shadow()
+
+    def _build_shadow(self) -> None:
+        """The shadow engine: on the learner's own tensors, or for a stale candidate's shadow on a copy of the
+        student that the older weights are loaded into (the learner's are never touched)."""
+        run = self.run
+        sampler = run.student
+        if self.phase == "shadow" and self.stale:
+            sampler = copy.deepcopy(run.student).requires_grad_(False)
+            self.history.setdefault(run.state.version, _clone(run.student.state_dict()))
+        build = engine_builder(run.cfg, sampler, run.tok, run.student_dir, run.prompts)
+        self.shadow = SyncRollouts(build, self.shadow_plan(), run.prompts, run.params, run.cfg.seed,
+                                   exact_kl=False, n_shards=run.cfg.shards)
+        self.shadow.start(sampler.state_dict(), run.state.version,
+                          {"engine_scales": self.saved_scales} if self.saved_scales else {})
 
     def due(self, step: int) -> bool:
         if self.phase == "shadow":
             return step % self.settings.every == 0
         return self.phase == "promoted" and self.settings.watch_every > 0 and step % self.settings.watch_every == 0
 
-    def before_step(self, step: int, version: int):
+    def before_step(self, step: int, version: int, key: tuple | None = None):
         """The shadow batch's gradient at the weights the step is about to train (when a pair is due) -> the hook
-        train_step calls after its backward pass (it keeps the training gradient), or None."""
+        train_step calls after its backward pass (it keeps the training gradient), or None. key: the trained batch's
+        (prompt batch, attempt); the shadow samples the same prompts with the same seed (a re-sampled attempt of the
+        async schedule has no pair). A stale candidate's shadow samples with the weights `stale` versions older,
+        as the async schedule at that staleness does in steady state (fewer while it fills)."""
         self.shadow_grad = self.trained_grad = None
-        if self.shadow is None or not self.due(step):
+        index, attempt = key if key is not None else (step, 0)
+        if self.shadow is None or not self.due(step) or attempt:
             return None
         run, start = self.run, time.perf_counter()
-        self.shadow.publish(run.student.state_dict(), version)
-        sampled = self.shadow.next_batch(step, version)
+        self.gap = 0
+        if self.phase == "shadow" and self.stale:
+            old = max(v for v in self.history if v <= max(0, version - self.stale)) if any(
+                v <= max(0, version - self.stale) for v in self.history) else min(self.history)
+            self.shadow.publish(self.history[old], old)
+            self.gap = version - old
+        else:
+            self.shadow.publish(run.student.state_dict(), version)
+        sampled = self.shadow.next_batch(index, version)
         run.student.zero_grad(set_to_none=True)
         score_batch(run.student, collate(sampled.rollouts, run.tok.pad_id), run.teacher, Scoring.of(run.cfg),
                     None, backward=True)
@@ -120,6 +165,11 @@ class Canary:
     def after_step(self, step: int, ok: bool) -> dict:
         """Add the step's pair (a finite step's) and decide -> canary/* metrics. A switch takes effect from the next
         step's rollouts."""
+        if self.phase == "shadow" and self.stale and ok:  # the weights a stale shadow will sample
+            version = self.run.state.version
+            self.history[version] = _clone(self.run.student.state_dict())
+            for v in [v for v in self.history if v < version - self.stale]:
+                del self.history[v]
         if self.shadow_grad is None or self.trained_grad is None or not ok:
             self.shadow_grad = self.trained_grad = None
             return {}
@@ -127,7 +177,8 @@ class Canary:
         g, c = (self.shadow_grad, self.trained_grad) if promoted else (self.trained_grad, self.shadow_grad)
         self.sums.add(g, c)
         self.shadow_grad = self.trained_grad = None
-        out = {"canary/pairs": self.sums.M, "canary/promoted": float(promoted), "time/canary": self.seconds}
+        out = {"canary/pairs": self.sums.M, "canary/promoted": float(promoted), "time/canary": self.seconds,
+               "canary/shadow_version_gap": self.gap}
         if self.sums.M < self.settings.min_batches:
             return out
         numbers = self.sums.stats(max(self.run.cfg.steps - step - 1, 1))
@@ -148,12 +199,14 @@ class Canary:
         was = self.name(self.run.plan)
         self.run.state.canary = phase
         self.sums = Sums(successive=True)
+        self.history.clear()
         if phase == "promoted":
-            self.run.use_plan(self.candidate)
-            self.shadow.set_plan(self.reference)
+            self.close()
+            self.train_on(self.candidate, self.stale, step + 1)
+            self._build_shadow()
         else:
             if phase == "fallen_back":
-                self.run.use_plan(self.reference)
+                self.train_on(self.reference, 0, step + 1)
             self.close()
         z = f"z {decision['z']:.3g} +- {decision['z_se']:.3g} against the cut {decision['cut']:g} over " \
             f"{decision['batches']} pairs, {decision['steps']} steps to go"
@@ -192,8 +245,10 @@ class Canary:
 
     def state_dict(self) -> dict:
         """The statistic's sums and the shadow engine's KV scales, for the trainer state file."""
+        versions = sorted(self.history)
         return {"canary": self.sums.state_dict(),
-                "canary_scales": dict(self.shadow.scales) if self.shadow is not None else {}}
+                "canary_scales": dict(self.shadow.scales) if self.shadow is not None else {},
+                "canary_history": {"versions": versions, "weights": [self.history[v] for v in versions]}}
 
     def load_state_dict(self, blob: dict, where: str, fix: str) -> None:
         """What state_dict saved (checked), and the plan the phase trains on (a promoted run resumes on the
@@ -206,14 +261,26 @@ class Canary:
             isinstance(k, int) and isinstance(v, list) and len(v) == 2 and all(x is None or is_scale(x, heads)
                                                                                for x in v)
             for k, v in scales.items()), f"{where}: its canary state does not fit this run", fix)
+        history = blob.get("canary_history", {"versions": [], "weights": []})
+        own = self.run.student.state_dict()
+        versions, weights = history.get("versions"), history.get("weights")
+        require(isinstance(versions, list) and isinstance(weights, list) and len(versions) == len(weights) and all(
+            isinstance(v, int) and isinstance(w, dict) and w.keys() == own.keys() and all(
+                isinstance(w[k], torch.Tensor) and w[k].shape == own[k].shape for k in own)
+            for v, w in zip(versions, weights)), f"{where}: its canary state does not fit this run", fix)
         self.sums, self.saved_scales = sums, scales
-        if self.phase == "promoted":
-            self.run.use_plan(self.candidate)
+        self.history = dict(zip(versions, weights))
+        if self.phase == "promoted":  # the rollouts the trainer then starts with the checkpoint's batches in flight
+            self.train_on(self.candidate, self.stale, self.run.state.step, start=False)
 
     def close(self) -> None:
         if self.shadow is not None:
             self.shadow.close()
             self.shadow = None
+
+
+def _clone(state: dict) -> dict:
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 def _finite(value):

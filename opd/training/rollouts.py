@@ -73,6 +73,7 @@ class StepRollouts:
     rollouts: list[Rollout]
     metrics: dict
     engine_logprobs: Callable | None = None
+    key: tuple[int, int] | None = None  # (prompt batch, sampling attempt): sampler_seed's arguments
 
 
 class Rollouts(Protocol):
@@ -122,7 +123,7 @@ class SyncRollouts:
             parts = parts[self.rank:self.rank + 1]
         rollouts = generate_shards(self.engine, parts, self.params, self.exact_kl)
         logprobs = functools.partial(self.engine.logprobs, params=self.params) if self.exact_kl else None
-        return StepRollouts(rollouts, {"time/generate": time.perf_counter() - start}, logprobs)
+        return StepRollouts(rollouts, {"time/generate": time.perf_counter() - start}, logprobs, (step, 0))
 
     def publish(self, weights: dict, version: int) -> None:
         self.published = (weights, version)

@@ -214,6 +214,26 @@ def setup(cfg: TrainConfig, shard=None) -> Run:
                shard=shard)
 
 
+def schedule_rollouts(run: Run, plan: Plan, staleness: int | None, first_batch: int = 0) -> Rollouts:
+    """New rollouts for a running run (not started): under `plan`, the async schedule with max_staleness (and
+    lookahead) `staleness` in a worker process of its own, dispatching prompt batches from `first_batch` on, or with
+    staleness None the in-process engine on the learner's tensors; the torch threads set for it. Canary training
+    (canary.py) switches a run's schedule with it."""
+    cfg = run.cfg
+    exact_kl = cfg.exact_kl and kind(cfg.engine.name).hidden_states
+    if staleness is None:
+        torch.set_num_threads(cfg.threads)
+        return SyncRollouts(engine_builder(cfg, run.student, run.tok, run.student_dir, run.prompts), plan, run.prompts,
+                            run.params, cfg.seed, exact_kl, cfg.shards)
+    torch.set_num_threads(cfg.threads - cfg.async_.worker_threads)
+    settings = cfg.async_
+    out = AsyncRollouts(worker_spec(cfg, run.student, run.tok, plan, run.params, exact_kl, run.student_dir,
+                                    run.prompts), run.prompts, cfg.seed, staleness, staleness, settings.stale_policy,
+                        settings.worker_timeout, settings.max_worker_restarts, run.student.lm_head, cfg.shards)
+    out.next_index = first_batch
+    return out
+
+
 def worker_spec(cfg: TrainConfig, model: Transformer, tok, plan: Plan, params: SamplingParams, return_hidden: bool,
                 model_dir: str | Path, prompts: PromptSet) -> WorkerSpec:
     """The async rollout worker's settings, from the config (worker.py)."""

@@ -184,7 +184,7 @@ def run_step(run: Run) -> dict:
     sampled = run.rollouts.next_batch(state.step, state.version)
     rollouts, sample_metrics, rollout = sampled.rollouts, sampled.metrics, sampled.engine_logprobs
     batch = collate(rollouts, run.tok.pad_id)
-    on_grad = run.canary.before_step(state.step, state.version) if run.canary is not None else None
+    on_grad = run.canary.before_step(state.step, state.version, sampled.key) if run.canary is not None else None
     metrics, ok = train_step(run.student, run.teacher, run.opt, batch, cfg, lr_at(state.version, cfg), state.version,
                              rollout, on_grad, run.shard, rollouts, run.tok.pad_id)
     state.step += 1
