@@ -15,6 +15,9 @@ accuracy is printed beside never-admit and always-admit on the same runs.
 
     python studies/paired_trial.py --out studies/data/paired_trial.jsonl      # the toy pairs' stored configs
     python studies/paired_trial.py --quick                                    # one recipe, one candidate: seconds
+    python studies/paired_trial.py --pairs smollm2 --estimators full_rkl --steps 4 --every 2 \
+        --out studies/data/paired_trial_smollm2.jsonl                        # the far pair at both lrs: ~36
+                                                                              # trials, ~2 h alone (not run yet)
     python studies/paired_trial.py --report studies/data/paired_trial.jsonl  # the accuracies, nothing run
 
 One JSON line per trial run (BF16 seeds and candidates) is appended to --out; one already there is not run again.
@@ -131,6 +134,7 @@ def main() -> None:
     parser.add_argument("--out", default="", help="append one line per trial run here (resumes)")
     parser.add_argument("--pairs", default="llama,qwen3", help="comma-separated pairs to run")
     parser.add_argument("--studies", default="", help="comma-separated stored studies to run (default: all)")
+    parser.add_argument("--estimators", default="", help="comma-separated estimators to run (default: all)")
     parser.add_argument("--steps", type=int, default=6, help="K: steps of each trial")
     parser.add_argument("--every", type=int, default=2, help="held-out evaluation every this many steps")
     parser.add_argument("--report", default="", help="only print the accuracies of this file's lines")
@@ -143,6 +147,8 @@ def main() -> None:
     rows = bench.stored_rows()
     if args.studies:
         rows = [r for r in rows if r["study"] in args.studies.split(",")]
+    if args.estimators:
+        rows = [r for r in rows if r["estimator"] in args.estimators.split(",")]
     todo = plan_trials(rows, tuple(args.pairs.split(",")))
     if args.quick:
         first = todo[0]["recipe"]
