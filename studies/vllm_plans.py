@@ -67,7 +67,6 @@ def main() -> None:
     model, tok = load_checkpoint(folder)
     n = model.cfg.num_layers
     spared = sensitive_layers(args.pair, args.kv, args.spare, n)
-    rest = [i for i in range(n) if i not in spared]
     sel = lambda layers: ",".join(map(str, layers))  # noqa: E731
     plans = {"all": f"forward=bf16 kv={args.kv}",
              "spared": f"forward=bf16 kv={args.kv}; {sel(spared)}: kv=bf16",
