@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from opd.io.errors import require
+from opd.training.learner import Scores, collate, unpack
+from opd.training.losses import loss_metrics
 
 RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -196,6 +199,20 @@ class Sharding:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def whole_batch(self, rows: list, scores, loss: float, pad_id: int):
+        """Every rank's rollouts and per-token scores gathered to rank 0 -> (the whole batch a one-rank run collates,
+        its Scores as score_batch returns them), in rank order; (None, None) on the other ranks. Hidden states are not
+        sent (the metrics do not read them)."""
+        parts = self.gather(([replace(r, hidden=None) for r in rows], scores.terms, scores.teacher_seconds))
+        if not self.leader:
+            return None, None
+        batch = collate([r for rollouts, _, _ in parts for r in rollouts], pad_id)
+        terms = {name: torch.cat([t[name] for _, t, _ in parts]) for name in parts[0][1]}
+        field = lambda name: unpack(terms[name], batch.mask) if name in terms else None  # noqa: E731
+        return batch, Scores(field("s_y"), field("t_y"), field("kl_exact"), field("rkl"), loss,
+                             loss_metrics(terms, torch.ones_like(terms["s_y"], dtype=torch.bool)),
+                             max(seconds for _, _, seconds in parts), None, terms)
 
     def sum_replicated_grads(self, student) -> None:
         """The whole parameters' gradients averaged over the ranks, as FSDP does the blocks'."""

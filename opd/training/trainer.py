@@ -23,7 +23,6 @@ import sys
 import threading
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,9 +32,8 @@ from opd.config.run import TrainConfig
 from opd.models.devices import autocast_dtype, restored_threads
 from opd.io.errors import OpdError, first_line, require
 from opd.training.evaluate import greedy_accuracy, sampled_quality
-from opd.training.learner import Scores, Scoring, collate, numerics_mu, score_batch, unpack
+from opd.training.learner import Scores, Scoring, collate, numerics_mu, score_batch
 from opd.health.metrics import masked_mean
-from opd.training.losses import loss_metrics
 from opd.health.metrics import (exact_kl_metric, noise_to_signal, rollout_health, rollout_metrics, staleness_metrics,
                          teacher_mismatch_metrics, truncation_metrics)
 from opd.models.model import Transformer
@@ -147,34 +145,15 @@ def train_step(student: Transformer, teacher, opt: torch.optim.Optimizer, batch,
         opt.step()
     with torch.no_grad():
         if shard is not None:
-            parts = shard.gather(([strip(r) for r in rows], scores.terms, scores.teacher_seconds))
-            if not shard.leader:
+            batch, scores = shard.whole_batch(rows, scores, loss, pad_id)
+            if batch is None:  # not rank 0
                 return {}, ok
-            batch, scores = merged(parts, loss, pad_id)
         metrics = dict(scores.metrics) | metrics | step_metrics(batch, scores, cfg, version)
         if check is not None:
             metrics |= teacher_side_metrics(check, batch, scores)
     metrics |= {"train/lr": lr, "time/teacher": scores.teacher_seconds,
                 "time/train": time.perf_counter() - start - scores.teacher_seconds}
     return metrics, ok
-
-
-def strip(rollout):
-    """A rollout without its hidden states (sent to rank 0 for the metrics, which do not read them)."""
-    return replace(rollout, hidden=None)
-
-
-def merged(parts: list, loss: float, pad_id: int):
-    """Rank 0's whole batch and Scores from every rank's (rollouts, per-token terms, teacher seconds), in rank order:
-    the batch a one-rank run collates, its scores as score_batch returns them (sharded.py)."""
-    rows = [r for rollouts, _, _ in parts for r in rollouts]
-    batch = collate(rows, pad_id)
-    terms = {name: torch.cat([t[name] for _, t, _ in parts]) for name in parts[0][1]}
-    field = lambda name: unpack(terms[name], batch.mask) if name in terms else None  # noqa: E731
-    scores = Scores(field("s_y"), field("t_y"), field("kl_exact"), field("rkl"), loss,
-                    loss_metrics(terms, torch.ones_like(terms["s_y"], dtype=torch.bool)),
-                    max(seconds for _, _, seconds in parts), None, terms)
-    return batch, scores
 
 
 def run_step(run: Run) -> dict:
