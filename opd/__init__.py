@@ -70,7 +70,8 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
     was calibrated at.
     self_calibrated: decide instead from the candidate's gradient bias against the recipe's own BF16 noise on
     `batches` batches of the run's prompts (opd/admission/bias.py; no calibration of ours on the model; rollouts,
-    thresholds, limit, propose and warmup do not apply)."""
+    thresholds, limit and warmup do not apply; propose: on REJECT, a lower staleness or a plan with its most
+    sensitive layers in BF16 that passes the same measurement, at most 3 more measurements)."""
     _not_in_a_starting_worker("opd.admit")
     from opd.io.errors import require
     require(_number(limit) and limit >= 0, f"limit must be a number >= 0, got {limit!r}", "0 uses the calibrated limit")
@@ -85,7 +86,7 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
             f"batches must be an integer in [2, 4096], got {batches!r}", "8 or so; more narrows the verdict")
     if self_calibrated:
         from opd.admission.check import check_self
-        return check_self(_checked(cfg), batches)
+        return check_self(_checked(cfg), batches, propose=propose)
     from opd.admission.check import check
     return check(_checked(cfg), rollouts, thresholds, limit, propose, warmup)
 

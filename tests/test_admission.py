@@ -804,3 +804,29 @@ def test_self_calibrated_admission_decides_from_the_models_own_gradient_noise(pa
     stale = check_self(config(pair, plan="forward=bf16 kv=bf16", schedule="async", threads=2,
                               async_=dict(max_staleness=2)), batches=3, cut=4.0)
     assert stale["staleness"] == 2 and stale["cost_steps"] == 8 and stale["z"] >= 0
+
+
+def test_self_calibrated_admission_proposes_what_passes_the_same_measurement(pair, monkeypatch):
+    """On REJECT `--self` measures what would pass, the same way, at most 3 more measurements: for a plan, the same
+    plan with its most sensitive layers in BF16 (the llama pair, the first study's sampled_mu recipe, 100% weight
+    noise: rejected, and no plan with 1 or 2 layers spared passes either; each try is reported with its z); for a
+    stale candidate, lower staleness first (here with the measurement scripted: z 5 at staleness 2, 1 at 1)."""
+    from opd import make_config
+    from opd.admission import check
+    cfg = make_config(family="llama", task="chain", steps=24, batch_size=16, threads=1,
+                      plan="forward=bf16 kv=bf16 noise=1.0", loss=dict(name="sampled_rkl", student_term="sampler"),
+                      optim=dict(lr=1e-4, warmup_steps=5), eval=dict(examples=8))
+    out = check.check_self(cfg, batches=4)
+    assert out["decision"] == "REJECT" and out["proposal"]["layer_kl"][0] == max(out["proposal"]["layer_kl"])
+    tried = out["proposal"]["tried"]
+    assert [t["bf16_layers"] for t in tried] == [[0], [0, 2]] and all(t["z"] > 0 for t in tried)
+    assert out["proposal"]["plan"] is None and all(t["decision"] != "ADMIT" for t in tried)
+
+    def scripted(floor, cand, k, batches):
+        z = {2: 5.0, 1: 1.0, 0: 0.0}[k]
+        return {"M": batches, "T": 10, "adam_z": z, "adam_bias": z, "adam_noise": 1.0, "adam_bias_se": 0.0}
+    monkeypatch.setattr(check.bias, "measure", scripted)
+    stale = check.check_self(config(pair, plan="forward=bf16 kv=bf16", schedule="async", threads=2,
+                                    async_=dict(max_staleness=2)), batches=3)
+    assert stale["decision"] == "REJECT" and stale["proposal"]["max_staleness"] == 1
+    assert stale["proposal"]["tried"] == [{"max_staleness": 1, "z": 1.0, "decision": "ADMIT"}]

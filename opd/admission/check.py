@@ -25,6 +25,7 @@ from opd.io.errors import OpdError
 from opd.health.metrics import TeacherHealth
 from opd.numerics.plan import Plan, describe_layer
 from opd.admission import bias
+from opd.health import drift
 from opd.admission.probe import measure, probe
 from opd.training.setup import ProbeSetup, probe_setup
 from opd.health.thresholds import load_thresholds, warm_thresholds
@@ -184,12 +185,12 @@ def in_vllm_terms(plan: Plan) -> dict:
         return {"vllm_refused": str(e)}
 
 
-def check_self(cfg: TrainConfig, batches: int = 8, cut: float | None = None) -> dict:
+def check_self(cfg: TrainConfig, batches: int = 8, cut: float | None = None, propose: bool = True) -> dict:
     """`opd admit --self`: decide from the user's own model and recipe (bias.py). The candidate (the config's plan
     and staleness) against BF16 synchronous rollouts of the same config, with common random numbers, on `batches`
     batches of the run's own prompts: its gradient bias in units of the recipe's own BF16 batch noise, carried over
     the run's steps (z), against drift.CUT, with the measurement's standard error (UNCERTAIN where it straddles
-    the cut, with the batches that would decide)."""
+    the cut, with the batches that would decide). propose: on REJECT, search for what passes (propose_self)."""
     start = time.perf_counter()
     require_installed(cfg.engine.name)
     cut = drift.CUT if cut is None else cut
@@ -209,7 +210,49 @@ def check_self(cfg: TrainConfig, batches: int = 8, cut: float | None = None) -> 
         more = out.get("batches_to_decide")
         reasons.append("the measurement straddles the cut" + (f": about {more} batches (--batches) would decide"
                                                                if more else ""))
-    seconds = time.perf_counter() - start
-    return out | {"mode": "self", "plan": str(cfg.plan), "estimator_class": estimator_class(cfg.loss),
-                  "staleness": stale, "numbers": numbers, "reasons": reasons, "seconds": seconds,
-                  "cost_steps": 2 * batches + stale}
+    out |= {"mode": "self", "plan": str(cfg.plan), "estimator_class": estimator_class(cfg.loss), "staleness": stale,
+            "numbers": numbers, "reasons": reasons, "cost_steps": 2 * batches + stale}
+    if out["decision"] == "REJECT" and propose:
+        out["proposal"] = propose_self(cfg, floor, stale, batches, cut)
+    return out | {"seconds": time.perf_counter() - start}
+
+
+def propose_self(cfg: TrainConfig, floor: TrainConfig, stale: int, batches: int, cut: float,
+                 tries: int = 3) -> dict:
+    """What passes `--self` where the candidate did not, measured the same way, at most `tries` more measurements
+    (each 2 x batches gradients): a stale candidate first at lower staleness (half of it, then 0); a plan, the same
+    plan with its most sensitive layers kept in BF16 (the probe's per-layer KL of the candidate setting on one layer
+    alone orders them), one, two, then four of them. Returns {"plan" or "max_staleness", "z", "note"} or, when none
+    passed, {"plan": None, "note"}."""
+    tried = []
+    with restored_threads():
+        if stale:
+            for k in sorted({stale // 2, 0}, reverse=True)[:tries]:
+                cand = replace(cfg, guard=GuardConfig(), async_=replace(cfg.async_, max_staleness=k, prefetch=-1),
+                               schedule="async" if k else "sync")
+                d = drift.decide(bias.measure(floor, cand, k, batches), cut)
+                tried.append({"max_staleness": k, "z": d["z"], "decision": d["decision"]})
+                if d["decision"] == "ADMIT":
+                    return {"plan": None, "max_staleness": k, "z": d["z"], "tried": tried,
+                            "note": f"the same plan at async.max_staleness {k}" + (" (synchronous)" if not k else "")}
+            return {"plan": None, "tried": tried, "note": "not even synchronous rollouts of this plan pass: a safer "
+                    "plan first (opd admit --self on the synchronous config proposes one)"}
+        setup, plan = probe_setup(cfg, 16)
+        n = len(plan.layers)
+        sensitivity = []
+        for i in range(n):  # the candidate setting on layer i alone, BF16 elsewhere
+            numbers = measure(setup, Plan.parse(f"{plan.whole_model}; {KEEP}; {i}: {describe_layer(plan.layers[i])}", n))
+            sensitivity.append(numbers.get("kl_exact", numbers["kl_k3"]))
+        order = sorted(range(n), key=lambda i: -sensitivity[i])
+        for j in sorted({1, 2, 4} & set(range(1, n)))[:tries]:
+            kept = sorted(order[:j])
+            candidate = Plan.parse(f"{plan}; {','.join(map(str, kept))}: {KEEP}", n)
+            d = drift.decide(bias.measure(floor, replace(cfg, plan=str(candidate), guard=GuardConfig()), 0, batches),
+                             cut)
+            tried.append({"plan": str(candidate), "bf16_layers": kept, "z": d["z"], "decision": d["decision"]})
+            if d["decision"] == "ADMIT":
+                return {"plan": str(candidate), "bf16_layers": kept, "z": d["z"], "layer_kl": sensitivity,
+                        "tried": tried, "note": f"its {j} most sensitive layer(s) kept in BF16"} | \
+                    in_vllm_terms(candidate)
+    return {"plan": None, "layer_kl": sensitivity, "tried": tried,
+            "note": f"none of {len(tried)} plans with the most sensitive layers in BF16 passed: BF16 rollouts"}

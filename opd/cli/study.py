@@ -172,6 +172,14 @@ def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit:
               f"{result['staleness']}, {result['batches']} batches, {result['seconds']:.1f} s)")
         for reason in result["reasons"]:
             print(f"  - {reason}")
+        proposal = result.get("proposal")
+        if proposal:
+            what = (f"plan {proposal['plan']}" if proposal.get("plan") else
+                    f"async.max_staleness {proposal['max_staleness']}" if "max_staleness" in proposal else None)
+            print(f"  proposed: {what} (z {proposal['z']:.2f}; {proposal['note']})" if what
+                  else f"  nothing proposed: {proposal['note']}")
+            if proposal.get("vllm_flags"):
+                print(f"  on a vLLM server: {proposal['vllm_flags']}")
     else:
         print(f"{result['decision']}  plan: {result['plan']}  (estimator class '{result['estimator_class']}', "
               f"staleness {result['staleness']}, {result['probe_rollouts']} probe rollouts, {result['seconds']:.1f} s"
