@@ -433,3 +433,24 @@ def test_paired_trial_measures_the_gap_in_units_of_the_recipes_seed_gap():
     runs = paired_trial.z_scores(lines + other, "4")
     h = paired_trial.held_out(runs, "a", "z")  # cut fitted on b alone: anything in [0.5, 4) is right there
     assert 0.5 <= h["cut"] < 4 and h["n"] == 3 and h["never_admit"] == pytest.approx(1 / 3)
+
+
+def test_a_grids_own_evaluations_become_paired_trial_lines(pair, tmp_path):
+    """studies/close_pair.py: a grid with held-out evaluations every 2 steps (2 BF16 seeds and a candidate of seed
+    0, 4 steps of the tiny pair) -> one paired_trial.py line per run with its step-2 and step-4 evaluations and, for
+    the candidate, its configuration's label; paired_trial's z at step 2 is the candidate's gap to BF16 seed 0 over
+    BF16 seed 1's gap to it."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "studies"))
+    import close_pair
+    import paired_trial
+    grid = tiny_grid(pair, [{"source": "bf16", "level": 0, "set": {"plan": ""}, "seeds": [0, 1]},
+                            {"source": "noise", "level": 0.3, "set": {"plan": "noise=0.3"}}])
+    grid["base"] |= {"steps": 4, "eval": {"every": 2, "examples": 4}}
+    run_sweep(grid, tmp_path, progress=False)
+    lines = close_pair.trial_lines(tmp_path, "tiny")
+    assert [(x["source"], x["seed"]) for x in lines] == [("bf16", 0), ("bf16", 1), ("noise", 0)]
+    assert all(set(x["evals"]) == {"0", "2", "4"} for x in lines)
+    assert lines[2]["degraded"] in ([True], [False]) and "degraded" not in lines[0]
+    [z] = paired_trial.z_scores(lines, "2")
+    e = [x["evals"]["2"]["rkl"] for x in lines]
+    assert z["z_rkl"] == pytest.approx(abs(e[2] - e[0]) / abs(e[1] - e[0]))

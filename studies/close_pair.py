@@ -1,0 +1,62 @@
+"""The close pair's grid as issue 57's paired trial: its runs' own held-out evaluations at steps 4 and 8.
+
+`studies/data/qwen_grid_lr1e5.yaml` evaluates every run (Qwen2.5-Coder-0.5B under the 1.5B, full_rkl at lr 1e-5)
+at steps 4, 8 and 12 on the held-out prompts. A run of seed s and the BF16 run of seed s share prompts and sampling
+seeds, so the grid's early evaluations are candidate (b) of issue 57 read at no cost: the candidate's gap to the BF16
+run of its seed at step K, over the mean gap of the other BF16 seeds to that one (studies/paired_trial.py's z), and
+the run's label at step 12 (opd/study/tolerance.py, by configuration). This script turns the grid's run folders and
+results into paired_trial.py's lines, so that its report holds the close pair out beside the others:
+
+    python studies/close_pair.py /work/runs/qwen1e5 --out studies/data/qwen1e5_trials.jsonl
+    cat studies/data/paired_trial_toys.jsonl studies/data/qwen1e5_trials.jsonl > /tmp/all.jsonl
+    python studies/paired_trial.py --report /tmp/all.jsonl
+
+A grid folder: `results.jsonl` (the sweep's results) and `runs/<id>/metrics.jsonl` (each run's log). Lines of runs
+whose group has fewer than two BF16 seeds carry no z (paired_trial.py skips them).
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from opd.config.runlog import read_metrics
+from opd.study.sweep import read_results
+from opd.study.tolerance import label, latest
+
+
+def trial_lines(grid: Path, study: str) -> list[dict]:
+    """paired_trial.py's lines ({key, recipe, pair, source, seed, evals {step: {rkl, entropy}}, degraded}) of a grid's
+    runs, labelled by configuration against the grid's own BF16 seeds."""
+    rows = label(latest(read_results(grid / "results.jsonl")))
+    out = []
+    for r in rows:
+        log = grid / "runs" / r["id"].replace("/", "__") / "metrics.jsonl"
+        if not log.is_file():
+            print(f"close_pair: no log for {r['id']} ({log}): skipped", file=sys.stderr)
+            continue
+        evals = {str(m["step"]): {"rkl": m["eval/rkl"], "entropy": m.get("eval/entropy")}
+                 for m in read_metrics(log.parent) if "eval/rkl" in m}
+        recipe = f"{study}|{r['family']}|{r['estimator']}"
+        line = {"key": f"{recipe}|{r['source']}|{r['level']}|seed{r['seed']}", "recipe": recipe, "pair": r["family"],
+                "source": r["source"], "seed": r["seed"], "evals": evals}
+        if r["source"] != "bf16":
+            line["degraded"] = [bool(r["degraded"])] if r["degraded"] is not None else []
+        out.append(line)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("grid", type=Path, help="the grid's --out folder (results.jsonl, runs/)")
+    parser.add_argument("--study", default="real qwen2.5-coder lr 1e-5")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    lines = trial_lines(args.grid, args.study)
+    args.out.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    bf16 = sum(x["source"] == "bf16" for x in lines)
+    print(f"{len(lines)} runs ({bf16} BF16) -> {args.out}; steps evaluated: "
+          f"{sorted({int(s) for x in lines for s in x['evals']})}")
+
+
+if __name__ == "__main__":
+    main()
