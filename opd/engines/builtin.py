@@ -38,7 +38,7 @@ import torch
 from opd.models.devices import native_bf16
 from opd.io.errors import OpdError, first_line, require
 from opd.numerics.kernels import apply_kernels
-from opd.numerics.kv_cache import KVCache
+from opd.numerics.kv_cache import KVCache, vllm_format
 from opd.models.model import Transformer
 from opd.engines.naive import left_pad, prefill_mask
 from opd.numerics.plan import Plan
@@ -68,6 +68,9 @@ class Engine:
         n = model.cfg.num_layers
         plan = Plan.parse(plan, n) if isinstance(plan, str) else plan or Plan.full(n)
         require(len(plan.layers) == n, f"precision plan has {len(plan.layers)} layers, the model has {n}")
+        native_kv = next((layer.kv.dtype for layer in plan.layers if vllm_format(layer.kv.dtype)), None)
+        require(native_kv is None, f"kv={native_kv} is vLLM's own KV format, which opd does not emulate",
+                "run it on the vllm engine (engine.name=vllm), or name an emulated format (kv=fp8_e4m3, int8, ...)")
         self.stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)  # [-1]: never stop
         self.base, self.plan, self.pad_id, self.version = model.eval(), plan, pad_id, version
         self.kv_plan, self.noise_seed, self.compile = plan.kv_specs, noise_seed, compile

