@@ -267,3 +267,20 @@ def test_the_per_parameter_adamw_step_equals_the_multi_tensor_one(pair, tmp_path
         rows[foreach] = comparable(read_metrics(tmp_path / str(foreach)))
     assert [opt.defaults["foreach"] for opt in made] == [True, False]
     assert rows[True] == rows[False] and len(rows[True]) == 5
+
+
+def test_the_sharded_learner_on_one_rank_trains_what_the_plain_learner_trains(pair, tmp_path):
+    """compute.sharded on one rank (training/sharded.py's path: FSDP2 over the blocks, a process group of one over a
+    file store, no socket): the same losses, gradient norms and weights as the plain learner within float rounding;
+    its checkpoint is the plain one's format (the 2-rank oracles are tests/test_sharded.py's, in a network
+    namespace)."""
+    from safetensors.torch import load_file
+    plain, sharded = config(pair, steps=3), config(pair, steps=3, compute=dict(sharded=True))
+    train(plain, tmp_path / "plain", progress=False)
+    train(sharded, tmp_path / "sharded", progress=False)
+    a, b = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "sharded")
+    for x, y in zip(a[:3], b[:3]):
+        for key in ("loss/value", "loss/rkl_sampled", "train/grad_norm"):
+            assert y[key] == pytest.approx(x[key], rel=1e-5), key
+    wa, wb = (load_file(str(tmp_path / r / "checkpoint" / "model.safetensors")) for r in ("plain", "sharded"))
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6

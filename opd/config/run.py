@@ -124,9 +124,14 @@ class TrainConfig:
         require(self.shards <= self.batch_size, f"config: sampling.shards {self.shards} is more than batch_size "
                 f"{self.batch_size}", "each sub-batch needs a prompt; leave sampling.shards at 0 (one per worker)")
 
+    @property
+    def sharded_learner(self) -> bool:
+        """The learner runs FSDP2 (training/sharded.py): over several ranks, or on one with compute.sharded."""
+        return self.compute.learner_ranks > 1 or self.compute.sharded
+
     def _check_sharded_learner(self) -> None:
         ranks = self.compute.learner_ranks
-        if ranks == 1:
+        if ranks == 1 and not self.compute.sharded:
             return
         why = f"config: a learner sharded over {ranks} ranks (compute.learner_ranks) "
         require(self.async_.backend == "process", why + "runs each rank's rollout worker as a process of its own "

@@ -309,6 +309,7 @@ class ComputeConfig:
     micro_batch_size: int = 0  # rollouts per learner/teacher forward (gradients accumulated); 0: the whole batch
     chunk_tokens: int = 0  # tokens per chunk of full-vocabulary work (chunked.py); 0: 2**24 floats / vocab
     learner_ranks: int = 1  # processes the learner is sharded over (FSDP2, training/sharded.py); 1: not sharded
+    sharded: bool = False  # the sharded learner's code path on one rank too (a check of it, e.g. on one GPU)
 
     def __post_init__(self):
         check_numbers(self, "compute.")

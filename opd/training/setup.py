@@ -209,7 +209,7 @@ def setup(cfg: TrainConfig, shard=None) -> Run:
         rollouts = SyncRollouts(engine_builder(cfg, sampler, tok, student_dir, prompts), plan, prompts, params, cfg.seed,
                                 exact_kl, cfg.shards, rank=shard.rank if shard is not None else None)
     guard = Guard(cfg.guard, estimator_class(cfg.loss), cfg.engine.name, asynchronous,
-                  calibrate=cfg.compute.learner_ranks == 1)
+                  calibrate=not cfg.sharded_learner)
     return Run(cfg, student, scorer, tok, rollouts, plan, opt, prompts, params, State(), student_dir, guard,
                shard=shard)
 

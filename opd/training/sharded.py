@@ -1,6 +1,8 @@
 """The learner across ranks: PyTorch's FSDP2 (`fully_shard`) over the student's blocks, one process per rank,
 launched by torchrun (`torchrun --nproc-per-node N -m opd.cli train ... --set compute.learner_ranks=N`) or, on one
-machine, by `opd train` itself (`launch`: the same environment torchrun sets, a loopback rendezvous).
+machine, by `opd train` itself (`launch`: torchrun's rank variables, a rendezvous through a file store and gloo's pairs
+on loopback: nothing listens on the machine's network). `compute.sharded` runs the same path on one rank (a group of
+one, no launcher): the check of it on a machine with one GPU.
 
 Layout: each rank holds 1/N of every block's parameters, gradients and AdamW moments. The embeddings, the final norm
 and the output layer stay whole on every rank: chunked.py reads the output layer's weight outside any module's
@@ -24,8 +26,8 @@ Not yet: the Ray backend, served or top-k teachers, canary training (each refuse
 calibrated KV scales (each rank's engine would calibrate on its own sub-batch).
 """
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,9 +42,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from opd.io.errors import require
 from opd.training.learner import Scores, collate, unpack
 from opd.training.losses import loss_metrics
-
-RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
 
 def launched() -> bool:
     """This process is one rank of a job (torchrun's, or launch()'s)."""
@@ -63,19 +62,18 @@ def check_placement(cfg) -> None:
 
 
 def launch(argv: list[str], ranks: int) -> int:
-    """Run `opd <argv>` as `ranks` processes on this machine, each with the environment torchrun would set (rendezvous
-    on 127.0.0.1, a free port), and wait. Rank 0's output is passed through to this terminal; the others' stderr is
+    """Run `opd <argv>` as `ranks` processes on this machine, each with torchrun's environment (RANK, WORLD_SIZE,
+    LOCAL_RANK) and a rendezvous through a file store (OPD_RENDEZVOUS: no listening socket; gloo's pairs on loopback),
+    and wait. Rank 0's output is passed through to this terminal; the others' stderr is
     kept and shown only where rank 0 said nothing of the failure (one line: the failing rank's error, or its last
     line). When a rank exits with an error the others are stopped (SIGTERM, then SIGKILL after 30 s) and its exit
     status is returned."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = tempfile.mkdtemp(prefix="opd-ranks-")  # the rendezvous: a file store, no listening socket
     procs, logs = [], []
     for rank in range(ranks):
-        env = {"TORCH_CPP_LOG_LEVEL": "ERROR"} | os.environ | {  # c10d's warnings are not the user's business
-            "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port)}
+        # c10d's warnings are not the user's business; gloo's pairs on loopback (one machine)
+        env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"} | os.environ | {
+            "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank), "OPD_RENDEZVOUS": f"file://{store}/s"}
         logs.append(tempfile.TemporaryFile("w+") if rank else None)
         procs.append(subprocess.Popen([sys.executable, "-m", "opd.cli", *argv], env=env,
                                       stdout=None if rank == 0 else subprocess.DEVNULL,
@@ -109,6 +107,7 @@ def launch(argv: list[str], ranks: int) -> int:
     finally:
         for log in logs[1:]:
             log.close()
+        shutil.rmtree(store, ignore_errors=True)
 
 
 def _pass_through(stream) -> dict:
@@ -261,8 +260,10 @@ class Sharding:
 
 
 def start(cfg) -> Sharding:
-    """Join the job (the process group over the launch environment: gloo on CPU, NCCL on CUDA) -> this rank."""
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    """Join the job (the process group over the launch environment: gloo on CPU, NCCL on CUDA) -> this rank. One rank
+    outside a launched job (compute.sharded with learner_ranks 1): a group of one over a file store, no socket."""
+    alone = not launched() and cfg.compute.learner_ranks == 1
+    world, rank = (1, 0) if alone else (int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]))
     require(world == cfg.compute.learner_ranks, f"compute.learner_ranks is {cfg.compute.learner_ranks} but this job "
             f"has {world} processes", f"launch {cfg.compute.learner_ranks} processes (torchrun --nproc-per-node "
             f"{cfg.compute.learner_ranks}), or set compute.learner_ranks={world}")
@@ -272,7 +273,17 @@ def start(cfg) -> Sharding:
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        store = {}  # torchrun's: env:// (MASTER_ADDR, MASTER_PORT)
+        if alone:
+            _STORES.append(tempfile.mkdtemp(prefix="opd-rank-"))
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+            store = {"init_method": f"file://{_STORES[-1]}/store"}
+        elif "OPD_RENDEZVOUS" in os.environ:  # launch()'s
+            store = {"init_method": os.environ["OPD_RENDEZVOUS"]}
+        if store:
+            store |= {"rank": rank, "world_size": world}
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None, **store)
     return Sharding(rank, world, device)
 
 
@@ -295,7 +306,12 @@ def collective_failure(e: BaseException) -> bool:
     return isinstance(e, dist.DistError) or any(word in str(e) for word in ("gloo", "Gloo", "NCCL", "Connection closed"))
 
 
+_STORES: list[str] = []  # the file stores of one-rank groups (start), removed at stop
+
+
 def stop() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    while _STORES:
+        shutil.rmtree(_STORES.pop(), ignore_errors=True)
 

@@ -196,11 +196,11 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
     launched by `opd train` or torchrun): rank 0 writes the run directory and returns the summary, the others None."""
     run_dir = Path(run_dir)
     shard = None
-    if cfg.compute.learner_ranks > 1:
+    if cfg.sharded_learner:
         from opd.training import sharded
-        require(sharded.launched(), f"compute.learner_ranks {cfg.compute.learner_ranks}: the learner's ranks are "
-                "processes of one job", "run `opd train` (it launches them) or torchrun --nproc-per-node N -m opd.cli "
-                "train ...")
+        require(sharded.launched() or cfg.compute.learner_ranks == 1, f"compute.learner_ranks "
+                f"{cfg.compute.learner_ranks}: the learner's ranks are processes of one job", "run `opd train` (it "
+                "launches them) or torchrun --nproc-per-node N -m opd.cli train ...")
         shard = sharded.start(cfg)
     leader = shard is None or shard.leader
     try:
