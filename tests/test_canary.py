@@ -96,7 +96,7 @@ def test_at_the_shipped_cut_bf16_is_promoted_and_full_weight_noise_is_rejected(t
         assert [("canary/pairs" in r) for r in rows[4:9]] == [True, False, False, False, True]  # watched every 4
 
 
-def scripted(numbers, cut, sigmas=1.0):
+def scripted(numbers, cut, sigmas=1.0, **_):
     """decide() by the steps left: ADMIT while more than 3 remain, REJECT after (a promotion, then a fall back)."""
     verdict = "ADMIT" if numbers["T"] > 3 else "REJECT"
     return {"decision": verdict, "z": 0.0, "z_se": 0.0, "cut": cut, "sigmas": sigmas, "batches": numbers["M"],

@@ -280,6 +280,8 @@ class CanaryConfig:
     min_batches: int = 4  # pairs of gradients before any decision
     max_batches: int = 16  # pairs without a decision: the run stays on its own plan and stops shadowing
     cut: float = 0.0  # the cut on z; 0: the shipped one (health/drift.py CUT)
+    sigmas: float = 2.0  # a promotion needs z + sigmas * se <= cut (a rejection z - se > cut; after a promotion the
+    #                      fall back z > cut): promoting is the risky switch
     watch_every: int = 4  # after a promotion: a shadow batch of the run's own plan every this many steps; 0: none
     start: str = "shadow"  # "shadow": on the run's plan until the candidate is admitted; "promoted": on the candidate
     #                        from step 0, watched (the runtime guard on the gradient statistic: falls back on REJECT)
@@ -297,6 +299,7 @@ class CanaryConfig:
         require(self.max_batches >= self.min_batches, f"config: canary.max_batches ({self.max_batches}) is below "
                 f"canary.min_batches ({self.min_batches})", "raise canary.max_batches")
         require(self.cut >= 0, f"config: canary.cut must be >= 0, got {self.cut}", "0 uses the shipped cut")
+        require(self.sigmas >= 0, f"config: canary.sigmas must be >= 0, got {self.sigmas}", "2 is the default")
 
 
 @dataclass(frozen=True)

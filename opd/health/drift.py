@@ -96,15 +96,18 @@ CUT = 2.88
 SIGMAS = 1.0  # ADMIT needs z + SIGMAS * se <= CUT, REJECT z - SIGMAS * se > CUT; between them UNCERTAIN
 
 
-def decide(numbers: dict, cut: float, sigmas: float = SIGMAS, mode: str = "adam") -> dict:
-    """ADMIT / UNCERTAIN / REJECT from measure()'s numbers: z against the cut with its standard error, and for
+def decide(numbers: dict, cut: float, sigmas: float = SIGMAS, mode: str = "adam",
+           reject_sigmas: float | None = None) -> dict:
+    """ADMIT / UNCERTAIN / REJECT from measure()'s numbers: z against the cut with its standard error (ADMIT needs
+    z + sigmas * se <= cut, REJECT z - reject_sigmas * se > cut, reject_sigmas defaulting to sigmas), and for
     UNCERTAIN how many batches would decide (the standard error falls as 1 / sqrt(M))."""
     T, M = numbers["T"], numbers["M"]
     z = numbers[f"{mode}_z"]
     se = math.sqrt(T / 2) * numbers[f"{mode}_bias_se"] / max(numbers[f"{mode}_noise"], 1e-30)
+    reject_sigmas = sigmas if reject_sigmas is None else reject_sigmas
     if z + sigmas * se <= cut:
         verdict = "ADMIT"
-    elif z - sigmas * se > cut:
+    elif z - reject_sigmas * se > cut:
         verdict = "REJECT"
     else:
         verdict = "UNCERTAIN"

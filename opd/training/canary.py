@@ -7,13 +7,14 @@ random numbers), and the OPD gradient of the shadow batch, c, is measured beside
 (before clipping, at the same weights): one pair of health/drift.py's statistic, whose horizon T is the run's
 remaining steps. From `canary.min_batches` pairs on, each new pair decides:
 
-    ADMIT      the candidate is promoted: the training rollouts come from it from the next step on
-    REJECT     the run stays on its plan; the shadow stops (no more cost)
+    ADMIT      z + canary.sigmas (2) standard errors <= the cut: the candidate is promoted, the training rollouts
+               come from it from the next step on
+    REJECT     z - one standard error > the cut: the run stays on its plan; the shadow stops (no more cost)
     UNCERTAIN  go on; after `canary.max_batches` pairs the run stays on its plan and the shadow stops
 
 After a promotion the roles swap: every `canary.watch_every` steps the shadow samples under the run's own plan, the
-training gradient is the candidate's, and a REJECT of the same statistic (on fresh pairs, min_batches of them) falls
-back to the run's plan for the rest of the run. `canary.start: promoted` starts there: the run trains on the candidate
+training gradient is the candidate's, and the same statistic above the cut (its point estimate, on fresh pairs,
+min_batches of them) falls back to the run's plan for the rest of the run. `canary.start: promoted` starts there: the run trains on the candidate
 from step 0, watched by the same statistic (a runtime guard on the gradient bias rather than on the rollouts' nsr). The runtime guard (guard.py), where on, still judges the live
 mismatch; its fallback ends the canary too. Every switch is a canary.jsonl event with the statistic's numbers and a
 line on stderr; the summary's `canary` entry says where the run ended; canary/* metrics are logged at each pair.
@@ -182,7 +183,9 @@ class Canary:
         if self.sums.M < self.settings.min_batches:
             return out
         numbers = self.sums.stats(max(self.run.cfg.steps - step - 1, 1))
-        decision = decide(numbers, self.cut)
+        # promoting is the risky switch: ADMIT needs canary.sigmas standard errors of room; REJECT one; and once
+        # promoted, the point estimate above the cut falls back (the run is on the candidate while evidence gathers)
+        decision = decide(numbers, self.cut, sigmas=self.settings.sigmas, reject_sigmas=0.0 if promoted else 1.0)
         out |= {"canary/z": decision["z"], "canary/z_se": decision["z_se"]}
         verdict = decision["decision"]
         if not promoted and verdict == "ADMIT":
