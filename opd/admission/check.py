@@ -160,11 +160,7 @@ def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, limi
             return {"plan": str(scaled), "bf16_layers": [], "layer_kl": [], METRIC: decision.value,
                     "limit": decision.limit, "note": "calibrated KV scales instead of the fixed 1.0"} | \
                 in_vllm_terms(scaled)
-    sensitivity = []
-    for i in range(n):  # the candidate setting on layer i alone, BF16 elsewhere
-        alone = Plan.parse(f"{plan.whole_model}; {KEEP}; {i}: {describe_layer(plan.layers[i])}", n)
-        numbers = measure(setup, alone)
-        sensitivity.append(numbers.get("kl_exact", numbers["kl_k3"]))  # exact where the engine allows: less noise
+    sensitivity = layer_sensitivity(setup, plan)
     order = sorted(range(n), key=lambda i: -sensitivity[i])
     for j in range(1, n + 1):
         kept = sorted(order[:j])
@@ -175,6 +171,16 @@ def propose_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, cls: str, limi
             return {"plan": str(candidate), "bf16_layers": kept, "layer_kl": sensitivity,
                     METRIC: decision.value, "limit": decision.limit} | in_vllm_terms(candidate)
     return {"plan": None, "layer_kl": sensitivity, "note": "even all-BF16 rollouts exceed the limit"}
+
+
+def layer_sensitivity(setup: ProbeSetup, plan: Plan) -> list[float]:
+    """Per layer, the probe's KL with the candidate setting on that layer alone, BF16 elsewhere (the exact KL where
+    the engine allows: less noise): what orders the layers a proposal keeps in BF16."""
+    n, out = len(plan.layers), []
+    for i in range(n):
+        numbers = measure(setup, Plan.parse(f"{plan.whole_model}; {KEEP}; {i}: {describe_layer(plan.layers[i])}", n))
+        out.append(numbers.get("kl_exact", numbers["kl_k3"]))
+    return out
 
 
 def in_vllm_terms(plan: Plan) -> dict:
@@ -239,10 +245,7 @@ def propose_self(cfg: TrainConfig, floor: TrainConfig, stale: int, batches: int,
                     "plan first (opd admit --self on the synchronous config proposes one)"}
         setup, plan = probe_setup(cfg, 16)
         n = len(plan.layers)
-        sensitivity = []
-        for i in range(n):  # the candidate setting on layer i alone, BF16 elsewhere
-            numbers = measure(setup, Plan.parse(f"{plan.whole_model}; {KEEP}; {i}: {describe_layer(plan.layers[i])}", n))
-            sensitivity.append(numbers.get("kl_exact", numbers["kl_k3"]))
+        sensitivity = layer_sensitivity(setup, plan)
         order = sorted(range(n), key=lambda i: -sensitivity[i])
         for j in sorted({1, 2, 4} & set(range(1, n)))[:tries]:
             kept = sorted(order[:j])

@@ -220,6 +220,14 @@ class KVCache:
         return sum(layer.shadow_bytes_per_token() for layer in self.layers)
 
 
+def scales_fit(scales, num_layers: int, kv_heads: int) -> bool:
+    """An engine's calibrated KV scales as a checkpoint holds them (layer -> [k_scale, v_scale], each None or
+    is_scale) for a model of num_layers layers and kv_heads KV heads."""
+    return isinstance(scales, dict) and all(
+        isinstance(k, int) and 0 <= k < num_layers and isinstance(v, list) and len(v) == 2 and
+        all(x is None or is_scale(x, kv_heads) for x in v) for k, v in scales.items())
+
+
 def is_scale(x, kv_heads: int) -> bool:
     """A calibrated KV scale as a checkpoint holds it (calibrate_scale): a positive finite float tensor, scalar or one
     per KV head."""

@@ -45,7 +45,7 @@ import torch
 from opd.config.runlog import write_atomic
 from opd.health.drift import CUT, Sums, decide
 from opd.io.errors import OpdError, require
-from opd.numerics.kv_cache import is_scale
+from opd.numerics.kv_cache import scales_fit
 from opd.numerics.plan import Plan
 from opd.training.learner import Scoring, collate, flat_gradient, score_batch
 from opd.training.rollouts import SyncRollouts
@@ -145,8 +145,8 @@ class Canary:
         run, start = self.run, time.perf_counter()
         self.gap = 0
         if self.phase == "shadow" and self.stale:
-            old = max(v for v in self.history if v <= max(0, version - self.stale)) if any(
-                v <= max(0, version - self.stale) for v in self.history) else min(self.history)
+            older = [v for v in self.history if v <= version - self.stale]
+            old = max(older) if older else min(self.history)  # the pipeline fills: none that old yet
             self.shadow.publish(self.history[old], old)
             self.gap = version - old
         else:
@@ -258,12 +258,9 @@ class Canary:
         candidate)."""
         size = sum(p.numel() for p in self.run.student.parameters())
         sums = Sums.from_state(blob.get("canary", {"M": 0, "sums": []}), size, successive=True)
-        scales = blob.get("canary_scales", {})
-        heads = self.run.student.cfg.num_kv_heads
-        require(sums is not None and isinstance(scales, dict) and all(
-            isinstance(k, int) and isinstance(v, list) and len(v) == 2 and all(x is None or is_scale(x, heads)
-                                                                               for x in v)
-            for k, v in scales.items()), f"{where}: its canary state does not fit this run", fix)
+        scales, model = blob.get("canary_scales", {}), self.run.student.cfg
+        require(sums is not None and scales_fit(scales, model.num_layers, model.num_kv_heads),
+                f"{where}: its canary state does not fit this run", fix)
         history = blob.get("canary_history", {"versions": [], "weights": []})
         own = self.run.student.state_dict()
         versions, weights = history.get("versions"), history.get("weights")

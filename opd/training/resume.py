@@ -16,7 +16,7 @@ from opd.health.rules import FLOOR_PLAN
 from opd.models.checkpoint import MANIFEST, load_checkpoint, read_manifest, recover_checkpoint, save_checkpoint
 from opd.config.run import TrainConfig
 from opd.io.errors import OpdError, require
-from opd.numerics.kv_cache import is_scale
+from opd.numerics.kv_cache import scales_fit
 from opd.numerics.plan import Plan
 from opd.config.runlog import read_guard_events, read_metrics
 from opd.io.schema import Schema, check, read_json
@@ -99,9 +99,8 @@ def load_state(run_dir: Path, run) -> tuple[State, dict]:
             f"skipped {state.skipped}, bad_steps <= skipped)", fix)
     blob = wire.decode_file(folder / STATE_FILE, run.student.embed_tokens.weight.device, str(folder / STATE_FILE))
     scales = blob.get("engine_scales", {}) if isinstance(blob, dict) else None
-    require(isinstance(blob, dict) and isinstance(blob.get("optimizer"), dict) and isinstance(scales, dict) and all(
-        isinstance(k, int) and 0 <= k < run.student.cfg.num_layers and isinstance(v, list) and len(v) == 2 and
-        all(x is None or is_scale(x, run.student.cfg.num_kv_heads) for x in v) for k, v in scales.items()),
+    require(isinstance(blob, dict) and isinstance(blob.get("optimizer"), dict) and
+            scales_fit(scales, run.student.cfg.num_layers, run.student.cfg.num_kv_heads),
         f"{folder / STATE_FILE}: not a trainer state of this model (its optimizer or KV scales)", fix)
     run.teacher.load_state_dict(blob, str(folder / STATE_FILE))
     check_optimizer_state(run.opt, blob["optimizer"], state.version, str(folder / STATE_FILE), fix)

@@ -194,18 +194,16 @@ def setup(cfg: TrainConfig, shard=None) -> Run:
         print(f"opd: exact_kl off: engine {cfg.engine.name} returns the sampled tokens' log-probs only; mismatch/kl_k3 "
               "estimates the same KL", file=sys.stderr)
     params = SamplingParams(cfg.new_tokens, **cfg.sampling.params())
+    if shard is not None:  # the whole student: the in-process engine samples with it, rank 0 evaluates and saves it
+        shard.full_model = copy.deepcopy(student).requires_grad_(False)
     if asynchronous:
         settings = cfg.async_
         rollouts = AsyncRollouts(worker_spec(cfg, student, tok, plan, params, exact_kl, student_dir, prompts), prompts,
                                  cfg.seed, settings.max_staleness, settings.lookahead, settings.stale_policy,
                                  settings.worker_timeout, settings.max_worker_restarts, student.lm_head, cfg.shards,
                                  new_worker, rank=shard.rank if shard is not None else None)
-        if shard is not None:
-            shard.full_model = copy.deepcopy(student).requires_grad_(False)  # what rank 0 evaluates and saves
     else:
-        sampler = student
-        if shard is not None:
-            shard.full_model = sampler = copy.deepcopy(student).requires_grad_(False)
+        sampler = shard.full_model if shard is not None else student
         rollouts = SyncRollouts(engine_builder(cfg, sampler, tok, student_dir, prompts), plan, prompts, params, cfg.seed,
                                 exact_kl, cfg.shards, rank=shard.rank if shard is not None else None)
     guard = Guard(cfg.guard, estimator_class(cfg.loss), cfg.engine.name, asynchronous,

@@ -241,14 +241,12 @@ class Sharding:
                     p.grad.mul_(coef)
         return norm
 
-    def full_state(self, student) -> dict:
-        """The student's whole state dict on every rank (an all-gather of each sharded tensor)."""
-        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in student.state_dict().items()}
-
     @torch.no_grad()
     def refresh(self, student) -> dict:
-        """The whole copy (full_model) brought to the student's newest weights (a collective) -> its state dict."""
-        self.full_model.load_state_dict(self.full_state(student))
+        """The whole copy (full_model) brought to the student's newest weights (an all-gather of each sharded tensor,
+        on every rank) -> its state dict."""
+        self.full_model.load_state_dict({k: v.full_tensor() if isinstance(v, DTensor) else v
+                                         for k, v in student.state_dict().items()})
         return self.full_model.state_dict()
 
     def full_optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
@@ -287,18 +285,19 @@ def start(cfg) -> Sharding:
     return Sharding(rank, world, device)
 
 
-def rank_state(saved: dict, shard: Sharding, run_dir) -> dict:
-    """A checkpoint's rollout state for this rank: an async run's checkpoint holds every rank's batches in flight
-    (`async_ranks`), each rank takes its own; a run written by another number of ranks is refused (its sub-batches
-    differ). A synchronous checkpoint is the same for every rank count."""
+def rank_state(saved: dict, rank: int, world: int, run_dir) -> dict:
+    """A checkpoint's rollout state for rank `rank` of `world` (a learner that is not sharded: 0 of 1): a sharded
+    async run's checkpoint holds every rank's batches in flight (`async_ranks`), each rank takes its own; a run written
+    by another number of ranks is refused (its sub-batches differ). A synchronous checkpoint is the same for every
+    rank count."""
     ranks = saved.get("async_ranks") if isinstance(saved, dict) else None
     out = {k: v for k, v in (saved or {}).items() if k != "async_ranks"}
     if ranks is None:
         return out
-    require(isinstance(ranks, list) and len(ranks) == shard.world, f"{run_dir}: this async run's checkpoint holds "
+    require(isinstance(ranks, list) and len(ranks) == world, f"{run_dir}: this async run's checkpoint holds "
             f"the batches in flight of {len(ranks) if isinstance(ranks, list) else '?'} learner ranks, not "
-            f"{shard.world}", f"resume it with compute.learner_ranks={len(ranks) if isinstance(ranks, list) else 1}")
-    return out | {"async": ranks[shard.rank]}
+            f"{world}", f"resume it with compute.learner_ranks={len(ranks) if isinstance(ranks, list) else 1}")
+    return out | {"async": ranks[rank]}
 
 
 def collective_failure(e: BaseException) -> bool:

@@ -39,7 +39,7 @@ import torch
 
 from opd.training.chunked import Source, Student, output_layer, score
 from opd.io.errors import require
-from opd.numerics.kv_cache import is_scale
+from opd.numerics.kv_cache import scales_fit
 from opd.training.learner import Batch, completion_hidden, unpack
 from opd.models.model import Transformer
 from opd.numerics.plan import Plan
@@ -214,9 +214,7 @@ class BuiltinTeacher(EngineTeacher):
 
     def load_state_dict(self, state: dict, where: str) -> None:
         scales, t = state.get("teacher_scales", {}), self.engine.model.cfg
-        require(isinstance(scales, dict) and all(
-            isinstance(k, int) and 0 <= k < t.num_layers and isinstance(v, list) and len(v) == 2 and
-            all(x is None or is_scale(x, t.num_kv_heads) for x in v) for k, v in scales.items()),
+        require(scales_fit(scales, t.num_layers, t.num_kv_heads),
             f"{where}: its teacher engine's KV scales do not fit the teacher",
             "the checkpoint is damaged or was not written by opd: start the run again with --overwrite")
         self.engine.scales.update(scales)

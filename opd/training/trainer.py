@@ -111,12 +111,13 @@ def teacher_side_metrics(check, batch, scores: Scores) -> dict:
 
 def train_step(student: Transformer, teacher, opt: torch.optim.Optimizer, batch, cfg: TrainConfig,
                lr: float, version: int, rollout=None, on_grad=None, shard=None, rows=None,
-               pad_id: int = 0) -> tuple[dict, bool]:
+               pad_id: int = 0, tokens: int = 0) -> tuple[dict, bool]:
     """One learner update on a batch of rollouts -> (metrics, whether the update was applied). teacher: who scores
     for the teacher (teacher.Teacher; a served one is checked against the trainer's on the batch's first rows).
     rollout: hidden rows -> the engine's log-probs, for the exact KL (sync, builtin engine). on_grad: called with no
     arguments after a finite backward pass, before clipping (the canary keeps the gradient there). shard: this rank
-    of a sharded learner (sharded.Sharding), `batch` its sub-batch of rollouts `rows` (padded with pad_id): the loss is the whole batch's,
+    of a sharded learner (sharded.Sharding), `batch` its sub-batch of rollouts `rows` (padded with pad_id) of a whole
+    batch of `tokens` tokens: the loss is the whole batch's,
     the gradient summed over the ranks, the metrics (on rank 0; {} elsewhere) the whole batch's."""
     start = time.perf_counter()
     opt.zero_grad(set_to_none=True)
@@ -124,7 +125,7 @@ def train_step(student: Transformer, teacher, opt: torch.optim.Optimizer, batch,
     check = teacher.begin(batch.tokens.shape[0]) if served else None
     # sharded: each token weighted by ranks / the whole batch's tokens, since FSDP averages the ranks' gradients
     # (gloo has no pre-scaled sum), so the average is the whole batch's gradient
-    total = shard.total(batch.num_tokens) / shard.world if shard is not None else None
+    total = tokens / shard.world if shard is not None else None
     scores = score_batch(student, batch, teacher, Scoring.of(cfg), rollout, backward=True, total_tokens=total)
     loss = shard.total(scores.loss) / shard.world if shard is not None else scores.loss
     metrics = {}
@@ -163,9 +164,10 @@ def run_step(run: Run) -> dict:
     sampled = run.rollouts.next_batch(state.step, state.version)
     rollouts, sample_metrics, rollout = sampled.rollouts, sampled.metrics, sampled.engine_logprobs
     batch = collate(rollouts, run.tok.pad_id)
+    tokens = run.shard.total(batch.num_tokens) if run.shard is not None else batch.num_tokens  # the whole batch's
     on_grad = run.canary.before_step(state.step, state.version, sampled.key) if run.canary is not None else None
     metrics, ok = train_step(run.student, run.teacher, run.opt, batch, cfg, lr_at(state.version, cfg), state.version,
-                             rollout, on_grad, run.shard, rollouts, run.tok.pad_id)
+                             rollout, on_grad, run.shard, rollouts, run.tok.pad_id, int(tokens))
     state.step += 1
     if ok:
         state.version += 1
@@ -179,7 +181,6 @@ def run_step(run: Run) -> dict:
     if run.canary is not None:  # after the publish: a switch re-makes the engine on the newest weights
         metrics |= run.canary.after_step(state.step - 1, ok)
     elapsed = time.perf_counter() - start
-    tokens = run.shard.total(batch.num_tokens) if run.shard is not None else batch.num_tokens
     return metrics | sample_metrics | {"train/skipped_steps": state.skipped, "train/version": state.version,
                                         "time/step": elapsed,
                       "throughput/tokens_per_s": tokens / elapsed}
@@ -218,19 +219,16 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
                     check_same_run(run_dir, cfg)
                     run.state, saved = load_state(run_dir, run)
                     check_resume(run_dir, cfg, run.state)
-                    ranks = saved.get("async_ranks")
-                    require(shard is not None or not ranks, f"{run_dir}: this async run's checkpoint holds the "
-                            f"batches in flight of {len(ranks or [])} learner ranks, not 1",
-                            f"resume it with compute.learner_ranks={len(ranks or [])}")
+                    from opd.training.sharded import rank_state
+                    saved = rank_state(saved, shard.rank if shard else 0, shard.world if shard else 1, run_dir)
                 elif overwrite and leader:
                     clear_run_dir(run_dir)
                 if leader:
                     save_config(run_dir, cfg)
                 if shard is not None:
-                    saved = sharded.rank_state(saved, shard, run_dir)
                     shard.full_model.load_state_dict(run.student.state_dict())
                     run.opt = shard.shard(run.student, run.opt)
-                run.rollouts.start(run.weights(), run.state.version, saved or ({"engine_scales": {}} if shard else {}))
+                run.rollouts.start(run.weights(), run.state.version, saved)
                 if run.canary is not None:
                     run.canary.start()
                 return _train(run, cfg, run_dir, progress and leader, on_step, before)
