@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from opd.training.chunked import Source, Student, chunk_size, log_probs, output_layer, score
 from opd.engines.builtin import Engine
-from opd.training.evaluate import sampled_quality
+from opd.training.evaluate import context_quality, sampled_quality
 from opd.training.learner import Scoring, collate, completion_index, completion_logprobs, pack, packed_hidden, score_batch
 from opd.training.losses import LossConfig, kl, opd_loss
 from opd.engines.sampling import SamplingParams
@@ -216,3 +216,27 @@ def test_eval_entropy_is_the_students_surprise_at_its_own_samples():
     collapsed = sampled_quality(student, LocalTeacher(teacher), tok, examples, N, seed=seed,
                                 params=SamplingParams(N, temperature=1e-4), batch_size=8)
     assert collapsed["eval/entropy"] < 0.01 < got["eval/entropy"]
+
+
+def test_fixed_context_quality_is_the_exact_kl_and_entropy_on_the_kept_samples():
+    """eval.contexts fixed: context_quality on the samples sampled_quality kept equals the unchunked oracle's exact
+    reverse KL and exact entropy over their positions (chunked, in batches), its KL equals sampled_quality's on the
+    same samples (the first evaluation's two numbers agree), and on a changed student only the weights move it."""
+    V, N, seed = 300, 40, 3
+    student, teacher, tok = tiny(0, vocab=V).double(), tiny(1, vocab=V).double(), TextTokenizer.builtin()
+    examples = [Example(f"{i}+1=", "", "2") for i in range(8)]
+    kept = []
+    sampled = sampled_quality(student, LocalTeacher(teacher), tok, examples, N, seed=seed, batch_size=8, keep=kept)
+    assert len(kept) == 8
+    for batch_size, chunk in ((0, 0), (3, 7)):
+        got = context_quality(student, LocalTeacher(teacher), kept, tok.pad_id, batch_size=batch_size,
+                              chunk_tokens=chunk)
+        batch = collate(kept, tok.pad_id)
+        s, t = completion_logprobs(student, batch), completion_logprobs(teacher, batch)
+        assert got["eval/rkl"] == pytest.approx(kl(s, t)[batch.mask].mean().item(), rel=1e-9)
+        assert got["eval/entropy"] == pytest.approx(-(s.exp() * s).sum(-1)[batch.mask].mean().item(), rel=1e-9)
+        assert got["eval/rkl"] == pytest.approx(sampled["eval/rkl"], rel=1e-9)
+    moved = tiny(2, vocab=V).double()
+    again = context_quality(moved, LocalTeacher(teacher), kept, tok.pad_id)
+    assert again == context_quality(moved, LocalTeacher(teacher), kept, tok.pad_id)  # no sampling: repeatable
+    assert again["eval/rkl"] != pytest.approx(got["eval/rkl"], rel=1e-3)

@@ -21,7 +21,7 @@ from opd.engines.sampling import SamplingParams
 from opd.training.setup import probe_setup, setup as make_run
 from opd.training.trainer import run_step, train
 
-from helpers import comparable, config, opd
+from helpers import comparable, config, crash_at, opd
 
 
 def test_opd_lowers_the_reverse_kl_to_the_teacher(pair, tmp_path):
@@ -204,6 +204,29 @@ def test_eval_without_greedy_decoding_keeps_the_sampled_quality(pair, tmp_path):
     for row in (summary["before"], summary["after"]):
         assert row["eval/rkl"] > 0 and row["eval/entropy"] > 0 and row["eval/n"] == 4
         assert "eval/accuracy" not in row and "eval/truncated" not in row
+
+
+def test_fixed_eval_contexts_are_the_first_evaluations_samples_shared_across_seeds_and_resumes(pair, tmp_path):
+    """eval.contexts fixed: the first evaluation samples the held-out completions once (eval_contexts.json) and every
+    evaluation scores those contexts; at the start the fixed and sampled numbers are the same samples' (equal KL), the
+    final evaluation samples anew too; runs of two training seeds with one eval.seed score the same contexts from the
+    same start (equal `before`); a run cut at step 3 and resumed evaluates as the straight run did."""
+    fixed = dict(every=2, examples=4, greedy=False, contexts="fixed", seed=7)
+    runs = {}
+    for name, seed in (("a", 0), ("b", 1)):
+        runs[name] = train(config(pair, steps=4, seed=seed, eval=fixed), tmp_path / name, progress=False)
+    a, b = runs["a"], runs["b"]
+    assert a["before"]["eval/rkl"] == pytest.approx(a["before"]["eval/sampled_rkl"], rel=1e-9)
+    assert a["before"] == {**b["before"], "time/eval": a["before"]["time/eval"]}
+    assert (tmp_path / "a" / "eval_contexts.json").read_text() == (tmp_path / "b" / "eval_contexts.json").read_text()
+    assert "eval/sampled_rkl" in a["after"] and "eval/sampled_rkl" not in read_metrics(tmp_path / "a")[2]
+    assert a["after"]["eval/rkl"] != a["before"]["eval/rkl"] and a["after"]["eval/rkl"] != b["after"]["eval/rkl"]
+    with pytest.raises(RuntimeError):
+        train(config(pair, steps=4, eval=fixed), tmp_path / "split", progress=False, on_step=crash_at(2))
+    train(config(pair, steps=4, eval=fixed), tmp_path / "split", resume=True, progress=False)
+    assert comparable(read_metrics(tmp_path / "split")) == comparable(read_metrics(tmp_path / "a"))
+    with pytest.raises(OpdError, match="eval.contexts"):
+        config(pair, eval=dict(contexts="random"))
 
 
 def test_the_readme_yaml_example_is_a_valid_config(tmp_path):

@@ -264,8 +264,8 @@ def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, r
     if leader:
         print(f"run directory: {run_dir}", flush=True)  # stdout: stderr is for progress and the one error line
     summary = train(cfg, run_dir, resume=resume, overwrite=overwrite, progress=not quiet)
-    if summary is None:  # a sharded learner's rank other than 0
-        return
+    if summary is None:  # a sharded learner's rank other than 0: its work is written; leave before gloo's teardown
+        _leave_rank()
     before, after = summary["before"] or {}, summary["after"]
     print(f"{'':10} {'accuracy':>9} {'sampled':>9} {'rkl':>9} {'entropy':>9}")  # entropy: eval/entropy (collapse)
     for name, row in (("before", before), ("after", after)):
@@ -276,3 +276,15 @@ def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, r
             print(f"{name:10} {' '.join(cells)}")
     print(f"{summary['steps']} steps in {summary['time/step']:.0f} s (+{summary['time/eval']:.0f} s eval), "
           f"plan: {summary['plan']}; logs in {run_dir}")
+    if ranks > 1:
+        _leave_rank()
+
+
+def _leave_rank() -> None:
+    """End a finished rank of a sharded learner now. At interpreter exit gloo's threads are torn down by static
+    destructors, which sometimes abort (SIGABRT, "terminate called without an active exception") after a run that
+    completed and wrote everything; the launcher would take that for a failed rank. The process group is already
+    destroyed (sharded.stop), the files closed: flush and exit without the teardown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -4,7 +4,7 @@ config.py assembles them into a TrainConfig; config_file.py reads them from YAML
 """
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from opd.engines import kinds as engines
 from opd.io.errors import OpdError, require
@@ -175,6 +175,14 @@ class EvalConfig:
     fraction: float = 0.1  # share of data.prompts held out for evaluation (by a hash of the prompt)
     batch_size: int = 0  # held-out prompts per generation batch; 0: 2**24 floats / vocab (all, at vocab 100)
     greedy: bool = True  # also decode greedily (eval/accuracy, eval/truncated); False: the sampled quality only
+    # "sampled": every evaluation samples the held-out completions anew and scores the reverse KL and entropy on them;
+    # "fixed": the first evaluation's samples are kept (eval_contexts.json in the run folder) and every later one
+    # scores the same contexts exactly (full-vocabulary KL and entropy at each position): no sampling noise between
+    # evaluations, and none between runs that share eval.seed and their first weights; the final evaluation also
+    # samples anew (eval/sampled_*)
+    contexts: str = "sampled"
+    # the held-out samples' seed; -1: the run's seed + 1 (runs of different seeds sample differently)
+    seed: int = field(default=-1, metadata={"auto": -1})
 
     def __post_init__(self):
         check_numbers(self, "eval.")
@@ -182,6 +190,7 @@ class EvalConfig:
         _at_least(self, "eval", ["every"], 0, "0: only before and after training")
         _at_least(self, "eval", ["batch_size"], 0, "0 chooses it automatically")
         require(0 <= self.fraction < 1, f"config: eval.fraction must be in [0, 1), got {self.fraction}")
+        _one_of(self, "eval", "contexts", ("sampled", "fixed"))
 
 
 @dataclass(frozen=True)
@@ -375,7 +384,8 @@ def check_numbers(section, prefix: str) -> None:
         name = prefix + f.name
         if isinstance(value, float):
             require(math.isfinite(value), f"config: {name} must be a finite number, got {value}")
-        elif "seed" in f.name:
-            require(0 <= value < SEED_LIMIT, f"config: {name} must be in [0, 2**32), got {value}")
+        elif "seed" in f.name and value != f.metadata.get("auto"):  # auto: the value that means "chosen for you"
+            require(0 <= value < SEED_LIMIT, f"config: {name} must be in [0, 2**32), got {value}",
+                    "-1 chooses it" if "auto" in f.metadata else "")
         else:
             require(abs(value) < INT_LIMIT, f"config: {name} is out of range, got {value}", "use a value below 2**31")

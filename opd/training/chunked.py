@@ -109,6 +109,7 @@ class Job:
             grad_h = grad_w = None
             if self.loss is None:
                 terms, value = {"s_y": s.gather(-1, tokens[:, None])[:, 0]}, s.new_zeros(())
+                terms["entropy"] = -torch.where(s > float("-inf"), s.exp() * s, torch.zeros_like(s)).sum(-1)
                 if t is not None:
                     terms |= {"t_y": t.gather(-1, tokens[:, None])[:, 0], "rkl": kl(s, t)}
             elif need_h or need_w:

@@ -66,12 +66,12 @@ def _why(verdict: Verdict | None) -> dict:
 def sampled_quality(student: Transformer, teacher, tok: TextTokenizer, examples: list[Example],
                     max_new_tokens: int, seed: int, params: SamplingParams | None = None, batch_size: int = 0,
                     micro_batch_size: int = 0, chunk_tokens: int = 0, scoring: str = "last_hash",
-                    autocast: torch.dtype | None = None) -> dict:
+                    autocast: torch.dtype | None = None, keep: list | None = None) -> dict:
     """Sampled-completion accuracy (absent under scoring "none") and the mean per-token reverse KL(student || teacher)
     on the student's own samples at the learner's compute precision (autocast None: float32; bf16: the samples from a
     bf16 forward on native bf16 GEMMs where the CPU has them, the scoring under autocast, as the learner computes)
     (teacher: a teacher.Teacher with whole rows), sampled as the rollouts are (params: temperature, top-k, top-p):
-    {"eval/sampled_accuracy", "eval/rkl", "eval/entropy"}.
+    {"eval/sampled_accuracy", "eval/rkl", "eval/entropy"}. keep: a list the samples (sampling.Rollout) are appended to.
     eval/entropy is the mean of -log p_student(token) over the same samples (at the sampling temperature): a Monte
     Carlo estimate of the student's per-token entropy (of the cross-entropy of the truncated sampler's tokens under
     the student, with top-k or top-p). It is what the reverse KL cannot show: KL(student || teacher) = cross-entropy
@@ -82,23 +82,81 @@ def sampled_quality(student: Transformer, teacher, tok: TextTokenizer, examples:
     engine = Engine(student, tok.stop_ids, tok.pad_id, plan, bf16_gemm="auto")
     generator = torch.Generator(device=engine.device).manual_seed(seed)  # one stream across the batches
     batch_size = batch_size or chunk_size(student.cfg.vocab_size)
-    credit, scored, tokens, rkl_sum, surprise = 0.0, 0, 0, 0.0, 0.0
+    credit, scored, sums = 0.0, 0, Sums()
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
         rollouts = engine.generate([tok.encode_prompt(ex.prompt) for ex in chunk], params, generator)
-        batch = collate(rollouts, tok.pad_id)
-        scores = score_batch(student, batch, teacher, Scoring(temperature=params.temperature or 1.0,
-                                                              micro_batch_size=micro_batch_size,
-                                                              chunk_tokens=chunk_tokens, autocast=autocast))
-        rkl_sum += masked_mean(scores.rkl.double(), batch.mask).item() * batch.num_tokens
-        surprise -= masked_mean(scores.pi.double(), batch.mask).item() * batch.num_tokens
-        tokens += batch.num_tokens
+        sums.add(student, teacher, rollouts, tok.pad_id, params.temperature or 1.0, micro_batch_size, chunk_tokens,
+                 autocast)
+        if keep is not None:
+            keep += rollouts
         for ex, r in zip(chunk, rollouts):
             if scorer is not None and ex.answer is not None:
                 scored += 1
                 credit += scorer(tok.decode(r.completion_ids), ex.answer)
-    quality = {"eval/rkl": rkl_sum / max(1, tokens), "eval/entropy": surprise / max(1, tokens)}
+    quality = {"eval/rkl": sums.rkl / max(1, sums.tokens), "eval/entropy": sums.surprise / max(1, sums.tokens)}
     return quality | ({"eval/sampled_accuracy": credit / scored} if scored else {})
+
+
+@torch.no_grad()
+def context_quality(student: Transformer, teacher, rollouts: list, pad_id: int, temperature: float = 1.0,
+                    batch_size: int = 0, micro_batch_size: int = 0, chunk_tokens: int = 0,
+                    autocast: torch.dtype | None = None) -> dict:
+    """The student on fixed contexts (completions sampled once: eval.contexts "fixed"): {"eval/rkl": the mean over
+    the completions' positions of the exact KL(student || teacher) of the next-token distributions, "eval/entropy":
+    the mean of the student's exact entropy there}. A function of the weights alone: two evaluations, or two runs, on
+    the same contexts differ only by their weights. At the weights that sampled the contexts, eval/rkl is
+    sampled_quality's exactly; eval/entropy is the exact mean of what sampled_quality estimates by -log p(token)."""
+    batch_size = batch_size or chunk_size(student.cfg.vocab_size)
+    sums = Sums()
+    for i in range(0, len(rollouts), batch_size):
+        sums.add(student, teacher, rollouts[i:i + batch_size], pad_id, temperature, micro_batch_size, chunk_tokens,
+                 autocast)
+    return {"eval/rkl": sums.rkl / max(1, sums.tokens), "eval/entropy": sums.entropy / max(1, sums.tokens)}
+
+
+class Sums:
+    """Per-token sums over scored batches: reverse KL, exact entropy, -log p(sampled token), tokens."""
+
+    def __init__(self):
+        self.rkl = self.entropy = self.surprise = 0.0
+        self.tokens = 0
+
+    def add(self, student, teacher, rollouts, pad_id, temperature, micro_batch_size, chunk_tokens, autocast) -> None:
+        batch = collate(rollouts, pad_id)
+        scores = score_batch(student, batch, teacher, Scoring(temperature=temperature, micro_batch_size=micro_batch_size,
+                                                              chunk_tokens=chunk_tokens, autocast=autocast))
+        self.rkl += masked_mean(scores.rkl.double(), batch.mask).item() * batch.num_tokens
+        self.surprise -= masked_mean(scores.pi.double(), batch.mask).item() * batch.num_tokens
+        self.entropy += scores.terms["entropy"].double().sum().item()
+        self.tokens += batch.num_tokens
+
+
+def save_contexts(path, rollouts: list) -> None:
+    """The fixed evaluation contexts, as JSON (token ids and the sampler's log-probs; no pickle)."""
+    import json
+    from opd.config.runlog import write_atomic
+    write_atomic(path, json.dumps({"contexts": [
+        {"prompt_ids": r.prompt_ids, "completion_ids": r.completion_ids, "logprobs": r.logprobs,
+         "raw_logprobs": r.raw_logprobs, "finish_reason": r.finish_reason} for r in rollouts]}) + "\n")
+
+
+def load_contexts(path) -> list:
+    """save_contexts' rollouts; a file that is not one is a one-line error."""
+    import json
+    from opd.engines.sampling import Rollout
+    try:
+        rows = json.loads(path.read_text())["contexts"]
+        out = [Rollout([int(t) for t in r["prompt_ids"]], [int(t) for t in r["completion_ids"]],
+                       [float(x) for x in r["logprobs"]], [float(x) for x in r["raw_logprobs"]],
+                       str(r["finish_reason"]), 0) for r in rows]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise OpdError(f"{path}: not this run's evaluation contexts ({type(e).__name__}: {e})",
+                       "remove the file to sample them anew at the next evaluation") from None
+    require(bool(out) and all(len(r.completion_ids) == len(r.logprobs) for r in out),
+            f"{path}: evaluation contexts without completions or with mismatched log-probs",
+            "remove the file to sample them anew at the next evaluation")
+    return out
 
 
 # ---- scorers by name: completion, reference answer -> credit -----------------------------------------------------

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from opd.config.run import TrainConfig
 from opd.models.devices import autocast_dtype, restored_threads
 from opd.io.errors import OpdError, first_line, require
-from opd.training.evaluate import greedy_accuracy, sampled_quality
+from opd.training.evaluate import context_quality, greedy_accuracy, load_contexts, sampled_quality, save_contexts
 from opd.training.learner import Scores, Scoring, collate, numerics_mu, score_batch
 from opd.health.metrics import masked_mean
 from opd.health.metrics import (exact_kl_metric, noise_to_signal, rollout_health, rollout_metrics, staleness_metrics,
@@ -54,21 +54,47 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.optim.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
 
 
-def evaluate(run: Run, cfg: TrainConfig) -> dict:
+def evaluate(run: Run, cfg: TrainConfig, run_dir: Path | None = None, final: bool = False) -> dict:
     """Held-out quality of the learner at full precision (the rollout plan is not used here) on the run's held-out
     examples (prompts.py): greedy (unless eval.greedy is off) and sampled accuracy under `scoring` (none: no
-    accuracy), and the reverse KL to the teacher and the entropy on the student's own samples."""
+    accuracy), and the reverse KL to the teacher and the entropy on the student's own samples, or, under
+    eval.contexts "fixed", on the first evaluation's samples (kept in run_dir/eval_contexts.json; the final
+    evaluation samples anew too: eval/sampled_rkl, eval/sampled_entropy)."""
     student = run.shard.full_model if run.shard is not None else run.student  # whole weights (sharded.py)
     teacher, tok, start = run.teacher.trainer, run.tok, time.perf_counter()
     examples = run.prompts.held_out
     batch_size = cfg.eval.batch_size  # 0: chunked.chunk_size (all 500 prompts at once at the built-in vocabulary)
     greedy = greedy_accuracy(student, tok, examples, cfg.new_tokens, batch_size, scoring=cfg.data.scoring) \
         if cfg.eval.greedy else {"eval/n": len(examples)}
-    sampled = sampled_quality(student, teacher, tok, examples, cfg.new_tokens, cfg.seed + 1, run.params,
-                              batch_size, cfg.compute.micro_batch_size, cfg.compute.chunk_tokens, cfg.data.scoring,
-                              autocast_dtype(cfg.compute.dtype))
-    return {**{k: v for k, v in greedy.items() if k in ("eval/accuracy", "eval/truncated", "eval/n", "eval/scored")}, **sampled,
-            "time/eval": time.perf_counter() - start}
+    autocast = autocast_dtype(cfg.compute.dtype)
+    seed = cfg.eval.seed if cfg.eval.seed >= 0 else cfg.seed + 1
+
+    def sample(keep=None) -> dict:
+        return sampled_quality(student, teacher, tok, examples, cfg.new_tokens, seed, run.params, batch_size,
+                               cfg.compute.micro_batch_size, cfg.compute.chunk_tokens, cfg.data.scoring, autocast, keep)
+
+    if cfg.eval.contexts == "fixed" and run_dir is not None:
+        path, quality = run_dir / "eval_contexts.json", {}
+        if path.exists():
+            contexts = load_contexts(path)
+        else:  # the first evaluation: its samples become the contexts
+            contexts = []
+            quality = _renamed(sample(contexts))
+            save_contexts(path, contexts)
+        if final and not quality:
+            quality = _renamed(sample())
+        quality |= context_quality(student, teacher, contexts, tok.pad_id, run.params.temperature or 1.0, batch_size,
+                                   cfg.compute.micro_batch_size, cfg.compute.chunk_tokens, autocast)
+    else:
+        quality = sample()
+    return {**{k: v for k, v in greedy.items() if k in ("eval/accuracy", "eval/truncated", "eval/n", "eval/scored")},
+            **quality, "time/eval": time.perf_counter() - start}
+
+
+def _renamed(sampled: dict) -> dict:
+    """sampled_quality's numbers beside the fixed contexts' own: eval/rkl -> eval/sampled_rkl, entropy likewise."""
+    return {("eval/sampled_" + k.split("/")[1] if k in ("eval/rkl", "eval/entropy") else k): v
+            for k, v in sampled.items()}
 
 
 def step_metrics(batch, scores: Scores, cfg: TrainConfig, version: int) -> dict:
@@ -326,8 +352,8 @@ def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step, b
         run.guard.resume(run_dir, run.state.step)
     if run.state.step > 0:
         before = _first_eval(run_dir)
-    elif before is None and leader:
-        before = evaluate(run, cfg)
+    elif leader and (before is None or (cfg.eval.contexts == "fixed" and not (run_dir / "eval_contexts.json").exists())):
+        before = evaluate(run, cfg, run_dir)  # (a shared `before` has no contexts: they are sampled here)
     bar = tqdm(range(run.state.step, cfg.steps), desc=f"opd {cfg.family if not cfg.student else 'train'}",
                disable=not progress, initial=run.state.step, total=cfg.steps)
     with step_boundary_signals() as received:
@@ -343,7 +369,7 @@ def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, befor
         for step in bar:
             metrics = dict(before or {}) if step == 0 else {}
             if step > 0 and cfg.eval.every and step % cfg.eval.every == 0 and leader:
-                metrics |= (last_eval := evaluate(run, cfg))
+                metrics |= (last_eval := evaluate(run, cfg, run_dir))
             metrics |= run_step(run)
             if guard_due(run, step, metrics):
                 try:
@@ -390,7 +416,7 @@ def _loop(run: Run, cfg: TrainConfig, run_dir: Path, on_step, log: RunLog, befor
         finally:
             log.close()
         raise
-    after = evaluate(run, cfg) if leader else {}
+    after = evaluate(run, cfg, run_dir, final=True) if leader else {}
     log.write(cfg.steps, after)
     log.close()
     save_state(run_dir, run, wait=False)
