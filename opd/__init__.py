@@ -19,6 +19,7 @@ would run again in each of them (train, admit and generate refuse to run there, 
 hang). Notebooks and `python -c` need no guard.
 """
 import multiprocessing
+import sys
 from pathlib import Path
 
 from opd.io.errors import OpdError
@@ -55,7 +56,8 @@ def train(cfg, run_dir: str | Path, resume: bool = False, overwrite: bool = Fals
 
 
 def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0.0, propose: bool = True,
-          warmup: int | str = "auto", self_calibrated: bool = False, batches: int = 8) -> dict:
+          warmup: int | str = "auto", self_calibrated: bool = False, batches: int = 8, trial: int = 0,
+          trial_seeds: int = 2) -> dict:
     """The admission check of cfg's rollout set-up, as `opd admit --json`: a dict with "decision" (ADMIT, UNCERTAIN:
     run it only under the runtime guard, or REJECT), "reasons", the probe's numbers and, when not admitted, a
     "proposal" (a plan that passes, or what to change). rollouts: the probe's batch of the run's own prompts;
@@ -71,7 +73,10 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
     self_calibrated: decide instead from the candidate's gradient bias against the recipe's own BF16 noise on
     `batches` batches of the run's prompts (opd/admission/bias.py; no calibration of ours on the model; rollouts,
     thresholds, limit and warmup do not apply; propose: on REJECT, a lower staleness or a plan with its most
-    sensitive layers in BF16 that passes the same measurement, at most 3 more measurements)."""
+    sensitive layers in BF16 that passes the same measurement, at most 3 more measurements).
+    trial K > 0: decide instead from a paired trial, K steps of the run's own recipe for the candidate, its BF16 twin
+    (same seed) and trial_seeds more BF16 seeds, on fixed held-out contexts (opd/admission/trial.py: the recipe's
+    learning rate and horizon are in the measurement; its cut is provisional)."""
     _not_in_a_starting_worker("opd.admit")
     from opd.io.errors import require
     require(_number(limit) and limit >= 0, f"limit must be a number >= 0, got {limit!r}", "0 uses the calibrated limit")
@@ -84,6 +89,14 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
             "\"\" uses the shipped thresholds")
     require(isinstance(batches, int) and not isinstance(batches, bool) and 2 <= batches <= 4096,
             f"batches must be an integer in [2, 4096], got {batches!r}", "8 or so; more narrows the verdict")
+    for name, value, low, high in (("trial", trial, 0, 10_000), ("trial_seeds", trial_seeds, 1, 16)):
+        require(isinstance(value, int) and not isinstance(value, bool) and low <= value <= high,
+                f"{name} must be an integer in [{low}, {high}], got {value!r}", "trial 4 with 2 seeds or so")
+    require(not (trial and self_calibrated), "a paired trial and the gradient bias are two checks", "choose one")
+    if trial:
+        from opd.admission.trial import check_trial
+        return check_trial(_checked(cfg), trial, trial_seeds,
+                           progress=lambda text: print(f"opd admit: {text}", file=sys.stderr, flush=True))
     if self_calibrated:
         from opd.admission.check import check_self
         return check_self(_checked(cfg), batches, propose=propose)

@@ -4,7 +4,8 @@ candidate (b), with held-out numbers: each trial is a real K-step run.)
 For one stored configuration (pair, estimator, recipe) and its candidate, on the run's own recipe: K steps of the
 candidate with seed s and of the BF16 runs of that recipe's seeds (the candidate shares prompts and sampling seeds
 with the BF16 run of seed s: common random numbers), each evaluated on the held-out prompts every `--every` steps
-(held-out reverse KL and entropy, the labels' own quality measures). At step k:
+(held-out reverse KL and entropy, the labels' own quality measures; by default on fixed contexts, as `opd admit
+--trial` measures: opd/admission/trial.py, whose trial_z this study uses). At step k:
 
     z_rkl = |rkl(candidate, s, k) - rkl(BF16, s, k)| / mean_{s' != s} |rkl(BF16, s', k) - rkl(BF16, s, k)|
 
@@ -13,18 +14,19 @@ on the user's model and recipe (learning rate included). The rule `degraded if z
 (leave one pair out), the cut with the most right decisions, an admitted run that degraded counting twice; each
 accuracy is printed beside never-admit and always-admit on the same runs.
 
-    python studies/paired_trial.py --out studies/data/paired_trial.jsonl      # the toy pairs' stored configs
+    python studies/paired_trial.py --out studies/data/paired_trial_toys_fixed.jsonl   # the toy pairs' stored
+                                                                              # configs, fixed contexts (not run yet)
+    python studies/paired_trial.py --contexts sampled --out studies/data/paired_trial_toys.jsonl   # as stored
     python studies/paired_trial.py --quick                                    # one recipe, one candidate: seconds
     python studies/paired_trial.py --pairs smollm2 --estimators full_rkl --steps 4 --every 2 \
         --out studies/data/paired_trial_smollm2.jsonl                        # the far pair at both lrs: ~36
                                                                               # trials, ~2 h alone (not run yet)
-    python studies/paired_trial.py --report studies/data/paired_trial.jsonl  # the accuracies, nothing run
+    python studies/paired_trial.py --report studies/data/paired_trial_toys.jsonl  # the accuracies, nothing run
 
 One JSON line per trial run (BF16 seeds and candidates) is appended to --out; one already there is not run again.
 """
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import admission as bench  # noqa: E402 (the stored, labelled runs)
 
+from opd.admission.trial import trial_z  # noqa: E402 (the statistic `opd admit --trial` decides on)
 from opd.config.runlog import read_metrics  # noqa: E402
 from opd.study.sweep import stored_config  # noqa: E402
 from opd.training.trainer import train  # noqa: E402
@@ -41,9 +44,13 @@ from opd.training.trainer import train  # noqa: E402
 PAIRS = ("llama", "qwen3", "smollm2")
 
 
-def trial(cfg, steps: int, every: int) -> dict:
-    """A K-step run of cfg, evaluated every `every` steps: {step: {rkl, entropy}} and the training curve."""
-    cfg = replace(cfg, steps=steps, eval=replace(cfg.eval, every=every), save_every=0)
+def trial(cfg, steps: int, every: int, contexts: str = "sampled") -> dict:
+    """A K-step run of cfg, evaluated every `every` steps: {step: {rkl, entropy}} and the training curve.
+    contexts "fixed": on the fixed contexts of one evaluation seed for the whole recipe (eval.seed 1000; the product's
+    `opd admit --trial` measures so), "sampled": sampled anew at each evaluation with the run's seed + 1 (the
+    stored toy trials, paired_trial_toys.jsonl)."""
+    fixed = {"contexts": "fixed", "seed": 1000, "resample_final": False} if contexts == "fixed" else {}
+    cfg = replace(cfg, steps=steps, eval=replace(cfg.eval, every=every, **fixed), save_every=0)
     with tempfile.TemporaryDirectory() as tmp:
         train(cfg, Path(tmp) / "run", progress=False)
         rows = read_metrics(Path(tmp) / "run")
@@ -85,14 +92,13 @@ def z_scores(lines: list[dict], step: str) -> list[dict]:
         seeds = bf16.get(x["recipe"], {})
         if x["source"] == "bf16" or step not in x["evals"] or x["seed"] not in seeds or len(seeds) < 2:
             continue
-        ref, z = seeds[x["seed"]], {}
-        for name in ("rkl", "entropy"):
-            if ref.get(name) is None or x["evals"][step].get(name) is None:
-                continue
-            noise = statistics.mean(abs(e[name] - ref[name]) for s, e in seeds.items() if s != x["seed"])
-            z[f"z_{name}"] = abs(x["evals"][step][name] - ref[name]) / max(noise, 1e-12)
-        z["z"] = max(z.values())
-        out += [{"pair": x["pair"], "degraded": d, **z} for d in x["degraded"]]
+        ref = seeds[x["seed"]]
+        if any(e.get(name) is None for e in (ref, x["evals"][step]) for name in ("rkl", "entropy")):
+            continue
+        as_eval = lambda e: {"eval/rkl": e["rkl"], "eval/entropy": e["entropy"]}  # noqa: E731
+        z = trial_z(as_eval(x["evals"][step]), as_eval(ref), [as_eval(e) for s, e in seeds.items() if s != x["seed"]])
+        out += [{"pair": x["pair"], "degraded": d, **{k: z[k] for k in ("z_rkl", "z_entropy", "z")}}
+                for d in x["degraded"]]
     return out
 
 
@@ -138,6 +144,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="K: steps of each trial")
     parser.add_argument("--every", type=int, default=2, help="held-out evaluation every this many steps")
     parser.add_argument("--report", default="", help="only print the accuracies of this file's lines")
+    parser.add_argument("--contexts", choices=("sampled", "fixed"), default="fixed",
+                        help="held-out evaluation on fixed contexts (as `opd admit --trial`) or sampled anew")
     parser.add_argument("--quick", action="store_true", help="one recipe's BF16 seeds and one candidate, 2 steps")
     args = parser.parse_args()
     if args.report:
@@ -161,8 +169,9 @@ def main() -> None:
     lines = []
     for n, t in enumerate(todo):
         start = time.perf_counter()
-        line = {k: v for k, v in t.items() if k != "row"} | trial(stored_config(t["row"]), args.steps, args.every) \
-            | {"steps": args.steps, "seconds": time.perf_counter() - start}
+        line = {k: v for k, v in t.items() if k != "row"} | trial(stored_config(t["row"]), args.steps, args.every,
+                                                                      args.contexts) \
+            | {"steps": args.steps, "contexts": args.contexts, "seconds": time.perf_counter() - start}
         lines.append(line)
         last = line["evals"][max(line["evals"], key=int)]
         print(f"[{n + 1}/{len(todo)}] {t['key']}: held-out rkl {last['rkl']:.4g} entropy {last['entropy']:.4g} at "

@@ -305,6 +305,11 @@ def test_admit_cli(pair, tmp_path):
     own = json.loads(opd("admit", *common, "--set", "plan=noise=0.5", "--self", "--batches", "3", "--json").stdout)
     assert own["mode"] == "self" and own["z"] > 0 and own["decision"] in ("ADMIT", "UNCERTAIN", "REJECT")
     assert_one_line_error(opd("admit", *common, "--self", "--batches", "1"), "--batches")
+    assert_one_line_error(opd("admit", *common, "--self", "--trial", "2"), "--trial and --self")
+    trial = opd("admit", *common, "--set", "plan=forward=bf16 kv=bf16", "--trial", "1", "--trial-seeds", "1")
+    assert trial.returncode == 0 and trial.stdout.startswith("ADMIT") and "paired trial: z 0.00" in trial.stdout, \
+        trial.stderr
+    assert "trial run 3/3" in trial.stderr  # progress
 
 
 def test_admit_with_warmup_probes_the_student_after_k_bf16_steps(pair, tmp_path):
@@ -804,6 +809,43 @@ def test_self_calibrated_admission_decides_from_the_models_own_gradient_noise(pa
     stale = check_self(config(pair, plan="forward=bf16 kv=bf16", schedule="async", threads=2,
                               async_=dict(max_staleness=2)), batches=3, cut=4.0)
     assert stale["staleness"] == 2 and stale["cost_steps"] == 8 and stale["z"] >= 0
+
+
+def test_paired_trial_decides_from_the_recipes_own_seed_gaps(pair):
+    """`opd admit --trial K` (check_trial): a candidate that is the BF16 twin itself ends where the twin does (z = 0
+    exactly: ADMIT at any cut); a harmful candidate's gap is measured in units of the other BF16 seeds' gaps on the
+    same fixed contexts, and decided three ways by the noise estimate's standard error; the cost is K x (2 + seeds)."""
+    from opd.admission.trial import check_trial
+    floor = check_trial(config(pair, plan="forward=bf16 kv=bf16", steps=20), steps=2, seeds=1, cut=4.0)
+    assert floor["decision"] == "ADMIT" and floor["z"] == 0 and floor["cost_steps"] == 6
+    assert floor["cost_share"] == pytest.approx(6 / 20) and floor["held_out"]["candidate"] == floor["held_out"]["twin"]
+    from opd import make_config  # the llama pair, the first study's sampled_mu recipe, 100% weight noise
+    harmful = check_trial(make_config(family="llama", task="chain", steps=24, batch_size=16, threads=1,
+                                      plan="forward=bf16 kv=bf16 noise=1.0", optim=dict(lr=1e-4, warmup_steps=5),
+                                      loss=dict(name="sampled_rkl", student_term="sampler"), eval=dict(examples=32)),
+                          steps=4, seeds=2, cut=4.0)
+    assert harmful["z"] > 0 and harmful["noise_seeds"] == 2 and len(harmful["reasons"]) >= 3
+    z, se = harmful["z"], harmful["z_se"]
+    assert se == pytest.approx(z * math.sqrt(math.pi / 2 - 1) / math.sqrt(2))
+    assert harmful["decision"] == ("ADMIT" if z + se <= 4 else "REJECT" if z - se > 4 else "UNCERTAIN")
+    assert harmful["decision"] == "REJECT", harmful["reasons"]  # (z 35.9 on an Intel AMX CPU)
+    gaps = [abs(harmful["held_out"][f"seed {s}"]["eval/rkl"] - harmful["held_out"]["twin"]["eval/rkl"]) for s in (1, 2)]
+    assert harmful["z_rkl"] == pytest.approx(abs(harmful["held_out"]["candidate"]["eval/rkl"] -
+                                                 harmful["held_out"]["twin"]["eval/rkl"]) / (sum(gaps) / 2))
+
+
+def test_paired_trial_arithmetic():
+    from opd.admission.trial import decide, trial_z
+    twin, cand = {"eval/rkl": 1.0, "eval/entropy": 2.0}, {"eval/rkl": 1.3, "eval/entropy": 2.05}
+    others = [{"eval/rkl": 1.1, "eval/entropy": 2.1}, {"eval/rkl": 0.9, "eval/entropy": 1.8}]
+    z = trial_z(cand, twin, others)
+    assert z["z_rkl"] == pytest.approx(3.0) and z["z_entropy"] == pytest.approx(0.05 / 0.15) and z["z"] == z["z_rkl"]
+    rse = math.sqrt(math.pi / 2 - 1)  # the mean of 2 |normal| differences as the noise: z_se = z * rse / sqrt(2)
+    assert decide(8.0, 2, 3.0) == {"decision": "REJECT", "z_se": pytest.approx(8 * rse / math.sqrt(2))}
+    assert decide(1.0, 2, 3.0)["decision"] == "ADMIT"
+    unsure = decide(4.5, 2, 3.0)  # 4.5 +- 2.4 straddles 3; 6 seeds bring the error under 1.5
+    assert unsure["decision"] == "UNCERTAIN" and unsure["seeds_to_decide"] == 6
+    assert decide(4.5, 6, 3.0)["decision"] == "REJECT" and decide(3.05, 2, 3.0)["seeds_to_decide"] is None
 
 
 def test_self_calibrated_admission_proposes_what_passes_the_same_measurement(pair, monkeypatch):

@@ -74,6 +74,28 @@ def test_shared_floor_and_first_evaluation_equal_measuring_them_per_run(pair, tm
     assert strip(reused["before"]) == strip(alone["before"]) and strip(reused["after"]) == strip(alone["after"])
 
 
+def test_a_sweep_on_fixed_contexts_samples_them_once_and_its_runs_equal_runs_alone(pair, tmp_path, monkeypatch):
+    """eval.contexts fixed in a sweep: the contexts are sampled by the first run of a start (out/contexts/) and the
+    next run evaluates on that file; the oracle: the same run alone in a fresh sweep, sampling them itself."""
+    import opd.training.trainer
+    sampled, real = [], opd.training.trainer.sampled_quality
+    monkeypatch.setattr(opd.training.trainer, "sampled_quality", lambda *a, **k: sampled.append(1) or real(*a, **k))
+    points = [{"source": "bf16", "level": 0, "set": {"plan": "kv=bf16 w=bf16"}},
+              {"source": "kv", "level": "fp8_e5m2", "set": {"plan": "kv=fp8_e5m2"}}]
+    grid = tiny_grid(pair, points)
+    grid["base"]["eval"] = {"every": 1, "examples": 4, "contexts": "fixed", "seed": 5, "greedy": False}
+    shared = run_sweep(grid, tmp_path / "a", progress=False)
+    assert len(list((tmp_path / "a" / "contexts").iterdir())) == 1
+    assert len(sampled) == 3  # the contexts once, then each run's final evaluation
+    alone = run_sweep(tiny_grid(pair, points[1:]) | {"base": grid["base"]}, tmp_path / "b", progress=False)[0]
+    runs = lambda out: sorted((out / "runs").iterdir())  # noqa: E731
+    assert (runs(tmp_path / "a")[1] / "eval_contexts.json").read_text() == \
+        (runs(tmp_path / "b")[0] / "eval_contexts.json").read_text()
+    strip = lambda d: {k: v for k, v in d.items() if not k.startswith("time/")}  # noqa: E731
+    assert strip(shared[1]["after"]) == strip(alone["after"]) and "eval/sampled_rkl" in alone["after"]
+    assert shared[1]["curve"] == alone["curve"]
+
+
 @pytest.mark.reliability
 def test_a_signal_during_a_runs_final_evaluation_records_that_run_and_stops_the_sweep(pair, tmp_path, monkeypatch):
     """SIGTERM while the last evaluation runs: the run finishes and is recorded, the sweep starts no other run (it

@@ -227,6 +227,17 @@ def test_fixed_eval_contexts_are_the_first_evaluations_samples_shared_across_see
     assert comparable(read_metrics(tmp_path / "split")) == comparable(read_metrics(tmp_path / "a"))
     with pytest.raises(OpdError, match="eval.contexts"):
         config(pair, eval=dict(contexts="random"))
+    # another run's contexts are taken as they are (no sampling, no final resampling here), unless they are not this
+    # run's held-out prompts
+    given = train(config(pair, steps=4, eval=fixed | {"resample_final": False}), tmp_path / "given", progress=False,
+                  contexts=tmp_path / "a" / "eval_contexts.json")
+    assert "eval/sampled_rkl" not in given["before"] and "eval/sampled_rkl" not in given["after"]
+    assert given["after"]["eval/rkl"] == a["after"]["eval/rkl"]
+    other = json.loads((tmp_path / "a" / "eval_contexts.json").read_text())
+    other["contexts"][0]["prompt_ids"][-1] += 1
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(OpdError, match="not this run's held-out prompts"):
+        train(config(pair, steps=1, eval=fixed), tmp_path / "refused", progress=False, contexts=tmp_path / "other.json")
 
 
 def test_the_readme_yaml_example_is_a_valid_config(tmp_path):

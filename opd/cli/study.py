@@ -134,6 +134,11 @@ def admit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--self", dest="self_calibrated", action="store_true",
                    help="decide from this model and recipe alone: the candidate's gradient bias against the BF16 "
                         "noise of the same recipe (no calibration of ours on the model; docs/admission.md)")
+    p.add_argument("--trial", type=int_in(0, 10_001), default=0, metavar="K",
+                   help="decide from a paired trial instead: K steps of this recipe for the candidate, its BF16 twin "
+                        "and --trial-seeds more BF16 seeds, on fixed held-out contexts (cost: K x (2 + seeds) "
+                        "steps; docs/admission.md)")
+    p.add_argument("--trial-seeds", type=int_in(1, 17), default=2, help="with --trial: BF16 seeds beside the twin")
     p.add_argument("--batches", type=int_in(2, 4097), default=8,
                    help="with --self: batches of the run's prompts measured (cost: 2 x batches gradients)")
     p.add_argument("--warmup", type=warmup_steps, default="auto",
@@ -156,16 +161,25 @@ def warmup_steps(text: str) -> int | str:
 
 @command(admit_arguments)
 def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit: float, rollouts: int,
-              as_json: bool, propose: bool, warmup: int | str, self_calibrated: bool, batches: int) -> int:
+              as_json: bool, propose: bool, warmup: int | str, self_calibrated: bool, batches: int, trial: int,
+              trial_seeds: int) -> int:
     """Before training: is this rollout configuration safe for OPD? ADMIT (exit 0), REJECT (exit 1) or UNCERTAIN (exit
     3: run it only under the runtime guard), with reasons."""
     from opd import admit
     from opd.config.files import load_config
     cfg = load_config(config, overrides or [])
     require(limit >= 0, f"--limit must be >= 0, got {limit}", "0 uses the calibrated limit")
-    result = admit(cfg, rollouts, thresholds, limit, propose, warmup, self_calibrated, batches)
+    require(not (trial and self_calibrated), "--trial and --self are two checks", "choose one")
+    result = admit(cfg, rollouts, thresholds, limit, propose, warmup, self_calibrated, batches, trial, trial_seeds)
     if as_json:
         print(json.dumps(result, indent=2))
+    elif trial:
+        print(f"{result['decision']}  plan: {result['plan']}  (paired trial: z {result['z']:.2f} +- "
+              f"{result['z_se']:.2f}, cut {result['cut']:g}; {result['steps']} steps x {2 + result['noise_seeds']} "
+              f"runs = {result['cost_steps']} steps, {100 * result['cost_share']:.0f}% of this run's; "
+              f"{result['seconds']:.0f} s)")
+        for reason in result["reasons"]:
+            print(f"  - {reason}")
     elif self_calibrated:
         print(f"{result['decision']}  plan: {result['plan']}  (self-calibrated: z {result['z']:.2f} +- "
               f"{result['z_se']:.2f}, cut {result['cut']:g}; estimator class '{result['estimator_class']}', staleness "

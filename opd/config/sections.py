@@ -181,6 +181,7 @@ class EvalConfig:
     # evaluations, and none between runs that share eval.seed and their first weights; the final evaluation also
     # samples anew (eval/sampled_*)
     contexts: str = "sampled"
+    resample_final: bool = True  # under contexts "fixed": the final evaluation also samples anew (eval/sampled_*)
     # the held-out samples' seed; -1: the run's seed + 1 (runs of different seeds sample differently)
     seed: int = field(default=-1, metadata={"auto": -1})
 

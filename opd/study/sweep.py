@@ -29,6 +29,7 @@ run is only re-run.
 """
 import hashlib
 import json
+import shutil
 import math
 import subprocess
 import sys
@@ -336,8 +337,10 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
         run_dir = out / "runs" / spec["id"].replace("/", "__")
         before_key = shared_key(cfg, BEFORE_IGNORES)
         stop = None
+        contexts = out / "contexts" / f"{before_key}.json"  # eval.contexts fixed: sampled once for the runs of one start
         try:
-            summary = train(cfg, run_dir, overwrite=True, progress=False, before=shared.get("before", before_key))
+            summary = train(cfg, run_dir, overwrite=True, progress=False, before=shared.get("before", before_key),
+                            contexts=contexts if contexts.is_file() else None)
         except RunDirLocked as e:
             print(f"opd: note: {spec['id']} skipped: another sweep (process {e.pid}) is running it in {run_dir}",
                   file=sys.stderr)
@@ -347,6 +350,9 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
                 raise
             summary, stop = e.summary, e
         shared.put("before", before_key, summary["before"])
+        if cfg.eval.contexts == "fixed" and not contexts.is_file():
+            contexts.parent.mkdir(exist_ok=True)
+            shutil.copyfile(run_dir / "eval_contexts.json", contexts)
         rows = read_metrics(run_dir)
         row = {"id": spec["id"], "key": config_key(cfg), "family": spec["family"], "estimator": spec["estimator"],
                "class": estimator_class(cfg.loss), "source": spec["source"], "level": spec["level"],

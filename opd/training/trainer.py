@@ -77,11 +77,14 @@ def evaluate(run: Run, cfg: TrainConfig, run_dir: Path | None = None, final: boo
         path, quality = run_dir / "eval_contexts.json", {}
         if path.exists():
             contexts = load_contexts(path)
+            require([r.prompt_ids for r in contexts] == [tok.encode_prompt(ex.prompt) for ex in examples],
+                    f"{path}: its evaluation contexts are not this run's held-out prompts",
+                    "give eval_contexts.json of a run with the same pair, prompts and eval settings")
         else:  # the first evaluation: its samples become the contexts
             contexts = []
             quality = _renamed(sample(contexts))
             save_contexts(path, contexts)
-        if final and not quality:
+        if final and not quality and cfg.eval.resample_final:
             quality = _renamed(sample())
         quality |= context_quality(student, teacher, contexts, tok.pad_id, run.params.temperature or 1.0, batch_size,
                                    cfg.compute.micro_batch_size, cfg.compute.chunk_tokens, autocast)
@@ -213,10 +216,12 @@ def run_step(run: Run) -> dict:
 
 
 def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool = False,
-          progress: bool = True, on_step=None, before: dict | None = None) -> dict | None:
+          progress: bool = True, on_step=None, before: dict | None = None, contexts: Path | None = None) -> dict | None:
     """Run (or continue) one OPD run in run_dir; returns the summary (also written to summary.json).
     on_step(step, run), if given, is called after each logged step (tests use it to inject faults). before, if given,
     is the initial student's held-out evaluation, measured earlier (a sweep shares it across runs): not measured again.
+    contexts: under eval.contexts "fixed", another run's eval_contexts.json to evaluate on instead of sampling them
+    (a run from the same start with the same eval.seed: a sweep or a paired trial samples them once).
     The run directory is locked for this process (runlog.RunLock) and its rules are checked before the models load;
     a resume is checked against the checkpoint (check_resume) before anything is written, so a refused command leaves
     the folder as it was. With compute.learner_ranks > 1 this process is one rank of a sharded learner (sharded.py:
@@ -257,7 +262,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
                 run.rollouts.start(run.weights(), run.state.version, saved)
                 if run.canary is not None:
                     run.canary.start()
-                return _train(run, cfg, run_dir, progress and leader, on_step, before)
+                return _train(run, cfg, run_dir, progress and leader, on_step, before, contexts)
             finally:
                 run.rollouts.close()
                 run.teacher.close()
@@ -345,14 +350,18 @@ def fall_back(run: Run, plan: Plan) -> None:
     run.use_plan(plan)
 
 
-def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step, before: dict | None) -> dict:
+def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step, before: dict | None,
+           contexts: Path | None = None) -> dict:
     leader = run.shard is None or run.shard.leader
     log = RunLog(run_dir, run.state.step) if leader else NoLog()
     if leader:
         run.guard.resume(run_dir, run.state.step)
+    kept = run_dir / "eval_contexts.json"
+    if run.state.step == 0 and leader and cfg.eval.contexts == "fixed" and contexts is not None and not kept.exists():
+        save_contexts(kept, load_contexts(Path(contexts)))
     if run.state.step > 0:
         before = _first_eval(run_dir)
-    elif leader and (before is None or (cfg.eval.contexts == "fixed" and not (run_dir / "eval_contexts.json").exists())):
+    elif leader and (before is None or (cfg.eval.contexts == "fixed" and not kept.exists())):
         before = evaluate(run, cfg, run_dir)  # (a shared `before` has no contexts: they are sampled here)
     bar = tqdm(range(run.state.step, cfg.steps), desc=f"opd {cfg.family if not cfg.student else 'train'}",
                disable=not progress, initial=run.state.step, total=cfg.steps)

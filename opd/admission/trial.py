@@ -1,0 +1,117 @@
+"""The paired trial, `opd admit --trial K`: decide from K steps of the user's own recipe (model, prompts, loss,
+learning rate), with no calibration of ours on the model.
+
+From the run's own start, K steps each of: the BF16 twin (synchronous BF16 rollouts, the run's seed), the candidate
+(the run's plan and schedule, the same seed: the same prompts and sampling draws, common random numbers), and
+`seeds` more BF16 runs with other seeds. All are evaluated on the same fixed held-out contexts (eval.contexts fixed:
+the initial student's samples, scored exactly), so their numbers differ by their weights alone. At step K, for the
+held-out reverse KL and the entropy,
+
+    z = |candidate - twin| / mean over the other seeds |BF16 seed - twin|
+
+the candidate's gap in units of the gap this recipe's own seeds open in the same steps (its learning rate and
+horizon included: what a probe of the rollouts never sees); z is the larger of the two. The measurement's own error
+is the noise estimate's: the mean of n absolute differences of normal variables has a relative standard error of
+sqrt(pi/2 - 1)/sqrt(n) (0.53 with 2 seeds), and z inherits it. REJECT where z minus its standard error exceeds the
+cut, ADMIT where z plus it stays under, UNCERTAIN between (with the seeds that would decide).
+
+The cut is provisional: on the built-in pairs' 148 trial runs (studies/paired_trial.py, evaluations sampled anew,
+not on fixed contexts) the cut with the most right decisions was 2.05, 4.2 and 2.3 at K = 2, 4 and 6; TRIAL_CUT
+sits between. It is to be refitted on fixed-context trials and the real pairs' grids (docs/admission.md).
+"""
+import math
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from opd.config.run import GuardConfig, TrainConfig
+from opd.config.sections import CanaryConfig
+from opd.health.rules import FLOOR_PLAN, estimator_class, staleness
+from opd.io.errors import require
+from opd.models.devices import restored_threads
+from opd.training.trainer import train
+
+TRIAL_CUT = 3.0  # provisional (module docstring)
+QUANTITIES = ("rkl", "entropy")
+NOISE_RSE = math.sqrt(math.pi / 2 - 1)  # relative standard error of one |N(0, s2)| as an estimate of its mean
+
+
+def trial_z(candidate: dict, twin: dict, others: list[dict]) -> dict:
+    """Held-out numbers at step K ({"eval/rkl", "eval/entropy"} of each run) -> {"z_rkl", "z_entropy", "z", "z_se",
+    "noise_seeds"}: the candidate's gap to its twin in units of the mean gap of the other BF16 seeds to the twin."""
+    require(bool(others), "a paired trial needs at least one more BF16 seed", "use seeds >= 1")
+    out = {}
+    for name in QUANTITIES:
+        key = f"eval/{name}"
+        noise = sum(abs(o[key] - twin[key]) for o in others) / len(others)
+        out[f"z_{name}"] = abs(candidate[key] - twin[key]) / max(noise, 1e-12)
+    return out | {"z": max(out[f"z_{name}"] for name in QUANTITIES), "noise_seeds": len(others)}
+
+
+def decide(z: float, seeds: int, cut: float) -> dict:
+    """ADMIT / REJECT / UNCERTAIN from z and its standard error with `seeds` noise seeds (z_se) against the cut;
+    UNCERTAIN says how many noise seeds would decide (None: more than 64)."""
+    per_seed = z * NOISE_RSE  # z_se = per_seed / sqrt(seeds)
+    se = per_seed / math.sqrt(seeds)
+    if z - se > cut:
+        return {"decision": "REJECT", "z_se": se}
+    if z + se <= cut:
+        return {"decision": "ADMIT", "z_se": se}
+    need = math.ceil((per_seed / max(abs(z - cut), 1e-12)) ** 2)
+    return {"decision": "UNCERTAIN", "z_se": se, "seeds_to_decide": need if need <= 64 else None}
+
+
+def check_trial(cfg: TrainConfig, steps: int = 4, seeds: int = 2, cut: float | None = None,
+                progress=None) -> dict:
+    """`opd admit --trial K` on a checked config: the paired trial (module docstring), in a temporary folder.
+    progress(text), if given, is told what runs."""
+    require(1 <= steps <= 10_000, f"--trial must be a step count in [1, 10000], got {steps}", "4 or so")
+    require(1 <= seeds <= 16, f"--trial-seeds must be in [1, 16], got {seeds}", "2 or so")
+    cut = TRIAL_CUT if cut is None else cut
+    say = progress or (lambda text: None)
+    start = time.perf_counter()
+    eval_seed = cfg.eval.seed if cfg.eval.seed >= 0 else cfg.seed + 1
+    base = replace(cfg, steps=steps, save_every=0, guard=GuardConfig(), canary=CanaryConfig(),
+                   eval=replace(cfg.eval, every=0, contexts="fixed", seed=eval_seed, resample_final=False))
+    twin = replace(base, plan=FLOOR_PLAN, schedule="sync")
+    runs = [("twin", twin), ("candidate", base)] + [(f"seed {cfg.seed + i}", replace(twin, seed=cfg.seed + i))
+                                                    for i in range(1, seeds + 1)]
+    after, seconds = {}, {}
+    with tempfile.TemporaryDirectory() as folder, restored_threads():
+        contexts, before = None, None
+        for n, (name, run_cfg) in enumerate(runs, 1):
+            say(f"trial run {n}/{len(runs)}: {name} ({run_cfg.plan or 'fp32'}, {run_cfg.schedule}, seed "
+                f"{run_cfg.seed}), {steps} steps")
+            t = time.perf_counter()
+            run_dir = Path(folder) / f"run{n}"
+            summary = train(run_cfg, run_dir, progress=False, before=before, contexts=contexts)
+            seconds[name] = time.perf_counter() - t
+            if contexts is None:  # the twin sampled them: every other run is evaluated on the same contexts
+                contexts, before = run_dir / "eval_contexts.json", summary["before"]
+            after[name] = {k: summary["after"][k] for k in ("eval/rkl", "eval/entropy")}
+    others = [after[name] for name, _ in runs[2:]]
+    numbers = trial_z(after["candidate"], after["twin"], others)
+    verdict = decide(numbers["z"], seeds, cut)
+    stale = staleness(cfg)
+    what = f"plan {cfg.plan or 'fp32'}" + (f" at staleness {stale}" if stale else "")
+    gaps = {name: [abs(o[f"eval/{name}"] - after["twin"][f"eval/{name}"]) for o in others] for name in QUANTITIES}
+    reasons = [f"{what}: after {steps} steps of this recipe its held-out reverse KL is "
+               f"{after['candidate']['eval/rkl']:.5g} against {after['twin']['eval/rkl']:.5g} for BF16 rollouts with "
+               f"the same prompts and draws (entropy {after['candidate']['eval/entropy']:.5g} against "
+               f"{after['twin']['eval/entropy']:.5g}), on {cfg.eval.examples} held-out prompts' fixed contexts",
+               f"{seeds} more BF16 seed(s) of the same recipe open gaps of "
+               + ", ".join(f"{g:.3g}" for g in gaps["rkl"]) + " (reverse KL) and "
+               + ", ".join(f"{g:.3g}" for g in gaps["entropy"]) + " (entropy) in those steps",
+               f"z = {numbers['z']:.2f} +- {verdict['z_se']:.2f} (reverse KL {numbers['z_rkl']:.2f}, entropy "
+               f"{numbers['z_entropy']:.2f}); the cut is {cut:g}, provisional (docs/admission.md, \"The paired trial\")"]
+    if verdict["decision"] == "UNCERTAIN":
+        more = verdict.get("seeds_to_decide")
+        reasons.append("the measurement straddles the cut" + (f": about {more} BF16 seeds (--trial-seeds) would "
+                                                               "decide" if more else ""))
+    trial_steps = steps * len(runs)
+    return verdict | numbers | {
+        "mode": "trial", "plan": str(cfg.plan), "estimator_class": estimator_class(cfg.loss), "staleness": stale,
+        "cut": cut, "steps": steps, "held_out": after, "reasons": reasons, "cost_steps": trial_steps,
+        "cost_share": trial_steps / max(1, cfg.steps), "run_seconds": seconds,
+        "seconds": time.perf_counter() - start}
