@@ -7,7 +7,7 @@ run of its seed at step K, over the mean gap of the other BF16 seeds to that one
 the run's label at step 12 (opd/study/tolerance.py, by configuration). This script turns the grid's run folders and
 results into paired_trial.py's lines, so that its report holds the close pair out beside the others:
 
-    python studies/close_pair.py /work/runs/qwen1e5 --out studies/data/qwen1e5_trials.jsonl
+    python studies/close_pair.py /work/runs/qwen1e5f --out studies/data/qwen1e5_trials.jsonl
     cat studies/data/paired_trial_toys.jsonl studies/data/qwen1e5_trials.jsonl > /tmp/all.jsonl
     python studies/paired_trial.py --report /tmp/all.jsonl
 

@@ -131,11 +131,11 @@ def test_generation_stops_at_each_stop_id_as_transformers_does(built, family):
 # ---- the README's commands, run as written (paths and sizes substituted) ----
 
 def readme_commands(family: str, paths: dict[str, Path]) -> list[str]:
-    """The `opd` lines of the README's "Your own models" block for the family, with its shell variables expanded
+    """The `opd` lines of the "own-models" block for the family (the README's or docs/own-models.md's), with its shell variables expanded
     (the model and prompt folders S, T, P replaced by paths)."""
-    text = README.read_text()
+    text = README.read_text() + (README.parent / "docs" / "own-models.md").read_text()
     block = re.search(rf"<!-- own-models: {family} -->\s*```bash\n(.*?)```", text, re.S)
-    assert block, f"README.md has no own-models block for {family}"
+    assert block, f"neither README.md nor docs/own-models.md has an own-models block for {family}"
     env, commands = {name: str(path) for name, path in paths.items()}, []
     for line in block.group(1).splitlines():
         line = line.split(" # ")[0].strip()
