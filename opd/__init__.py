@@ -95,7 +95,7 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
     require(not (trial and self_calibrated), "a paired trial and the gradient bias are two checks", "choose one")
     if trial:
         from opd.admission.trial import check_trial
-        return check_trial(_checked(cfg), trial, trial_seeds,
+        return check_trial(_checked(cfg), trial, trial_seeds, propose=propose,
                            progress=lambda text: print(f"opd admit: {text}", file=sys.stderr, flush=True))
     if self_calibrated:
         from opd.admission.check import check_self

@@ -815,7 +815,7 @@ def test_paired_trial_decides_from_the_recipes_own_seed_gaps(pair):
     """`opd admit --trial K` (check_trial): a candidate that is the BF16 twin itself ends where the twin does (z = 0
     exactly: ADMIT at any cut); a harmful candidate's gap is measured in units of the other BF16 seeds' gaps on the
     same fixed contexts, and decided three ways by the noise estimate's standard error; the cost is K x (2 + seeds)."""
-    from opd.admission.trial import check_trial
+    from opd.admission.trial import check_trial, decide
     floor = check_trial(config(pair, plan="forward=bf16 kv=bf16", steps=20), steps=2, seeds=1, cut=4.0)
     assert floor["decision"] == "ADMIT" and floor["z"] == 0 and floor["cost_steps"] == 6
     assert floor["cost_share"] == pytest.approx(6 / 20) and floor["held_out"]["candidate"] == floor["held_out"]["twin"]
@@ -829,6 +829,13 @@ def test_paired_trial_decides_from_the_recipes_own_seed_gaps(pair):
     assert se == pytest.approx(z * math.sqrt(math.pi / 2 - 1) / math.sqrt(2))
     assert harmful["decision"] == ("ADMIT" if z + se <= 4 else "REJECT" if z - se > 4 else "UNCERTAIN")
     assert harmful["decision"] == "REJECT", harmful["reasons"]  # (z 35.9 on an Intel AMX CPU)
+    # what passes the same trial, against the same twin and seeds: the most sensitive layers spared, K steps a try
+    tried = harmful["proposal"]["tried"]
+    assert tried and [t["bf16_layers"] for t in tried][:2] == [[harmful["proposal"]["layer_kl"].index(
+        max(harmful["proposal"]["layer_kl"]))], tried[1]["bf16_layers"]] and len(tried[1]["bf16_layers"]) == 2
+    assert harmful["cost_steps"] == 4 * (4 + len(tried)) and len(harmful["run_seconds"]) == 4 + len(tried)
+    for t in tried:
+        assert t["decision"] == decide(t["z"], 2, 4.0)["decision"]
     gaps = [abs(harmful["held_out"][f"seed {s}"]["eval/rkl"] - harmful["held_out"]["twin"]["eval/rkl"]) for s in (1, 2)]
     assert harmful["z_rkl"] == pytest.approx(abs(harmful["held_out"]["candidate"]["eval/rkl"] -
                                                  harmful["held_out"]["twin"]["eval/rkl"]) / (sum(gaps) / 2))

@@ -196,7 +196,7 @@ def check_self(cfg: TrainConfig, batches: int = 8, cut: float | None = None, pro
     and staleness) against BF16 synchronous rollouts of the same config, with common random numbers, on `batches`
     batches of the run's own prompts: its gradient bias in units of the recipe's own BF16 batch noise, carried over
     the run's steps (z), against drift.CUT, with the measurement's standard error (UNCERTAIN where it straddles
-    the cut, with the batches that would decide). propose: on REJECT, search for what passes (propose_self)."""
+    the cut, with the batches that would decide). propose: on REJECT, search for what passes (`propose_passing`)."""
     start = time.perf_counter()
     require_installed(cfg.engine.name)
     cut = drift.CUT if cut is None else cut
@@ -219,39 +219,44 @@ def check_self(cfg: TrainConfig, batches: int = 8, cut: float | None = None, pro
     out |= {"mode": "self", "plan": str(cfg.plan), "estimator_class": estimator_class(cfg.loss), "staleness": stale,
             "numbers": numbers, "reasons": reasons, "cost_steps": 2 * batches + stale}
     if out["decision"] == "REJECT" and propose:
-        out["proposal"] = propose_self(cfg, floor, stale, batches, cut)
+        out["proposal"] = propose_passing(cfg, stale,
+                                          lambda cand, k: drift.decide(bias.measure(floor, cand, k, batches), cut))
     return out | {"seconds": time.perf_counter() - start}
 
 
-def propose_self(cfg: TrainConfig, floor: TrainConfig, stale: int, batches: int, cut: float,
-                 tries: int = 3) -> dict:
-    """What passes `--self` where the candidate did not, measured the same way, at most `tries` more measurements
-    (each 2 x batches gradients): a stale candidate first at lower staleness (half of it, then 0); a plan, the same
-    plan with its most sensitive layers kept in BF16 (the probe's per-layer KL of the candidate setting on one layer
-    alone orders them), one, two, then four of them. Returns {"plan" or "max_staleness", "z", "note"} or, when none
-    passed, {"plan": None, "note"}."""
+def propose_passing(cfg: TrainConfig, stale: int, judge, tries: int = 3,
+                    what: str = "opd admit --self") -> dict:
+    """What passes the measurement where the candidate did not, at most `tries` more measurements: a stale candidate
+    first at lower staleness (half of it, then 0); a plan, the same plan with its most sensitive layers kept in BF16
+    (the probe's per-layer KL of the candidate setting on one layer alone orders them), one, two, then four of them.
+    judge(candidate config, staleness) -> {"z", "decision"}: the measurement (`--self`'s gradient bias, `--trial`'s
+    paired trial). Returns {"plan" or "max_staleness", "z", "note", "tried"} or, when none passed, {"plan": None,
+    "note", "tried"}."""
     tried = []
     with restored_threads():
         if stale:
             for k in sorted({stale // 2, 0}, reverse=True)[:tries]:
                 cand = replace(cfg, guard=GuardConfig(), async_=replace(cfg.async_, max_staleness=k, prefetch=-1),
                                schedule="async" if k else "sync")
-                d = drift.decide(bias.measure(floor, cand, k, batches), cut)
+                d = judge(cand, k)
                 tried.append({"max_staleness": k, "z": d["z"], "decision": d["decision"]})
                 if d["decision"] == "ADMIT":
                     return {"plan": None, "max_staleness": k, "z": d["z"], "tried": tried,
                             "note": f"the same plan at async.max_staleness {k}" + (" (synchronous)" if not k else "")}
             return {"plan": None, "tried": tried, "note": "not even synchronous rollouts of this plan pass: a safer "
-                    "plan first (opd admit --self on the synchronous config proposes one)"}
+                    f"plan first ({what} on the synchronous config proposes one)"}
         setup, plan = probe_setup(cfg, 16)
+        try:
+            sensitivity = layer_sensitivity(setup, plan)
+        finally:
+            setup.teacher.close()
+            del setup  # the pair leaves memory before the measurements load it again
         n = len(plan.layers)
-        sensitivity = layer_sensitivity(setup, plan)
         order = sorted(range(n), key=lambda i: -sensitivity[i])
         for j in sorted({1, 2, 4} & set(range(1, n)))[:tries]:
             kept = sorted(order[:j])
             candidate = Plan.parse(f"{plan}; {','.join(map(str, kept))}: {KEEP}", n)
-            d = drift.decide(bias.measure(floor, replace(cfg, plan=str(candidate), guard=GuardConfig()), 0, batches),
-                             cut)
+            d = judge(replace(cfg, plan=str(candidate), guard=GuardConfig()), 0)
             tried.append({"plan": str(candidate), "bf16_layers": kept, "z": d["z"], "decision": d["decision"]})
             if d["decision"] == "ADMIT":
                 return {"plan": str(candidate), "bf16_layers": kept, "z": d["z"], "layer_kl": sensitivity,

@@ -62,10 +62,13 @@ def decide(z: float, seeds: int, cut: float) -> dict:
     return {"decision": "UNCERTAIN", "z_se": se, "seeds_to_decide": need if need <= 64 else None}
 
 
-def check_trial(cfg: TrainConfig, steps: int = 4, seeds: int = 2, cut: float | None = None,
+def check_trial(cfg: TrainConfig, steps: int = 4, seeds: int = 2, cut: float | None = None, propose: bool = True,
                 progress=None) -> dict:
     """`opd admit --trial K` on a checked config: the paired trial (module docstring), in a temporary folder.
-    progress(text), if given, is told what runs."""
+    propose: on REJECT, what passes the same trial (check.propose_passing: lower staleness, or the most sensitive
+    layers in BF16), each try K more steps against the same twin and seeds. progress(text), if given, is told what
+    runs."""
+    from opd.admission.check import propose_passing
     require(1 <= steps <= 10_000, f"--trial must be a step count in [1, 10000], got {steps}", "4 or so")
     require(1 <= seeds <= 16, f"--trial-seeds must be in [1, 16], got {seeds}", "2 or so")
     cut = TRIAL_CUT if cut is None else cut
@@ -77,23 +80,36 @@ def check_trial(cfg: TrainConfig, steps: int = 4, seeds: int = 2, cut: float | N
     twin = replace(base, plan=FLOOR_PLAN, schedule="sync")
     runs = [("twin", twin), ("candidate", base)] + [(f"seed {cfg.seed + i}", replace(twin, seed=cfg.seed + i))
                                                     for i in range(1, seeds + 1)]
-    after, seconds = {}, {}
+    after, seconds, shared = {}, {}, {}
+    stale = staleness(cfg)
     with tempfile.TemporaryDirectory() as folder, restored_threads():
-        contexts, before = None, None
-        for n, (name, run_cfg) in enumerate(runs, 1):
-            say(f"trial run {n}/{len(runs)}: {name} ({run_cfg.plan or 'fp32'}, {run_cfg.schedule}, seed "
-                f"{run_cfg.seed}), {steps} steps")
+        def held_out(name: str, run_cfg: TrainConfig) -> dict:
+            n = len(seconds) + 1
+            say(f"trial run {n}{f'/{len(runs)}' if n <= len(runs) else ''}: {name} ({run_cfg.plan or 'fp32'}, "
+                f"{run_cfg.schedule}, seed {run_cfg.seed}), {steps} steps")
             t = time.perf_counter()
             run_dir = Path(folder) / f"run{n}"
-            summary = train(run_cfg, run_dir, progress=False, before=before, contexts=contexts)
+            summary = train(run_cfg, run_dir, progress=False, before=shared.get("before"),
+                            contexts=shared.get("contexts"))
             seconds[name] = time.perf_counter() - t
-            if contexts is None:  # the twin sampled them: every other run is evaluated on the same contexts
-                contexts, before = run_dir / "eval_contexts.json", summary["before"]
-            after[name] = {k: summary["after"][k] for k in ("eval/rkl", "eval/entropy")}
-    others = [after[name] for name, _ in runs[2:]]
-    numbers = trial_z(after["candidate"], after["twin"], others)
-    verdict = decide(numbers["z"], seeds, cut)
-    stale = staleness(cfg)
+            if not shared:  # the twin sampled them: every other run is evaluated on the same contexts
+                shared.update(contexts=run_dir / "eval_contexts.json", before=summary["before"])
+            return {k: summary["after"][k] for k in ("eval/rkl", "eval/entropy")}
+
+        for name, run_cfg in runs:
+            after[name] = held_out(name, run_cfg)
+        others = [after[name] for name, _ in runs[2:]]
+        numbers = trial_z(after["candidate"], after["twin"], others)
+        verdict = decide(numbers["z"], seeds, cut)
+        proposal = None
+        if verdict["decision"] == "REJECT" and propose:
+            def judge(candidate: TrainConfig, k: int) -> dict:
+                label = f"proposal {len(seconds) - len(runs) + 1}"
+                after[label] = held_out(label, replace(base, plan=candidate.plan, schedule=candidate.schedule,
+                                                       async_=candidate.async_))
+                z = trial_z(after[label], after["twin"], others)["z"]
+                return {"z": z} | decide(z, seeds, cut)
+            proposal = propose_passing(cfg, stale, judge, what="opd admit --trial")
     what = f"plan {cfg.plan or 'fp32'}" + (f" at staleness {stale}" if stale else "")
     gaps = {name: [abs(o[f"eval/{name}"] - after["twin"][f"eval/{name}"]) for o in others] for name in QUANTITIES}
     reasons = [f"{what}: after {steps} steps of this recipe its held-out reverse KL is "
@@ -104,13 +120,14 @@ def check_trial(cfg: TrainConfig, steps: int = 4, seeds: int = 2, cut: float | N
                + ", ".join(f"{g:.3g}" for g in gaps["rkl"]) + " (reverse KL) and "
                + ", ".join(f"{g:.3g}" for g in gaps["entropy"]) + " (entropy) in those steps",
                f"z = {numbers['z']:.2f} +- {verdict['z_se']:.2f} (reverse KL {numbers['z_rkl']:.2f}, entropy "
-               f"{numbers['z_entropy']:.2f}); the cut is {cut:g}, provisional (docs/admission.md, \"The paired trial\")"]
+               f"{numbers['z_entropy']:.2f}); the cut is {cut:g}, provisional (docs/admission.md, "
+               "\"The paired trial\")"]
     if verdict["decision"] == "UNCERTAIN":
         more = verdict.get("seeds_to_decide")
         reasons.append("the measurement straddles the cut" + (f": about {more} BF16 seeds (--trial-seeds) would "
                                                                "decide" if more else ""))
-    trial_steps = steps * len(runs)
-    return verdict | numbers | {
+    trial_steps = steps * len(seconds)
+    return verdict | numbers | ({"proposal": proposal} if proposal else {}) | {
         "mode": "trial", "plan": str(cfg.plan), "estimator_class": estimator_class(cfg.loss), "staleness": stale,
         "cut": cut, "steps": steps, "held_out": after, "reasons": reasons, "cost_steps": trial_steps,
         "cost_share": trial_steps / max(1, cfg.steps), "run_seconds": seconds,

@@ -173,17 +173,16 @@ def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit:
     result = admit(cfg, rollouts, thresholds, limit, propose, warmup, self_calibrated, batches, trial, trial_seeds)
     if as_json:
         print(json.dumps(result, indent=2))
-    elif trial:
-        print(f"{result['decision']}  plan: {result['plan']}  (paired trial: z {result['z']:.2f} +- "
-              f"{result['z_se']:.2f}, cut {result['cut']:g}; {result['steps']} steps x {2 + result['noise_seeds']} "
-              f"runs = {result['cost_steps']} steps, {100 * result['cost_share']:.0f}% of this run's; "
-              f"{result['seconds']:.0f} s)")
-        for reason in result["reasons"]:
-            print(f"  - {reason}")
-    elif self_calibrated:
-        print(f"{result['decision']}  plan: {result['plan']}  (self-calibrated: z {result['z']:.2f} +- "
-              f"{result['z_se']:.2f}, cut {result['cut']:g}; estimator class '{result['estimator_class']}', staleness "
-              f"{result['staleness']}, {result['batches']} batches, {result['seconds']:.1f} s)")
+    elif self_calibrated or trial:
+        if trial:
+            print(f"{result['decision']}  plan: {result['plan']}  (paired trial: z {result['z']:.2f} +- "
+                  f"{result['z_se']:.2f}, cut {result['cut']:g}; {result['steps']} steps x "
+                  f"{len(result['run_seconds'])} runs = {result['cost_steps']} steps, "
+                  f"{100 * result['cost_share']:.0f}% of this run's; {result['seconds']:.0f} s)")
+        else:
+            print(f"{result['decision']}  plan: {result['plan']}  (self-calibrated: z {result['z']:.2f} +- "
+                  f"{result['z_se']:.2f}, cut {result['cut']:g}; estimator class '{result['estimator_class']}', "
+                  f"staleness {result['staleness']}, {result['batches']} batches, {result['seconds']:.1f} s)")
         for reason in result["reasons"]:
             print(f"  - {reason}")
         proposal = result.get("proposal")

@@ -124,8 +124,9 @@ class Sums:
 
     def add(self, student, teacher, rollouts, pad_id, temperature, micro_batch_size, chunk_tokens, autocast) -> None:
         batch = collate(rollouts, pad_id)
-        scores = score_batch(student, batch, teacher, Scoring(temperature=temperature, micro_batch_size=micro_batch_size,
-                                                              chunk_tokens=chunk_tokens, autocast=autocast))
+        how = Scoring(temperature=temperature, micro_batch_size=micro_batch_size, chunk_tokens=chunk_tokens,
+                      autocast=autocast)
+        scores = score_batch(student, batch, teacher, how)
         self.rkl += masked_mean(scores.rkl.double(), batch.mask).item() * batch.num_tokens
         self.surprise -= masked_mean(scores.pi.double(), batch.mask).item() * batch.num_tokens
         self.entropy += scores.terms["entropy"].double().sum().item()
