@@ -153,6 +153,13 @@ def expand(grid: dict, families: list[str] | None = None) -> list[dict]:
     return runs
 
 
+def contexts_key(cfg) -> str:
+    """Under eval.contexts fixed, the runs whose evaluation contexts are the same: those of one start (the before
+    evaluation's key), of any training seed where eval.seed fixes the sampling. A grid that goes on in another session,
+    on another CPU type, reuses the first runs' contexts from out/contexts/ instead of sampling other ones."""
+    return shared_key(cfg, BEFORE_IGNORES + (("seed",) if cfg.eval.seed >= 0 else ()))
+
+
 def config_key(cfg) -> str:
     """A hash of the config's non-default values, with its sampling settings resolved as the run resolves them
     (config.resolve_generation): a release that adds config fields (with defaults that change nothing) does not
@@ -337,7 +344,7 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
         run_dir = out / "runs" / spec["id"].replace("/", "__")
         before_key = shared_key(cfg, BEFORE_IGNORES)
         stop = None
-        contexts = out / "contexts" / f"{before_key}.json"  # eval.contexts fixed: sampled once for the runs of one start
+        contexts = out / "contexts" / f"{contexts_key(cfg)}.json"  # eval.contexts fixed: sampled once per start
         try:
             summary = train(cfg, run_dir, overwrite=True, progress=False, before=shared.get("before", before_key),
                             contexts=contexts if contexts.is_file() else None)
