@@ -238,6 +238,12 @@ def test_fixed_eval_contexts_are_the_first_evaluations_samples_shared_across_see
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(OpdError, match="not this run's held-out prompts"):
         train(config(pair, steps=1, eval=fixed), tmp_path / "refused", progress=False, contexts=tmp_path / "other.json")
+    # a resumed run whose contexts went missing is refused, not evaluated on new ones
+    with pytest.raises(RuntimeError):
+        train(config(pair, steps=4, eval=fixed), tmp_path / "lost", progress=False, on_step=crash_at(2))
+    (tmp_path / "lost" / "eval_contexts.json").unlink()
+    with pytest.raises(OpdError, match="eval_contexts.json is missing"):
+        train(config(pair, steps=4, eval=fixed), tmp_path / "lost", resume=True, progress=False)
 
 
 def test_the_readme_yaml_example_is_a_valid_config(tmp_path):

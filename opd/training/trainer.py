@@ -81,6 +81,8 @@ def evaluate(run: Run, cfg: TrainConfig, run_dir: Path | None = None, final: boo
                     f"{path}: its evaluation contexts are not this run's held-out prompts",
                     "give eval_contexts.json of a run with the same pair, prompts and eval settings")
         else:  # the first evaluation: its samples become the contexts
+            require(run.state.step == 0, f"{path} is missing: this run's later evaluations would score other contexts "
+                    "than its first", "restore the file from where it was, or start the run anew")
             contexts = []
             quality = _renamed(sample(contexts))
             save_contexts(path, contexts)
