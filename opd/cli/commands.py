@@ -274,6 +274,9 @@ def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, r
                      for k, digits in (("eval/accuracy", 3), ("eval/sampled_accuracy", 3), ("eval/rkl", 4),
                                        ("eval/entropy", 4))]
             print(f"{name:10} {' '.join(cells)}")
+    if "eval/sampled_rkl" in after:  # eval.contexts fixed: the table's rkl and entropy are on the first samples
+        print(f"(rkl and entropy on the fixed held-out contexts; sampled anew at the end: rkl "
+              f"{after['eval/sampled_rkl']:.4f}, entropy {after['eval/sampled_entropy']:.4f})")
     print(f"{summary['steps']} steps in {summary['time/step']:.0f} s (+{summary['time/eval']:.0f} s eval), "
           f"plan: {summary['plan']}; logs in {run_dir}")
     if ranks > 1:
