@@ -7,11 +7,14 @@ run of its seed at step K, over the mean gap of the other BF16 seeds to that one
 the run's label at step 12 (opd/study/tolerance.py, by configuration). This script turns the grid's run folders and
 results into paired_trial.py's lines, so that its report holds the close pair out beside the others:
 
-    python studies/close_pair.py /work/runs/qwen1e5f --out studies/data/qwen1e5_trials.jsonl
+    python studies/close_pair.py /work/runs/qwen1e5f --out studies/data/qwen1e5_trials.jsonl      # a sweep's folder
+    python studies/close_pair.py --results studies/data/qwen1e5_results.jsonl --runs studies/data/qwen1e5_runs \
+        --out studies/data/qwen1e5_trials.jsonl                                                 # the stored copy
     cat studies/data/paired_trial_toys.jsonl studies/data/qwen1e5_trials.jsonl > /tmp/all.jsonl
     python studies/paired_trial.py --report /tmp/all.jsonl
 
-A grid folder: `results.jsonl` (the sweep's results) and `runs/<id>/metrics.jsonl` (each run's log). Lines of runs
+A grid folder: `results.jsonl` (the sweep's results) and `runs/<id>/metrics.jsonl` (each run's log; the stored copy
+keeps the same layout in studies/data/qwen1e5_runs, written by the session that ran them). Lines of runs
 whose group has fewer than two BF16 seeds carry no z (paired_trial.py skips them).
 """
 import argparse
@@ -24,13 +27,13 @@ from opd.study.sweep import read_results
 from opd.study.tolerance import label, latest
 
 
-def trial_lines(grid: Path, study: str) -> list[dict]:
+def trial_lines(results: Path, runs: Path, study: str) -> list[dict]:
     """paired_trial.py's lines ({key, recipe, pair, source, seed, evals {step: {rkl, entropy}}, degraded}) of a grid's
-    runs, labelled by configuration against the grid's own BF16 seeds."""
-    rows = label(latest(read_results(grid / "results.jsonl")))
+    runs (its results file, its folder of run logs), labelled by configuration against the grid's own BF16 seeds."""
+    rows = label(latest(read_results(results)))
     out = []
     for r in rows:
-        log = grid / "runs" / r["id"].replace("/", "__") / "metrics.jsonl"
+        log = runs / r["id"].replace("/", "__") / "metrics.jsonl"
         if not log.is_file():
             print(f"close_pair: no log for {r['id']} ({log}): skipped", file=sys.stderr)
             continue
@@ -47,11 +50,17 @@ def trial_lines(grid: Path, study: str) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("grid", type=Path, help="the grid's --out folder (results.jsonl, runs/)")
+    parser.add_argument("grid", type=Path, nargs="?", help="the grid's --out folder (results.jsonl, runs/)")
+    parser.add_argument("--results", type=Path, help="instead of a folder: the results file ...")
+    parser.add_argument("--runs", type=Path, help="... and the folder of run logs")
     parser.add_argument("--study", default="real qwen2.5-coder lr 1e-5")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    lines = trial_lines(args.grid, args.study)
+    if args.grid:
+        args.results, args.runs = args.grid / "results.jsonl", args.grid / "runs"
+    if not (args.results and args.runs):
+        parser.error("give the grid's folder, or --results and --runs")
+    lines = trial_lines(args.results, args.runs, args.study)
     args.out.write_text("".join(json.dumps(x) + "\n" for x in lines))
     bf16 = sum(x["source"] == "bf16" for x in lines)
     print(f"{len(lines)} runs ({bf16} BF16) -> {args.out}; steps evaluated: "

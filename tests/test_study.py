@@ -468,7 +468,7 @@ def test_a_grids_own_evaluations_become_paired_trial_lines(pair, tmp_path):
                             {"source": "noise", "level": 0.3, "set": {"plan": "noise=0.3"}}])
     grid["base"] |= {"steps": 4, "eval": {"every": 2, "examples": 4}}
     run_sweep(grid, tmp_path, progress=False)
-    lines = close_pair.trial_lines(tmp_path, "tiny")
+    lines = close_pair.trial_lines(tmp_path / "results.jsonl", tmp_path / "runs", "tiny")
     assert [(x["source"], x["seed"]) for x in lines] == [("bf16", 0), ("bf16", 1), ("noise", 0)]
     assert all(set(x["evals"]) == {"0", "2", "4"} for x in lines)
     assert lines[2]["degraded"] in ([True], [False]) and "degraded" not in lines[0]
