@@ -27,10 +27,16 @@ from opd.study.sweep import read_results
 from opd.study.tolerance import label, latest
 
 
-def trial_lines(results: Path, runs: Path, study: str) -> list[dict]:
+def trial_lines(results: Path, runs: Path, study: str, quality: str = "fixed") -> list[dict]:
     """paired_trial.py's lines ({key, recipe, pair, source, seed, evals {step: {rkl, entropy}}, degraded}) of a grid's
-    runs (its results file, its folder of run logs), labelled by configuration against the grid's own BF16 seeds."""
-    rows = label(latest(read_results(results)))
+    runs (its results file, its folder of run logs), labelled by configuration against the grid's own BF16 seeds.
+    quality: what labels a run, its final evaluation "fixed" (eval.contexts fixed: the reverse KL and entropy on the
+    contexts every run shares) or "sampled" (its final samples drawn anew: eval/sampled_rkl, eval/sampled_entropy)."""
+    rows = latest(read_results(results))
+    if quality == "sampled":
+        rows = [r | {"after": r["after"] | {"eval/rkl": r["after"]["eval/sampled_rkl"],
+                                            "eval/entropy": r["after"]["eval/sampled_entropy"]}} for r in rows]
+    rows = label(rows)
     out = []
     for r in rows:
         log = runs / r["id"].replace("/", "__") / "metrics.jsonl"
@@ -54,13 +60,15 @@ def main() -> None:
     parser.add_argument("--results", type=Path, help="instead of a folder: the results file ...")
     parser.add_argument("--runs", type=Path, help="... and the folder of run logs")
     parser.add_argument("--study", default="real qwen2.5-coder lr 1e-5")
+    parser.add_argument("--quality", choices=("fixed", "sampled"), default="fixed",
+                        help="label by the final evaluation on the fixed contexts or on samples drawn anew")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.grid:
         args.results, args.runs = args.grid / "results.jsonl", args.grid / "runs"
     if not (args.results and args.runs):
         parser.error("give the grid's folder, or --results and --runs")
-    lines = trial_lines(args.results, args.runs, args.study)
+    lines = trial_lines(args.results, args.runs, args.study, args.quality)
     args.out.write_text("".join(json.dumps(x) + "\n" for x in lines))
     bf16 = sum(x["source"] == "bf16" for x in lines)
     print(f"{len(lines)} runs ({bf16} BF16) -> {args.out}; steps evaluated: "
