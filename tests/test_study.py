@@ -104,10 +104,10 @@ def test_a_signal_during_a_runs_final_evaluation_records_that_run_and_stops_the_
     points = [{"source": "bf16", "level": 0, "set": {"plan": "kv=bf16"}, "seeds": [0, 1]}]
     real_evaluate = opd.training.trainer.evaluate
 
-    def signalled_evaluate(run, cfg):
+    def signalled_evaluate(run, cfg, *args, **kwargs):
         if run.state.step == cfg.steps:
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_evaluate(run, cfg)
+        return real_evaluate(run, cfg, *args, **kwargs)
     monkeypatch.setattr(opd.training.trainer, "evaluate", signalled_evaluate)
     with pytest.raises(opd.training.trainer.Interrupted) as stopped:
         run_sweep(tiny_grid(pair, points), tmp_path, progress=False)
