@@ -310,6 +310,8 @@ def test_admit_cli(pair, tmp_path):
     assert trial.returncode == 0 and trial.stdout.startswith("ADMIT") and "paired trial: z 0.00" in trial.stdout, \
         trial.stderr
     assert "trial run 3/3" in trial.stderr  # progress
+    assert_one_line_error(opd("admit", *common, "--trial", "2", "--set", "compute.learner_ranks=2"),
+                          "--trial trains in this process")
 
 
 def test_admit_with_warmup_probes_the_student_after_k_bf16_steps(pair, tmp_path):

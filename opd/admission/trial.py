@@ -71,6 +71,9 @@ def check_trial(cfg: TrainConfig, steps: int = 4, seeds: int = 2, cut: float | N
     from opd.admission.check import propose_passing
     require(1 <= steps <= 10_000, f"--trial must be a step count in [1, 10000], got {steps}", "4 or so")
     require(1 <= seeds <= 16, f"--trial-seeds must be in [1, 16], got {seeds}", "2 or so")
+    require(cfg.compute.learner_ranks == 1, f"opd admit --trial trains in this process, and compute.learner_ranks is "
+            f"{cfg.compute.learner_ranks}", "run the trial with --set compute.learner_ranks=1 where the student fits "
+            "one device, or use opd admit --self")
     cut = TRIAL_CUT if cut is None else cut
     say = progress or (lambda text: None)
     start = time.perf_counter()
