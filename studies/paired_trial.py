@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import admission as bench  # noqa: E402 (the stored, labelled runs)
 
-from opd.admission.trial import trial_z  # noqa: E402 (the statistic `opd admit --trial` decides on)
+from opd.admission.trial import TRIAL_CUT, decide, trial_z  # noqa: E402 (what `opd admit --trial` decides on)
 from opd.config.runlog import read_metrics  # noqa: E402
 from opd.study.sweep import stored_config  # noqa: E402
 from opd.training.trainer import train  # noqa: E402
@@ -97,8 +97,8 @@ def z_scores(lines: list[dict], step: str) -> list[dict]:
             continue
         as_eval = lambda e: {"eval/rkl": e["rkl"], "eval/entropy": e["entropy"]}  # noqa: E731
         z = trial_z(as_eval(x["evals"][step]), as_eval(ref), [as_eval(e) for s, e in seeds.items() if s != x["seed"]])
-        out += [{"pair": x["pair"], "degraded": d, **{k: z[k] for k in ("z_rkl", "z_entropy", "z")}}
-                for d in x["degraded"]]
+        out += [{"pair": x["pair"], "degraded": d, "noise_seeds": z["noise_seeds"],
+                 **{k: z[k] for k in ("z_rkl", "z_entropy", "z")}} for d in x["degraded"]]
     return out
 
 
@@ -128,6 +128,16 @@ def report(lines: list[dict]) -> dict:
                       f"{h['accuracy']:.3f}, admitted and degraded {h['admitted_degraded']:.3f} | never-admit "
                       f"{h['never_admit']:.3f}, always-admit {h['always_admit']:.3f}")
                 result[f"accuracy_k{step}_{stat}_{pair}"] = h["accuracy"]
+        for pair in sorted({r["pair"] for r in runs}):  # the product's rule: its shipped cut, three ways
+            mine = [r for r in runs if r["pair"] == pair]
+            verdicts = [decide(r["z"], r["noise_seeds"], TRIAL_CUT)["decision"] for r in mine]
+            n, bad = len(mine), sum(r["degraded"] for r in mine)
+            right = sum((v == "ADMIT") != r["degraded"] for v, r in zip(verdicts, mine)) / n
+            unsafe = sum(v == "ADMIT" and r["degraded"] for v, r in zip(verdicts, mine)) / n
+            print(f"K={step} opd admit --trial (cut {TRIAL_CUT:g}, three ways, UNCERTAIN not admitted) {pair:8} "
+                  f"({n:3} runs): accuracy {right:.3f}, admitted and degraded {unsafe:.3f}, UNCERTAIN "
+                  f"{verdicts.count('UNCERTAIN') / n:.3f} | never-admit {bad / n:.3f}, always-admit {1 - bad / n:.3f}")
+            result[f"trial_k{step}_{pair}"] = right
     return result
 
 
