@@ -66,12 +66,13 @@ def _why(verdict: Verdict | None) -> dict:
 def sampled_quality(student: Transformer, teacher, tok: TextTokenizer, examples: list[Example],
                     max_new_tokens: int, seed: int, params: SamplingParams | None = None, batch_size: int = 0,
                     micro_batch_size: int = 0, chunk_tokens: int = 0, scoring: str = "last_hash",
-                    autocast: torch.dtype | None = None, keep: list | None = None) -> dict:
+                    autocast: torch.dtype | None = None, keep: list | None = None, sums: "Sums | None" = None) -> dict:
     """Sampled-completion accuracy (absent under scoring "none") and the mean per-token reverse KL(student || teacher)
     on the student's own samples at the learner's compute precision (autocast None: float32; bf16: the samples from a
     bf16 forward on native bf16 GEMMs where the CPU has them, the scoring under autocast, as the learner computes)
     (teacher: a teacher.Teacher with whole rows), sampled as the rollouts are (params: temperature, top-k, top-p):
-    {"eval/sampled_accuracy", "eval/rkl", "eval/entropy"}. keep: a list the samples (sampling.Rollout) are appended to.
+    {"eval/sampled_accuracy", "eval/rkl", "eval/entropy"}. keep: a list the samples (sampling.Rollout) are appended to;
+    sums: a Sums that gets the samples' per-token sums (its exact entropy too: context_quality's on these samples).
     eval/entropy is the mean of -log p_student(token) over the same samples (at the sampling temperature): a Monte
     Carlo estimate of the student's per-token entropy (of the cross-entropy of the truncated sampler's tokens under
     the student, with top-k or top-p). It is what the reverse KL cannot show: KL(student || teacher) = cross-entropy
@@ -82,7 +83,7 @@ def sampled_quality(student: Transformer, teacher, tok: TextTokenizer, examples:
     engine = Engine(student, tok.stop_ids, tok.pad_id, plan, bf16_gemm="auto")
     generator = torch.Generator(device=engine.device).manual_seed(seed)  # one stream across the batches
     batch_size = batch_size or chunk_size(student.cfg.vocab_size)
-    credit, scored, sums = 0.0, 0, Sums()
+    credit, scored, sums = 0.0, 0, sums if sums is not None else Sums()
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
         rollouts = engine.generate([tok.encode_prompt(ex.prompt) for ex in chunk], params, generator)
@@ -112,7 +113,7 @@ def context_quality(student: Transformer, teacher, rollouts: list, pad_id: int, 
     for i in range(0, len(rollouts), batch_size):
         sums.add(student, teacher, rollouts[i:i + batch_size], pad_id, temperature, micro_batch_size, chunk_tokens,
                  autocast)
-    return {"eval/rkl": sums.rkl / max(1, sums.tokens), "eval/entropy": sums.entropy / max(1, sums.tokens)}
+    return sums.exact()
 
 
 class Sums:
@@ -131,6 +132,10 @@ class Sums:
         self.surprise -= masked_mean(scores.pi.double(), batch.mask).item() * batch.num_tokens
         self.entropy += scores.terms["entropy"].double().sum().item()
         self.tokens += batch.num_tokens
+
+    def exact(self) -> dict:
+        """context_quality's numbers: the mean reverse KL and exact entropy per position."""
+        return {"eval/rkl": self.rkl / max(1, self.tokens), "eval/entropy": self.entropy / max(1, self.tokens)}
 
 
 def save_contexts(path, rollouts: list) -> None:

@@ -31,7 +31,8 @@ from tqdm import tqdm
 from opd.config.run import TrainConfig
 from opd.models.devices import autocast_dtype, restored_threads
 from opd.io.errors import OpdError, first_line, require
-from opd.training.evaluate import context_quality, greedy_accuracy, load_contexts, sampled_quality, save_contexts
+from opd.training.evaluate import Sums, context_quality, greedy_accuracy, load_contexts, sampled_quality, \
+    save_contexts
 from opd.training.learner import Scores, Scoring, collate, numerics_mu, score_batch
 from opd.health.metrics import masked_mean
 from opd.health.metrics import (exact_kl_metric, noise_to_signal, rollout_health, rollout_metrics, staleness_metrics,
@@ -69,9 +70,10 @@ def evaluate(run: Run, cfg: TrainConfig, run_dir: Path | None = None, final: boo
     autocast = autocast_dtype(cfg.compute.dtype)
     seed = cfg.eval.seed if cfg.eval.seed >= 0 else cfg.seed + 1
 
-    def sample(keep=None) -> dict:
+    def sample(keep=None, sums=None) -> dict:
         return sampled_quality(student, teacher, tok, examples, cfg.new_tokens, seed, run.params, batch_size,
-                               cfg.compute.micro_batch_size, cfg.compute.chunk_tokens, cfg.data.scoring, autocast, keep)
+                               cfg.compute.micro_batch_size, cfg.compute.chunk_tokens, cfg.data.scoring, autocast, keep,
+                               sums)
 
     if cfg.eval.contexts == "fixed" and run_dir is not None:
         path, quality = run_dir / "eval_contexts.json", {}
@@ -83,13 +85,14 @@ def evaluate(run: Run, cfg: TrainConfig, run_dir: Path | None = None, final: boo
         else:  # the first evaluation: its samples become the contexts
             require(run.state.step == 0, f"{path} is missing: this run's later evaluations would score other contexts "
                     "than its first", "restore the file from where it was, or start the run anew")
-            contexts = []
-            quality = _renamed(sample(contexts))
+            contexts, sums = [], Sums()
+            quality = _renamed(sample(contexts, sums)) | sums.exact()  # the samples scored once: they are the contexts
             save_contexts(path, contexts)
-        if final and not quality and cfg.eval.resample_final:
+        if final and cfg.eval.resample_final and "eval/sampled_rkl" not in quality:
             quality = _renamed(sample())
-        quality |= context_quality(student, teacher, contexts, tok.pad_id, run.params.temperature or 1.0, batch_size,
-                                   cfg.compute.micro_batch_size, cfg.compute.chunk_tokens, autocast)
+        if "eval/rkl" not in quality:
+            quality |= context_quality(student, teacher, contexts, tok.pad_id, run.params.temperature or 1.0,
+                                       batch_size, cfg.compute.micro_batch_size, cfg.compute.chunk_tokens, autocast)
     else:
         quality = sample()
     return {**{k: v for k, v in greedy.items() if k in ("eval/accuracy", "eval/truncated", "eval/n", "eval/scored")},
