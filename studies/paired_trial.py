@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import admission as bench  # noqa: E402 (the stored, labelled runs)
 
-from opd.admission.trial import TRIAL_CUT, decide, trial_z  # noqa: E402 (what `opd admit --trial` decides on)
+from opd.admission.trial import TRIAL_CUT, decide, eval_steps, trial_z  # noqa: E402 (what `opd admit --trial` decides on)
 from opd.config.runlog import read_metrics  # noqa: E402
 from opd.study.sweep import stored_config  # noqa: E402
 from opd.training.trainer import train  # noqa: E402
@@ -97,8 +97,9 @@ def z_scores(lines: list[dict], step: str) -> list[dict]:
             continue
         as_eval = lambda e: {"eval/rkl": e["rkl"], "eval/entropy": e["entropy"]}  # noqa: E731
         z = trial_z(as_eval(x["evals"][step]), as_eval(ref), [as_eval(e) for s, e in seeds.items() if s != x["seed"]])
-        out += [{"pair": x["pair"], "degraded": d, "noise_seeds": z["noise_seeds"],
-                 **{k: z[k] for k in ("z_rkl", "z_entropy", "z")}} for d in x["degraded"]]
+        key = x.get("key") or f"{x['recipe']}|{x['source']}|{x['seed']}"
+        out += [{"key": (key, i), "pair": x["pair"], "degraded": d, "noise_seeds": z["noise_seeds"],
+                 **{k: z[k] for k in ("z_rkl", "z_entropy", "z")}} for i, d in enumerate(x["degraded"])]
     return out
 
 
@@ -113,13 +114,26 @@ def held_out(runs: list[dict], pair: str, stat: str) -> dict:
             "never_admit": bad / n, "always_admit": 1 - bad / n}
 
 
+def mean_z(lines: list[dict], k: int) -> tuple[list[dict], list[int]]:
+    """The product's statistic at K (opd.admission.trial: z averaged over the evaluations after eval_steps(K)), from
+    the stored evaluations among those steps; -> (one row per stored run as z_scores, with "z_mean"; the steps used)."""
+    stored = {int(s) for x in lines for s in x["evals"]}
+    steps = [s for s in eval_steps(k) if s in stored]
+    by_step = [{r["key"]: r for r in z_scores(lines, str(s))} for s in steps]
+    keys = set.intersection(*(set(b) for b in by_step)) if by_step else set()
+    rows = [by_step[-1][key] | {"z_mean": sum(b[key]["z"] for b in by_step) / len(by_step)}
+            for key in sorted(keys)]
+    return rows, steps
+
+
 def report(lines: list[dict]) -> dict:
     result = {}
     steps = sorted({int(s) for x in lines for s in x["evals"] if int(s) > 0})
     for step in steps:
         runs = z_scores(lines, str(step))
-        for stat in ("z_rkl", "z_entropy", "z"):
-            mine = [r for r in runs if stat in r]
+        averaged, used = mean_z(lines, step)
+        for stat in ("z_rkl", "z_entropy", "z", "z_mean"):
+            mine = averaged if stat == "z_mean" else [r for r in runs if stat in r]
             for pair in sorted({r["pair"] for r in mine}):
                 if not any(r["pair"] != pair for r in mine):
                     continue
@@ -128,15 +142,20 @@ def report(lines: list[dict]) -> dict:
                       f"{h['accuracy']:.3f}, admitted and degraded {h['admitted_degraded']:.3f} | never-admit "
                       f"{h['never_admit']:.3f}, always-admit {h['always_admit']:.3f}")
                 result[f"accuracy_k{step}_{stat}_{pair}"] = h["accuracy"]
-        for pair in sorted({r["pair"] for r in runs}):  # the product's rule: its shipped cut, three ways
-            mine = [r for r in runs if r["pair"] == pair]
-            verdicts = [decide(r["z"], r["noise_seeds"], TRIAL_CUT)["decision"] for r in mine]
+        for pair in sorted({r["pair"] for r in averaged}):  # the product's rule: its shipped cut, three ways
+            mine = [r for r in averaged if r["pair"] == pair]
+            verdicts = [decide(r["z_mean"], r["noise_seeds"], TRIAL_CUT)["decision"] for r in mine]
             n, bad = len(mine), sum(r["degraded"] for r in mine)
             right = sum((v == "ADMIT") != r["degraded"] for v, r in zip(verdicts, mine)) / n
             unsafe = sum(v == "ADMIT" and r["degraded"] for v, r in zip(verdicts, mine)) / n
-            print(f"K={step} opd admit --trial (cut {TRIAL_CUT:g}, three ways, UNCERTAIN not admitted) {pair:8} "
-                  f"({n:3} runs): accuracy {right:.3f}, admitted and degraded {unsafe:.3f}, UNCERTAIN "
-                  f"{verdicts.count('UNCERTAIN') / n:.3f} | never-admit {bad / n:.3f}, always-admit {1 - bad / n:.3f}")
+            decided = [(v, r) for v, r in zip(verdicts, mine) if v != "UNCERTAIN"]
+            among = sum((v == "ADMIT") != r["degraded"] for v, r in decided) / max(1, len(decided))
+            full = "" if used == eval_steps(step) else f", of its {eval_steps(step)}"
+            print(f"K={step} opd admit --trial (z averaged over the evaluations after steps {used}{full}; cut "
+                  f"{TRIAL_CUT:g}, three ways, UNCERTAIN not admitted) {pair:8} ({n:3} runs): accuracy {right:.3f}, "
+                  f"admitted and degraded {unsafe:.3f}, UNCERTAIN {verdicts.count('UNCERTAIN') / n:.3f} (right among the "
+                  f"decided {among:.3f}) | never-admit "
+                  f"{bad / n:.3f}, always-admit {1 - bad / n:.3f}")
             result[f"trial_k{step}_{pair}"] = right
     return result
 

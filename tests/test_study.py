@@ -454,6 +454,14 @@ def test_paired_trial_measures_the_gap_in_units_of_the_recipes_seed_gap():
     runs = paired_trial.z_scores(lines + other, "4")
     h = paired_trial.held_out(runs, "a", "z")  # cut fitted on b alone: anything in [0.5, 4) is right there
     assert 0.5 <= h["cut"] < 4 and h["n"] == 3 and h["never_admit"] == pytest.approx(1 / 3)
+    # the product's statistic (opd admit --trial): z averaged over the trial's evaluations, here the stored steps 2
+    # and 4 of its 1, 2, 3, 4; a candidate must have been evaluated at every one of them
+    for x in lines:
+        x["evals"]["2"] = {"rkl": 1.0, "entropy": 1.0} if x["source"] == "bf16" and x["seed"] == 0 else \
+            {"rkl": 1.2, "entropy": 1.1} if x["source"] == "bf16" else {"rkl": 1.4, "entropy": 1.1}
+    rows, used = paired_trial.mean_z(lines, 4)
+    assert used == [2, 4] and len(rows) == 3  # at step 2: z 2 for each candidate (gap 0.4 over the seeds' 0.2)
+    assert [round(r["z_mean"], 6) for r in rows] == [2.5, 2.5, 1.25] and rows[0]["z"] == pytest.approx(3.0)
 
 
 def test_a_grids_own_evaluations_become_paired_trial_lines(pair, tmp_path):
