@@ -81,6 +81,33 @@ def test_two_ranks_train_what_one_rank_trains(pair, tmp_path, loss, plan):
         assert json.loads((two / "checkpoint" / "trainer_state.json").read_text())["fallback"] is True
 
 
+@pytest.mark.ray
+def test_ranks_placed_by_ray_train_what_ranks_started_here_train(pair, tmp_path):
+    """ray.learner: the 2 ranks as Ray actors in one placement group on a local cluster (each runs the rank's `opd
+    train` as a child process with torchrun's variables) log what the 2 ranks `opd train` starts itself log; rank 0's
+    output reaches the terminal."""
+    pytest.importorskip("ray")
+    here, ray = tmp_path / "here", tmp_path / "ray"
+    run(pair, here, "compute.learner_ranks=2")
+    out = run(pair, ray, "compute.learner_ranks=2", "ray.learner=true")
+    assert "learner sharded over 2 ranks, placed by Ray" in out.stdout and "4 steps in" in out.stdout, out.stdout
+    same_run(here, ray, 4)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("extra, fragments", [
+    (["ray.learner_cpus=64"], ["the Ray cluster has", "2 learner ranks of 64 CPUs", "do not fit"]),
+    (["compute.learner_ranks=1"], ["ray.learner places the ranks of a sharded learner"]),
+    (["ray.learner_cpus=0"], ["ray.learner_cpus and ray.learner_gpus must be >= 0, not both 0"]),
+])
+def test_ranks_ray_cannot_place_are_one_line_and_start_nothing(pair, tmp_path, extra, fragments):
+    pytest.importorskip("ray")
+    out = opd("train", *settings(pair, "compute.learner_ranks=2", "ray.learner=true", *extra), "--run-dir",
+              tmp_path / "run", "--quiet")
+    assert_one_line_error(out, *fragments)
+    assert out.returncode == 2 and not (tmp_path / "run").exists()
+
+
 def test_guard_ladder_of_a_sharded_run():
     """A fixed-scale FP8 cache falls back to calibrated scales on one rank, straight to BF16 on several."""
     from opd.health.guard import safer_plan
@@ -143,12 +170,16 @@ def test_a_rank_launched_alone_is_told_how_many_the_job_needs(pair, tmp_path):
     assert_one_line_error(out, "compute.learner_ranks is 2 but this job has 1 processes", "torchrun --nproc-per-node 2")
 
 
-def test_a_rank_that_dies_ends_the_run_with_its_checkpoint_intact(pair, tmp_path):
-    """SIGKILL to rank 1 once the first checkpoint is written: the launcher stops rank 0 and exits with one line;
-    the checkpoint it left resumes (on one rank) to the end."""
+@pytest.mark.parametrize("launcher", ["here", pytest.param("ray", marks=pytest.mark.ray)])
+def test_a_rank_that_dies_ends_the_run_with_its_checkpoint_intact(pair, tmp_path, launcher):
+    """SIGKILL to rank 1 once the first checkpoint is written: the launcher (opd train's own, or Ray's placement)
+    stops rank 0 and exits with one line; the checkpoint it left resumes (on one rank) to the end."""
+    if launcher == "ray":
+        pytest.importorskip("ray")
     run_dir = tmp_path / "run"
+    placed = ["ray.learner=true"] if launcher == "ray" else []
     proc = subprocess.Popen([sys.executable, "-m", "opd.cli", "train",
-                             *settings(pair, "compute.learner_ranks=2", "steps=400", "save_every=2"),
+                             *settings(pair, "compute.learner_ranks=2", "steps=400", "save_every=2", *placed),
                              "--run-dir", str(run_dir), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     state = run_dir / "checkpoint" / "trainer_state.json"
@@ -156,7 +187,11 @@ def test_a_rank_that_dies_ends_the_run_with_its_checkpoint_intact(pair, tmp_path
     while not state.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
     assert state.exists(), proc.stderr.read() if proc.poll() is not None else "no checkpoint in 240 s"
-    rank1 = [pid for pid in children(proc.pid) if "RANK=1\0" in environ(pid)]
+    if launcher == "ray":  # the rank is a child of its actor, a Ray worker process
+        rank1 = [int(e) for e in os.listdir("/proc") if e.isdigit() and "\0RANK=1\0" in "\0" + environ(int(e))
+                 and "OPD_LAUNCHER=ray\0" in environ(int(e))]
+    else:
+        rank1 = [pid for pid in children(proc.pid) if "RANK=1\0" in environ(pid)]
     assert len(rank1) == 1
     os.kill(rank1[0], signal.SIGKILL)
     _, err = proc.communicate(timeout=120)

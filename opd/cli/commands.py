@@ -251,14 +251,20 @@ def cmd_train(config: Path | None, overrides: list[str], run_dir: Path | None, r
     if ranks > 1:
         from opd.config.runlog import check_run_dir
         from opd.training import sharded
-        if not sharded.launched():  # start the ranks here (each runs this command with its rank's environment)
-            sharded.check_placement(cfg)
+        if not sharded.launched():  # start the ranks (each runs this command with its rank's environment)
+            if not cfg.ray.learner:  # Ray checks its own cluster's resources
+                sharded.check_placement(cfg)
             check_run_dir(run_dir, resume, overwrite)  # its one-line errors before any rank starts
-            argv = ["train", *(["--config", str(config)] if config else []),
-                    *[x for o in overrides or [] for x in ("--set", o)], "--run-dir", str(run_dir),
+            # absolute paths: a rank placed by Ray may start in another folder (on another node, a shared file system)
+            argv = ["train", *(["--config", str(config.resolve())] if config else []),
+                    *[x for o in overrides or [] for x in ("--set", o)], "--run-dir", str(run_dir.resolve()),
                     *(["--resume"] if resume else []), *(["--overwrite"] if overwrite else []),
                     *(["--quiet"] if quiet else [])]
-            print(f"run directory: {run_dir} (learner sharded over {ranks} ranks)", flush=True)
+            print(f"run directory: {run_dir} (learner sharded over {ranks} ranks"
+                  f"{', placed by Ray' if cfg.ray.learner else ''})", flush=True)
+            if cfg.ray.learner:
+                from opd.training import ray_ranks
+                return ray_ranks.launch(argv, ranks, cfg.ray)
             return sharded.launch(argv, ranks)
     leader = ranks == 1 or os.environ.get("RANK") == "0"
     if leader:

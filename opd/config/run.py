@@ -131,6 +131,9 @@ class TrainConfig:
 
     def _check_sharded_learner(self) -> None:
         ranks = self.compute.learner_ranks
+        require(not self.ray.learner or ranks > 1, "config: ray.learner places the ranks of a sharded learner, and "
+                "compute.learner_ranks is 1 (the learner runs in this process)", "set compute.learner_ranks to the "
+                "ranks Ray should place (2 or more), or drop ray.learner")
         if ranks == 1 and not self.compute.sharded:
             return
         why = f"config: a learner sharded over {ranks} ranks (compute.learner_ranks) "

@@ -29,8 +29,9 @@ from opd.config.files import build_config, dump_config, flatten, migrate
 from opd.io.errors import OpdError, require
 from opd.io.schema import Schema, read_jsonl as read_checked_jsonl, read_yaml
 
-# change no result (a sharded run's checkpoint is whole: N ranks write it, any M resume it)
-RESUMABLE_CHANGES = ("steps", "async.worker_timeout", "async.max_worker_restarts", "compute.learner_ranks")
+# change no result (a sharded run's checkpoint is whole: N ranks write it, any M resume it, wherever they were placed)
+RESUMABLE_CHANGES = ("steps", "async.worker_timeout", "async.max_worker_restarts", "compute.learner_ranks",
+                     "ray.learner", "ray.learner_cpus", "ray.learner_gpus")
 
 
 class RunDirLocked(OpdError):
@@ -151,8 +152,8 @@ def check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
     new = flatten(cfg.to_dict())
     changed = [k for k in new if new[k] != old.get(k) and k not in RESUMABLE_CHANGES]
     require(not changed, f"{run_dir} holds a run with a different config ({', '.join(changed)})",
-            "resume with the same config (only steps, the worker's fault limits and the learner ranks may change), or "
-            "use --overwrite or another --run-dir")
+            "resume with the same config (only steps, the worker's fault limits, the learner ranks and their placement "
+            "may change), or use --overwrite or another --run-dir")
 
 
 def write_atomic(path: Path, text: str) -> None:

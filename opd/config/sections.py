@@ -242,7 +242,8 @@ class AsyncConfig:
 
 @dataclass(frozen=True)
 class RayConfig:
-    """The Ray backend (async.backend: ray, ray_backend.py): rollout workers as Ray actors, the learner here."""
+    """The Ray backend (async.backend: ray, ray_backend.py): rollout workers as Ray actors, the learner here; and Ray
+    placing a sharded learner's ranks (ray.learner, ray_ranks.py)."""
     address: str = ""  # "": a local cluster started for the run; "auto": the `ray start` cluster here; or HOST:PORT
     workers: int = 1  # rollout actors; each samples its shards of every batch (sampling.shards)
     worker_cpus: float = 1.0  # Ray resources each rollout actor reserves
@@ -251,6 +252,9 @@ class RayConfig:
     teacher: bool = False  # the teacher's forward on a scoring actor of its own (its output layer stays here)
     teacher_cpus: float = 1.0  # Ray resources the teacher actor reserves
     teacher_gpus: float = 0.0
+    learner: bool = False  # a sharded learner's ranks (compute.learner_ranks) placed by Ray, not started here
+    learner_cpus: float = 1.0  # Ray resources each learner rank reserves (its bundle of the placement group)
+    learner_gpus: float = 0.0
 
     def __post_init__(self):
         check_numbers(self, "ray.")
@@ -261,6 +265,9 @@ class RayConfig:
         require(self.worker_cpus >= 0 and self.worker_gpus >= 0 and self.worker_cpus + self.worker_gpus > 0,
                 f"config: ray.worker_cpus and ray.worker_gpus must be >= 0, not both 0 (got {self.worker_cpus}, "
                 f"{self.worker_gpus})", "e.g. ray.worker_cpus=1")
+        require(self.learner_cpus >= 0 and self.learner_gpus >= 0 and self.learner_cpus + self.learner_gpus > 0,
+                f"config: ray.learner_cpus and ray.learner_gpus must be >= 0, not both 0 (got {self.learner_cpus}, "
+                f"{self.learner_gpus})", "e.g. ray.learner_cpus=1")
         require(self.connect_timeout > 0, f"config: ray.connect_timeout must be positive, got {self.connect_timeout}")
 
 

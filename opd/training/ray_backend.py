@@ -59,7 +59,7 @@ def _ray():
     try:
         import ray
     except ImportError:
-        raise OpdError("async.backend ray needs Ray, which is not installed",
+        raise OpdError("async.backend ray and ray.learner need Ray, which is not installed",
                        "pip install -e '.[ray]' (or pip install 'ray==2.60.0')") from None
     return ray
 
@@ -92,24 +92,33 @@ def _stderr_to_log():
     os.unlink(log.name)  # started: nothing to keep
 
 
+def join(settings: RayConfig) -> bool:
+    """Join (or start) the cluster at ray.address: one line on any failure. -> whether this call joined (False: this
+    process was already connected)."""
+    ray = _ray()
+    if ray.is_initialized():
+        return False
+    address = settings.address
+    if address not in ("", "auto"):
+        _reachable(address, settings.connect_timeout)
+    try:
+        with _stderr_to_log() as log:  # Ray's start-up warnings (from C++, past `logging`) would bury opd's lines
+            if address:
+                ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
+            else:  # a cluster of this run's own, reachable from this machine only
+                ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
+                         _node_ip_address="127.0.0.1")
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise OpdError(f"cannot join the Ray cluster at {address or 'a new local cluster'!r}: {first_line(e)}",
+                       f"start one with `ray start --head`, or set ray.address; Ray's output: {log.name}") \
+            from None
+    return True
+
+
 def connect(settings: RayConfig, worker_threads: int) -> None:
     """Join (or start) the cluster and check that it can hold the rollout actors: one line on any failure."""
     ray = _ray()
-    if not ray.is_initialized():
-        address = settings.address
-        if address not in ("", "auto"):
-            _reachable(address, settings.connect_timeout)
-        try:
-            with _stderr_to_log() as log:  # Ray's start-up warnings (from C++, past `logging`) would bury opd's lines
-                if address:
-                    ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
-                else:  # a cluster of this run's own, reachable from this machine only
-                    ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
-                             _node_ip_address="127.0.0.1")
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise OpdError(f"cannot join the Ray cluster at {address or 'a new local cluster'!r}: {first_line(e)}",
-                           f"start one with `ray start --head`, or set ray.address; Ray's output: {log.name}") \
-                from None
+    join(settings)
     total = ray.cluster_resources()
     cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
     n = settings.workers

@@ -22,7 +22,8 @@ Checkpoints are gathered to rank 0 in the one-rank run's format (safetensors + J
 the shards): a run written by N ranks resumes on M (any M; tested 2 -> 1), and the student folder is a plain Hugging
 Face folder. Memory on rank 0 while saving: one whole copy of the AdamW moments (8 bytes a parameter).
 
-Not yet: the Ray backend, served or top-k teachers, canary training (each refused with its reason in config.run);
+Not yet: the Ray backend's rollout actors, served or top-k teachers, canary training (each refused with its reason in
+config.run; Ray placing the ranks themselves is ray_ranks.py);
 calibrated KV scales (each rank's engine would calibrate on its own sub-batch).
 """
 import os
