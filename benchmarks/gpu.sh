@@ -125,4 +125,30 @@ qwen_shapes_vs_trl() {
 }
 echo "== 6. opd vs TRL at the Qwen2.5-Coder pair's shapes (random weights), bf16 on $DEVICE"
 run_step qwen_shapes_vs_trl
+
+# Issue 59 item 5: the sharded learner's path on one rank (compute.sharded: FSDP2 over a group of one, NCCL on CUDA,
+# no launcher) against the unsharded learner, the same config in float32 (so only the order of float reductions may
+# differ): every step's loss and gradient norm (ok=1: both within a relative 1e-4; on a CPU here they agree to 1e-15).
+sharded_one_rank() {
+  local pair mode
+  pair=($($PY benchmarks/realvocab.py))
+  for mode in false true; do
+    $PY -m opd.cli train --quiet --overwrite --run-dir "$OUT/sharded-$mode" \
+      --set student="${pair[0]}" --set teacher="${pair[1]}" --set compute.device="$DEVICE" --set compute.sharded=$mode \
+      --set steps=4 --set batch_size=4 --set sampling.max_new_tokens=32 --set eval.every=0 --set eval.examples=4 \
+      --set save_every=0 --set threads=4 --set optim.lr=1e-4 --set plan= | tail -1
+  done
+  $PY - "$OUT" <<'EOF3'
+import json, sys
+from pathlib import Path
+rows = [[json.loads(x) for x in (Path(sys.argv[1]) / f"sharded-{m}" / "metrics.jsonl").read_text().splitlines()]
+        for m in ("false", "true")]
+steps = [[r for r in run if "loss/value" in r] for run in rows]
+rel = lambda k: max(abs(b[k] - a[k]) / max(abs(a[k]), 1e-12) for a, b in zip(*steps))
+print(f"RESULT sharded_one_rank steps={len(steps[1])} loss_max_rel={rel('loss/value'):.2e} "
+      f"grad_norm_max_rel={rel('train/grad_norm'):.2e} ok={int(max(rel('loss/value'), rel('train/grad_norm')) < 1e-4 and len(steps[1]) == len(steps[0]))}")
+EOF3
+}
+echo "== 7. the sharded learner's path on one rank (FSDP2, NCCL on CUDA) against the unsharded learner on $DEVICE"
+run_step sharded_one_rank
 exit $failed

@@ -102,6 +102,29 @@ def test_resume_reproduces_the_uninterrupted_run(pair, tmp_path, monkeypatch, cr
 
 
 @pytest.mark.reliability
+def test_gradient_norm_and_clipping_are_exact_on_a_large_gradient():
+    """clip_gradients (the trainer's; sharded.py's clip sums the same way) against the float64 norm: exact on a
+    24M-element gradient, where float32 accumulation drifts (PyTorch's CPU L2 kernel, pytorch/pytorch#169237); the
+    gradients scaled to the cut as clip_grad_norm_ scales them; a non-finite gradient scales nothing."""
+    from opd.training.learner import GRAD_PIECE, clip_gradients, sum_of_squares
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (24_000_000, 1000, 3)]
+    for p in params:
+        p.grad = torch.rand(p.shape) * 1e-3
+    exact = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in params))
+    assert params[0].numel() > GRAD_PIECE  # summed in pieces
+    assert sum_of_squares(params[0].grad).item() == pytest.approx(params[0].grad.double().pow(2).sum().item(), rel=1e-12)
+    before = [p.grad.clone() for p in params]
+    assert clip_gradients(params, max_norm=2 * exact) == pytest.approx(exact, rel=1e-12)  # under the cut: untouched
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, params))
+    assert clip_gradients(params, max_norm=exact / 4) == pytest.approx(exact, rel=1e-12)
+    assert all(torch.allclose(p.grad, a / 4, rtol=1e-6) for a, p in zip(before, params))
+    params[1].grad[0] = float("nan")
+    kept = [p.grad.clone() for p in params]
+    assert math.isnan(clip_gradients(params, max_norm=1e-9))
+    assert all(torch.equal(a[~a.isnan()], p.grad[~p.grad.isnan()]) for a, p in zip(kept, params))
+
+
 def test_nan_loss_is_skipped_counted_and_stops_the_run(pair, tmp_path):
     """A teacher whose logits are not finite: every step is skipped and counted, max_bad_steps stop the run."""
     student, teacher = pair

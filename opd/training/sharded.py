@@ -41,7 +41,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from opd.io.errors import require
-from opd.training.learner import Scores, collate, unpack
+from opd.training.learner import Scores, collate, sum_of_squares, unpack
 from opd.training.losses import loss_metrics
 
 def launched() -> bool:
@@ -223,16 +223,15 @@ class Sharding:
 
     def clip(self, student, max_norm: float) -> float:
         """torch.nn.utils.clip_grad_norm_ over the whole (sharded) gradient: the global L2 norm."""
-        sharded = torch.zeros((), dtype=torch.float64)
-        whole = torch.zeros((), dtype=torch.float64)
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        whole = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in student.parameters():
             if p.grad is None:
                 continue
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             if isinstance(p.grad, DTensor):
-                sharded += g.double().pow(2).sum()
+                sharded += sum_of_squares(p.grad.to_local())
             else:
-                whole += g.double().pow(2).sum()
+                whole += sum_of_squares(p.grad)
         dist.all_reduce(sharded)
         norm = (sharded + whole).sqrt().item()
         coef = max_norm / (norm + 1e-6)

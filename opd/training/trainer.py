@@ -33,7 +33,7 @@ from opd.models.devices import autocast_dtype, restored_threads
 from opd.io.errors import OpdError, first_line, require
 from opd.training.evaluate import Sums, context_quality, greedy_accuracy, load_contexts, sampled_quality, \
     save_contexts
-from opd.training.learner import Scores, Scoring, collate, numerics_mu, score_batch
+from opd.training.learner import Scores, Scoring, clip_gradients, collate, numerics_mu, score_batch
 from opd.health.metrics import masked_mean
 from opd.health.metrics import (exact_kl_metric, noise_to_signal, rollout_health, rollout_metrics, staleness_metrics,
                          teacher_mismatch_metrics, truncation_metrics)
@@ -171,7 +171,7 @@ def train_step(student: Transformer, teacher, opt: torch.optim.Optimizer, batch,
             shard.sum_replicated_grads(student)
             grad_norm = shard.clip(student, cfg.optim.grad_clip)
         else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.optim.grad_clip).item()
+            grad_norm = clip_gradients(student.parameters(), cfg.optim.grad_clip)
         ok = math.isfinite(grad_norm)
         metrics["train/grad_norm"] = grad_norm
     if ok:
