@@ -153,8 +153,8 @@ def report(lines: list[dict]) -> dict:
             full = "" if used == eval_steps(step) else f", of its {eval_steps(step)}"
             print(f"K={step} opd admit --trial (z averaged over the evaluations after steps {used}{full}; cut "
                   f"{TRIAL_CUT:g}, three ways, UNCERTAIN not admitted) {pair:8} ({n:3} runs): accuracy {right:.3f}, "
-                  f"admitted and degraded {unsafe:.3f}, UNCERTAIN {verdicts.count('UNCERTAIN') / n:.3f} (right among the "
-                  f"decided {among:.3f}) | never-admit "
+                  f"admitted and degraded {unsafe:.3f}, UNCERTAIN {verdicts.count('UNCERTAIN') / n:.3f} (right among "
+                  f"the decided {among:.3f}) | never-admit "
                   f"{bad / n:.3f}, always-admit {1 - bad / n:.3f}")
             result[f"trial_k{step}_{pair}"] = right
     return result

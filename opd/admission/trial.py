@@ -102,10 +102,10 @@ def check_trial(cfg: TrainConfig, steps: int = 4, seeds: int = 2, cut: float | N
     say = progress or (lambda text: None)
     start = time.perf_counter()
     eval_seed = cfg.eval.seed if cfg.eval.seed >= 0 else cfg.seed + 1
-    at = eval_steps(steps)
+    at = eval_steps(steps)  # the trial reads the contexts' numbers only: no greedy decoding
     base = replace(cfg, steps=steps, save_every=0, guard=GuardConfig(), canary=CanaryConfig(),
                    eval=replace(cfg.eval, every=at[0] if len(at) > 1 else 0, contexts="fixed", seed=eval_seed,
-                                resample_final=False, greedy=False))  # the trial reads the contexts' numbers only: no greedy decoding
+                                resample_final=False, greedy=False))
     twin = replace(base, plan=FLOOR_PLAN, schedule="sync")
     runs = [("twin", twin), ("candidate", base)] + [(f"seed {cfg.seed + i}", replace(twin, seed=cfg.seed + i))
                                                     for i in range(1, seeds + 1)]

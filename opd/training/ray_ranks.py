@@ -41,6 +41,13 @@ GRACE = 30.0  # seconds a stopped rank gets between SIGTERM and SIGKILL
 POLL = 0.2
 
 
+def _die_with_parent() -> None:
+    """In the rank's process before it runs: SIGTERM when its actor's process ends (Ray kills a job's actors when the
+    `opd train` that owns them ends, however it ends), so that no rank outlives its run holding a device."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class RankActor:
     """One learner rank: `python -m opd.cli <argv>` as a child process with the rank's environment."""
 
@@ -67,7 +74,7 @@ class RankActor:
         environ = os.environ | env
         for key in [k for k, v in env.items() if v is None]:
             environ.pop(key, None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "opd.cli", *argv], env=environ,
+        self.proc = subprocess.Popen([sys.executable, "-m", "opd.cli", *argv], env=environ, preexec_fn=_die_with_parent,
                                      cwd=cwd if os.path.isdir(cwd) else None, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE if keep_stdout else subprocess.DEVNULL,
                                      stderr=subprocess.PIPE)
@@ -158,6 +165,18 @@ def _place(ray, ranks: int, settings: RayConfig) -> tuple:
 
 
 def _run(ray, actors: list, argv: list[str], settings: RayConfig) -> int:
+    try:
+        _start(ray, actors, argv, settings)
+    except OpdError:
+        raise
+    except Exception as e:  # noqa: BLE001 (an actor that does not start: Ray's errors, a timeout)
+        raise OpdError(f"the learner ranks did not start on the Ray cluster: {first_line(e)}",
+                       "check that every node has this opd installed, or raise ray.connect_timeout") from None
+    return _wait(ray, actors, settings)
+
+
+def _start(ray, actors: list, argv: list[str], settings: RayConfig) -> None:
+    """Each actor's rank process started, with its rank's variables and the rendezvous."""
     where = ray.get([a.where.remote() for a in actors], timeout=settings.connect_timeout)
     nodes = [w["node"] for w in where]
     meet = ray.get(actors[0].rendezvous.remote(len(set(nodes)) == 1, where[0]["ip"]), timeout=settings.connect_timeout)
@@ -170,6 +189,11 @@ def _run(ray, actors: list, argv: list[str], settings: RayConfig) -> int:
                       "TORCH_CPP_LOG_LEVEL": "ERROR", "OMP_NUM_THREADS": threads}
         refs.append(a.start.remote(argv, env, os.getcwd(), rank == 0))
     ray.get(refs, timeout=settings.connect_timeout)
+
+
+def _wait(ray, actors: list, settings: RayConfig) -> int:
+    """Rank 0's output passed through until every rank has exited, or one failed -> the exit status."""
+    ranks = len(actors)
     codes, tails, said = [None] * ranks, [b""] * ranks, False
     interrupted = False
     while True:
