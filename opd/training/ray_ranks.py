@@ -37,15 +37,16 @@ from opd.config.sections import RayConfig
 from opd.io.errors import OpdError, first_line, require
 from opd.training.ray_backend import _ray, join
 
+_PRCTL = None  # libc's prctl, looked up in the actor before it starts its rank
 GRACE = 30.0  # seconds a stopped rank gets between SIGTERM and SIGKILL
 POLL = 0.2
 
 
 def _die_with_parent() -> None:
     """In the rank's process before it runs: SIGTERM when its actor's process ends (Ray kills a job's actors when the
-    `opd train` that owns them ends, however it ends), so that no rank outlives its run holding a device."""
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    `opd train` that owns them ends, however it ends), so that no rank outlives its run holding a device. prctl is
+    looked up before the fork (RankActor.start): no loader lock is taken between fork and exec."""
+    _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class RankActor:
@@ -71,6 +72,9 @@ class RankActor:
         return {"MASTER_ADDR": ip, "MASTER_PORT": str(port)}
 
     def start(self, argv: list[str], env: dict, cwd: str, keep_stdout: bool) -> int:
+        global _PRCTL
+        import ctypes
+        _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
         environ = os.environ | env
         for key in [k for k, v in env.items() if v is None]:
             environ.pop(key, None)
