@@ -24,6 +24,7 @@ whose rollouts and teacher already run on a Ray cluster (the frameworks they use
 Not here: the rollouts of a rank on Ray actors (each rank's rollout worker is a process beside it, as with torchrun;
 async.backend ray with several ranks is refused).
 """
+import functools
 import os
 import signal
 import socket
@@ -37,16 +38,8 @@ from opd.config.sections import RayConfig
 from opd.io.errors import OpdError, first_line, require
 from opd.training.ray_backend import _ray, join
 
-_PRCTL = None  # libc's prctl, looked up in the actor before it starts its rank
 GRACE = 30.0  # seconds a stopped rank gets between SIGTERM and SIGKILL
 POLL = 0.2
-
-
-def _die_with_parent() -> None:
-    """In the rank's process before it runs: SIGTERM when its actor's process ends (Ray kills a job's actors when the
-    `opd train` that owns them ends, however it ends), so that no rank outlives its run holding a device. prctl is
-    looked up before the fork (RankActor.start): no loader lock is taken between fork and exec."""
-    _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class RankActor:
@@ -72,13 +65,15 @@ class RankActor:
         return {"MASTER_ADDR": ip, "MASTER_PORT": str(port)}
 
     def start(self, argv: list[str], env: dict, cwd: str, keep_stdout: bool) -> int:
-        global _PRCTL
         import ctypes
-        _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+        # the rank gets SIGTERM when this actor's process ends (Ray kills a job's actors when the `opd train` that owns
+        # them ends, however it ends): no rank outlives its run holding a device. prctl(PR_SET_PDEATHSIG) is looked
+        # up here, before the fork: no loader lock is taken between fork and exec
+        die_with_parent = functools.partial(ctypes.CDLL(None, use_errno=True).prctl, 1, signal.SIGTERM)
         environ = os.environ | env
         for key in [k for k, v in env.items() if v is None]:
             environ.pop(key, None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "opd.cli", *argv], env=environ, preexec_fn=_die_with_parent,
+        self.proc = subprocess.Popen([sys.executable, "-m", "opd.cli", *argv], env=environ, preexec_fn=die_with_parent,
                                      cwd=cwd if os.path.isdir(cwd) else None, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE if keep_stdout else subprocess.DEVNULL,
                                      stderr=subprocess.PIPE)
