@@ -46,7 +46,7 @@ class RankActor:
     """One learner rank: `python -m opd.cli <argv>` as a child process with the rank's environment."""
 
     def __init__(self):
-        self.proc, self.store = None, None
+        self.proc, self.store, self.readers = None, None, []
         self.out, self.err, self.lock = [], [], threading.Lock()
 
     def where(self) -> dict:
@@ -78,8 +78,9 @@ class RankActor:
                                      stdout=subprocess.PIPE if keep_stdout else subprocess.DEVNULL,
                                      stderr=subprocess.PIPE)
         streams = [(self.proc.stderr, self.err)] + ([(self.proc.stdout, self.out)] if keep_stdout else [])
-        for stream, into in streams:
-            threading.Thread(target=self._read, args=(stream, into), daemon=True).start()
+        self.readers = [threading.Thread(target=self._read, args=pair, daemon=True) for pair in streams]
+        for reader in self.readers:
+            reader.start()
         return self.proc.pid
 
     def _read(self, stream, into: list) -> None:
@@ -91,7 +92,8 @@ class RankActor:
         """-> (exit status or None while it runs, stdout and stderr since the last poll)."""
         code = self.proc.poll()
         if code is not None:
-            time.sleep(0.05)  # the reader threads' last chunks
+            for reader in self.readers:  # the last chunks, up to the pipes' end
+                reader.join(timeout=10)
         with self.lock:
             out, err = b"".join(self.out), b"".join(self.err)
             self.out.clear()
@@ -124,11 +126,9 @@ def launch(argv: list[str], ranks: int, settings: RayConfig) -> int:
         pg, actors = _place(ray, ranks, settings)
         return _run(ray, actors, argv, settings)
     finally:
+        stopping = [a.stop.remote() for a in actors]  # all at once: SIGTERM, then SIGKILL after GRACE
+        ray.wait(stopping, num_returns=len(stopping), timeout=GRACE + 10)
         for a in actors:
-            try:
-                ray.get(a.stop.remote(), timeout=GRACE + 10)
-            except Exception:  # noqa: BLE001 (the actor is gone already: nothing left to stop)
-                pass
             ray.kill(a)
         if pg is not None:
             from ray.util.placement_group import remove_placement_group
