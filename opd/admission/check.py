@@ -18,6 +18,7 @@ from opd.health.rules import (AUTO_WARMUP, ESCALATE_CLASSES, FAR_STUDENT_RKL, FL
                            safe_staleness, staleness)
 from opd.models.checkpoint import load_checkpoint
 from opd.config.run import GuardConfig, TrainConfig
+from opd.config.sections import CanaryConfig
 from opd.models.devices import restored_threads
 from opd.engines.kinds import require_installed
 from opd.engines.vllm import vllm_settings
@@ -77,14 +78,14 @@ def probe_at(cfg, rollouts: int, warmup: int, decide) -> dict:
 
 def warm_weights(cfg, steps: int) -> dict:
     """The student's weights after `steps` OPD steps of cfg's own recipe with BF16 rollouts (the floor plan,
-    synchronous, no guard), trained in a temporary folder: the student a run has become once a large first move
+    synchronous, no guard, no canary), trained in a temporary folder: the student a run has become once a large first move
     (a pruned or far-off student closing most of its gap in a few steps) is behind it. `opd admit --warmup`. The
     run's checkpoint, optimizer state included, passes through the system's temporary folder."""
     with tempfile.TemporaryDirectory() as folder:
         run_dir = Path(folder) / "warmup"
         try:
             train(replace(cfg, steps=steps, plan=FLOOR_PLAN, schedule="sync", save_every=0, guard=GuardConfig(),
-                          eval=replace(cfg.eval, examples=1)), run_dir, progress=False)
+                          canary=CanaryConfig(), eval=replace(cfg.eval, examples=1)), run_dir, progress=False)
         except Interrupted as e:  # nothing to resume: the folder goes with this function
             raise Interrupted(e.signum, at_boundary=False) from None
         return load_checkpoint(run_dir / "checkpoint", torch.float32)[0].state_dict()
