@@ -182,5 +182,9 @@ def test_the_cli_takes_the_canary_section(pair, tmp_path):
     out = opd("train", *[x for s in settings for x in ("--set", s)], "--run-dir", str(tmp_path / "run"))
     assert out.returncode == 0, out.stderr
     assert "opd: canary: step 1: candidate kv=fp8_e4m3 admitted" in out.stderr
+    assert "opd: note: a canary without the runtime guard" in out.stderr  # guard.every 0 here
+    guarded = opd("train", *[x for s in settings + ["guard.every=1"] for x in ("--set", s)], "--run-dir",
+                  str(tmp_path / "guarded"))
+    assert guarded.returncode == 0 and "a canary without the runtime guard" not in guarded.stderr, guarded.stderr
     bad = opd("train", "--set", "canary.every=0", "--run-dir", str(tmp_path / "bad"))
     assert bad.returncode == 2 and bad.stderr.strip().startswith("opd: error: config: canary.every must be positive")

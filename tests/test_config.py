@@ -20,7 +20,8 @@ ADDED_SINCE = {"sampling.shards", "async.backend", "ray.address", "ray.workers",
                "engine.bf16_gemm", "eval.greedy",
                "canary.plan", "canary.every", "canary.min_batches", "canary.max_batches", "canary.cut",
                "canary.watch_every", "canary.start", "canary.max_staleness", "compute.learner_ranks",
-               "compute.sharded", "canary.sigmas", "eval.contexts", "eval.seed", "eval.resample_final"}
+               "compute.sharded", "canary.sigmas", "eval.contexts", "eval.seed", "eval.resample_final", "ray.learner",
+               "ray.learner_cpus", "ray.learner_gpus"}
 
 
 def old_layout(cfg: TrainConfig) -> dict:

@@ -250,6 +250,10 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
                 if cfg.canary.plan:
                     from opd.training.canary import Canary  # only a canary run needs it
                     run.canary = Canary(run, run_dir)
+                    if not cfg.guard.every and leader:
+                        print("opd: note: a canary without the runtime guard (guard.every 0): on a real pair the "
+                              "canary has promoted harmful candidates (docs/training.md, \"Canary training\"); set "
+                              "guard.every=1 guard.action=fallback", file=sys.stderr)
                 saved = {}
                 if resume:
                     check_same_run(run_dir, cfg)
