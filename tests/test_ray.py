@@ -201,5 +201,6 @@ def test_ray_not_installed(pair, tmp_path):
     import subprocess
     result = subprocess.run([sys.executable, "-m", "opd.cli", *cli_args(pair, tmp_path)], capture_output=True,
                             text=True, env=os.environ | {"PYTHONPATH": str(tmp_path / "shadow")}, timeout=300)
-    assert_one_line_error(result, "async.backend ray needs Ray, which is not installed", "pip install -e '.[ray]'")
+    assert_one_line_error(result, "async.backend ray and ray.learner need Ray, which is not installed",
+                          "pip install -e '.[ray]'")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
