@@ -260,11 +260,15 @@ def sum_of_squares(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def clip_gradients(params, max_norm: float) -> float:
+def clip_gradients(params, max_norm: float, squares=None) -> float:
     """torch.nn.utils.clip_grad_norm_ with the global L2 norm summed exactly (sum_of_squares) -> the norm before
-    clipping (nan or inf where a gradient is not finite; then nothing is scaled)."""
+    clipping (nan or inf where a gradient is not finite; then nothing is scaled). squares(grads) -> the float64 sum of
+    their squares over the whole gradient (a sharded learner's sums its shards over the ranks); one host sync."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = math.sqrt(sum(sum_of_squares(g).item() for g in grads)) if grads else 0.0
+    if not grads:
+        return 0.0
+    total = squares(grads) if squares is not None else torch.stack([sum_of_squares(g) for g in grads]).sum()
+    norm = math.sqrt(total.item())
     coef = max_norm / (norm + 1e-6)
     if coef < 1:
         for g in grads:

@@ -37,6 +37,7 @@ import time
 from opd.config.sections import RayConfig
 from opd.io.errors import OpdError, first_line, require
 from opd.training.ray_backend import _ray, join
+from opd.training.sharded import failure_line
 
 GRACE = 30.0  # seconds a stopped rank gets between SIGTERM and SIGKILL
 POLL = 0.2
@@ -230,9 +231,5 @@ def _wait(ray, actors: list, settings: RayConfig) -> int:
         a.signal.remote(signal.SIGTERM)
     rank, code = failed[0]
     if rank > 0 and not said:
-        text = tails[rank].decode(errors="replace").splitlines()
-        lines = [x for x in text if x.startswith("opd: error:")]
-        last = next((x.strip() for x in reversed(text) if x.strip()), "no output")
-        print(lines[-1] if lines else f"opd: error: learner rank {rank} failed (exit status {code}): {last:.300}",
-              file=sys.stderr)
+        print(failure_line(rank, code, tails[rank].decode(errors="replace")), file=sys.stderr)
     return code if code > 0 else 1

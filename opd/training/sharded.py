@@ -41,7 +41,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from opd.io.errors import require
-from opd.training.learner import Scores, collate, sum_of_squares, unpack
+from opd.training.learner import Scores, clip_gradients, collate, sum_of_squares, unpack
 from opd.training.losses import loss_metrics
 
 def launched() -> bool:
@@ -99,16 +99,21 @@ def launch(argv: list[str], ranks: int) -> int:
         rank, code = failed[0]
         if rank > 0 and not said["error"]:
             logs[rank].seek(0)
-            text = logs[rank].read().splitlines()
-            lines = [x for x in text if x.startswith("opd: error:")]
-            last = next((x.strip() for x in reversed(text) if x.strip()), "no output")
-            print(lines[-1] if lines else f"opd: error: learner rank {rank} failed (exit status {code}): {last:.300}",
-                  file=sys.stderr)
+            print(failure_line(rank, code, logs[rank].read()), file=sys.stderr)
         return code if code > 0 else 1
     finally:
         for log in logs[1:]:
             log.close()
         shutil.rmtree(store, ignore_errors=True)
+
+
+def failure_line(rank: int, code: int, text: str) -> str:
+    """The one line a failed rank other than 0 leaves when rank 0 said nothing of it: its last `opd: error:` line,
+    else its exit status and last line (launch, and ray_ranks for Ray-placed ranks)."""
+    lines = text.splitlines()
+    errors = [x for x in lines if x.startswith("opd: error:")]
+    last = next((x.strip() for x in reversed(lines) if x.strip()), "no output")
+    return errors[-1] if errors else f"opd: error: learner rank {rank} failed (exit status {code}): {last:.300}"
 
 
 def _pass_through(stream) -> dict:
@@ -222,24 +227,20 @@ class Sharding:
                 p.grad.div_(self.world)
 
     def clip(self, student, max_norm: float) -> float:
-        """torch.nn.utils.clip_grad_norm_ over the whole (sharded) gradient: the global L2 norm."""
+        """learner.clip_gradients over the whole (sharded) gradient: the global L2 norm."""
+        return clip_gradients(student.parameters(), max_norm, squares=self.squares)
+
+    def squares(self, grads: list) -> torch.Tensor:
+        """The whole gradient's sum of squares: the shards' summed over the ranks, the whole tensors' once."""
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         whole = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in student.parameters():
-            if p.grad is None:
-                continue
-            if isinstance(p.grad, DTensor):
-                sharded += sum_of_squares(p.grad.to_local())
+        for g in grads:
+            if isinstance(g, DTensor):
+                sharded += sum_of_squares(g.to_local())
             else:
-                whole += sum_of_squares(p.grad)
+                whole += sum_of_squares(g)
         dist.all_reduce(sharded)
-        norm = (sharded + whole).sqrt().item()
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1:
-            for p in student.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
+        return sharded + whole
 
     @torch.no_grad()
     def refresh(self, student) -> dict:
