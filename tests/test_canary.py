@@ -158,6 +158,39 @@ def test_a_stale_candidate_is_promoted_into_the_async_schedule_and_resumes_exact
     assert summary["canary"]["phase"] == "fallen_back"
 
 
+def test_the_guards_rule_on_the_shadow_rollouts_rejects_what_the_gradient_would_promote(pair, tmp_path):
+    """A cut no bias reaches (the gradient statistic admits at the second pair), and a guard limit every mismatch
+    exceeds: the candidate is rejected on its shadow rollouts' nsr, the run never leaves its plan; with a limit above
+    the candidate's nsr the same run promotes it. The event carries the rule's decision and the nsr it judged."""
+    for limit, event in ((1e-9, "reject"), (10.0, "promote")):
+        cfg = config(pair, steps=4, guard=dict(limit=limit),
+                     canary=dict(plan="forward=bf16 kv=bf16", min_batches=2, cut=1e6))
+        summary = train(cfg, tmp_path / event, progress=False)
+        [first] = events(tmp_path / event)
+        rows = read_metrics(tmp_path / event)[:4]
+        assert first["event"] == event and first["step"] == 1 and first["decision"]["decision"] == "ADMIT"
+        assert first["rollouts"]["nsr"] == rows[1]["canary/shadow_nsr"] > 1e-6  # bf16's mismatch, averaged
+        if event == "reject":
+            assert first["rollouts"]["decision"] == "REJECT" and summary["canary"]["phase"] == "rejected"
+            assert all(r["mismatch/kl_k3"] < 1e-9 for r in rows)
+        else:
+            assert first["rollouts"]["decision"] == "ADMIT" and summary["canary"]["phase"] == "promoted"
+
+
+def test_a_stale_shadows_rollouts_are_judged_against_the_weights_that_sampled_them(pair, tmp_path):
+    """The oracle for the stale shadow's q: a candidate that is the run's own float32 plan one version stale has no
+    numerics mismatch, so its nsr is rounding only (were q the current weights', it would be the staleness's); at an
+    lr whose drift budget (staleness x lr) is past the calibrated one the rule rejects it for its staleness."""
+    cfg = config(pair, steps=4, threads=2, async_=dict(worker_threads=1), optim=dict(lr=2e-2),
+                 canary=dict(plan="kv=fp32", max_staleness=1, min_batches=3, cut=1e6))
+    train(cfg, tmp_path / "run", progress=False)
+    [event] = events(tmp_path / "run")
+    rows = read_metrics(tmp_path / "run")
+    assert event["event"] == "reject" and event["step"] == 2 and event["rollouts"]["decision"] == "REJECT"
+    assert event["rollouts"]["nsr"] < 1e-5 and any("drift" in r for r in event["rollouts"]["reasons"])
+    assert [r["canary/shadow_version_gap"] for r in rows[:3]] == [0, 1, 1]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(canary=dict(plan="kv=fp9")), "canary.plan"),
     (dict(canary=dict(plan="kv=fp8_e4m3"), schedule="async", threads=2), "synchronous"),

@@ -12,6 +12,15 @@ remaining steps. From `canary.min_batches` pairs on, each new pair decides:
     REJECT     z - one standard error > the cut: the run stays on its plan; the shadow stops (no more cost)
     UNCERTAIN  go on; after `canary.max_batches` pairs the run stays on its plan and the shadow stops
 
+and beside the gradient, the shadow rollouts themselves are judged by the admission rule the runtime guard applies
+(rules.decide, the guard's thresholds or guard.limit): their mean nsr and ESS over the shadow batches (q: the sampling
+weights' own log-probs, for a stale shadow a forward of its older copy), the candidate's staleness x lr, and, where
+the run's plan is the BF16 floor's, the run's own steps as the floor. Its REJECT rejects the candidate whatever the
+gradient says: a promotion the guard would undo at its first check is no promotion (on the smollm2 pair the gradient
+statistic admitted 100% weight noise, nsr 2.39, and an async FP8 cache at staleness 1, whose drift budget there is
+0: benchmarks.md, "The canary on a real pair"). The guard's limits are our studies' calibration: on a model unlike
+theirs this gate is a prior, not a measurement of the user's recipe.
+
 After a promotion the roles swap: every `canary.watch_every` steps the shadow samples under the run's own plan, the
 training gradient is the candidate's, and the same statistic above the cut (its point estimate, on fresh pairs,
 min_batches of them) falls back to the run's plan for the rest of the run. `canary.start: promoted` starts there: the run trains on the candidate
@@ -38,16 +47,20 @@ import json
 import math
 import sys
 import time
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 
 from opd.config.runlog import write_atomic
 from opd.health.drift import CUT, Sums, decide
+from opd.health.metrics import RolloutHealth, rollout_health
+from opd.health.rules import FLOOR_PLAN, decide as admission, estimator_class
+from opd.health.thresholds import load_thresholds
 from opd.io.errors import OpdError, require
 from opd.numerics.kv_cache import scales_fit
 from opd.numerics.plan import Plan
-from opd.training.learner import Scoring, collate, flat_gradient, score_batch
+from opd.training.learner import Scoring, collate, flat_gradient, numerics_mu, score_batch
 from opd.training.rollouts import SyncRollouts
 from opd.training.setup import engine_builder, schedule_rollouts
 
@@ -76,6 +89,10 @@ class Canary:
         self.shadow_grad = self.trained_grad = None
         self.stale = self.settings.max_staleness  # the candidate's schedule: async at this staleness (0: sync)
         self.history: dict[int, dict] = {}  # version -> weights, the last `stale` + 1 (a stale shadow samples them)
+        self.thresholds = None if run.cfg.guard.limit else load_thresholds(run.cfg.guard.thresholds)
+        self.on_floor = self.reference == Plan.parse(FLOOR_PLAN, len(run.plan.layers))  # the run's steps: the floor
+        self.health: dict[str, list] = {"shadow": [], "reference": []}  # RolloutHealth of the shadow batches, steps
+        self.sampler, self.shadow_health = None, None
 
     @property
     def phase(self) -> str:
@@ -121,6 +138,7 @@ class Canary:
         if self.phase == "shadow" and self.stale:
             sampler = copy.deepcopy(run.student).requires_grad_(False)
             self.history.setdefault(run.state.version, _clone(run.student.state_dict()))
+        self.sampler = sampler
         build = engine_builder(run.cfg, sampler, run.tok, run.student_dir, run.prompts)
         self.shadow = SyncRollouts(build, self.shadow_plan(), run.prompts, run.params, run.cfg.seed,
                                    exact_kl=False, n_shards=run.cfg.shards)
@@ -138,7 +156,7 @@ class Canary:
         (prompt batch, attempt); the shadow samples the same prompts with the same seed (a re-sampled attempt of the
         async schedule has no pair). A stale candidate's shadow samples with the weights `stale` versions older,
         as the async schedule at that staleness does in steady state (fewer while it fills)."""
-        self.shadow_grad = self.trained_grad = None
+        self.shadow_grad = self.trained_grad = self.shadow_health = None
         index, attempt = key if key is not None else (step, 0)
         if self.shadow is None or not self.due(step) or attempt:
             return None
@@ -152,10 +170,12 @@ class Canary:
         else:
             self.shadow.publish(run.student.state_dict(), version)
         sampled = self.shadow.next_batch(index, version)
+        batch = collate(sampled.rollouts, run.tok.pad_id)
         run.student.zero_grad(set_to_none=True)
-        score_batch(run.student, collate(sampled.rollouts, run.tok.pad_id), run.teacher, Scoring.of(run.cfg),
-                    None, backward=True)
+        scores = score_batch(run.student, batch, run.teacher, Scoring.of(run.cfg), None, backward=True)
         self.shadow_grad = flat_gradient(run.student)
+        if self.phase == "shadow":
+            self.shadow_health = self._health(batch, scores)
         run.student.zero_grad(set_to_none=True)
         self.seconds = time.perf_counter() - start
 
@@ -163,9 +183,34 @@ class Canary:
             self.trained_grad = flat_gradient(run.student)
         return keep_training_gradient
 
-    def after_step(self, step: int, ok: bool) -> dict:
-        """Add the step's pair (a finite step's) and decide -> canary/* metrics. A switch takes effect from the next
-        step's rollouts."""
+    def _health(self, batch, scores):
+        """The shadow batch's rollout health as the guard reads a training step's: the engine's mu against q, the
+        log-probs of the weights that sampled (the learner's; a stale shadow's older copy, one more forward)."""
+        cfg = self.run.cfg
+        if scores.teacher is None:
+            return None
+        q = scores.pi if not self.stale else score_batch(self.sampler, batch, None, Scoring.of(cfg, loss=False)).pi
+        return RolloutHealth.of(rollout_health(scores.teacher, numerics_mu(batch, cfg.sampling.truncates), q,
+                                               batch.mask, cfg.loss.cap))
+
+    def gate(self):
+        """The admission rule on the shadow rollouts so far (module docstring) -> rules.Decision, or None before
+        any."""
+        shadow = RolloutHealth.mean(self.health["shadow"])
+        if shadow is None:
+            return None
+        cfg = self.run.cfg
+        floor = RolloutHealth.mean(self.health["reference"]) if self.on_floor else None
+        return admission(shadow, self.thresholds, estimator_class(cfg.loss), self.stale, cfg.guard.limit,
+                         cfg.optim.lr, floor)
+
+    def after_step(self, step: int, ok: bool, metrics: dict | None = None) -> dict:
+        """Add the step's pair (a finite step's) and decide -> canary/* metrics; metrics: the step's own (the run's
+        rollout health, the floor while its plan is BF16). A switch takes effect from the next step's rollouts."""
+        if self.phase == "shadow" and ok and self.on_floor and metrics:
+            own = RolloutHealth.of(metrics)
+            if own is not None:
+                self.health["reference"].append(own)
         if self.phase == "shadow" and self.stale and ok:  # the weights a stale shadow will sample
             version = self.run.state.version
             self.history[version] = _clone(self.run.student.state_dict())
@@ -177,7 +222,9 @@ class Canary:
         promoted = self.phase == "promoted"
         g, c = (self.shadow_grad, self.trained_grad) if promoted else (self.trained_grad, self.shadow_grad)
         self.sums.add(g, c)
-        self.shadow_grad = self.trained_grad = None
+        if self.shadow_health is not None:
+            self.health["shadow"].append(self.shadow_health)
+        self.shadow_grad = self.trained_grad = self.shadow_health = None
         out = {"canary/pairs": self.sums.M, "canary/promoted": float(promoted), "time/canary": self.seconds,
                "canary/shadow_version_gap": self.gap}
         if self.sums.M < self.settings.min_batches:
@@ -188,21 +235,25 @@ class Canary:
         decision = decide(numbers, self.cut, sigmas=self.settings.sigmas, reject_sigmas=0.0 if promoted else 1.0)
         out |= {"canary/z": decision["z"], "canary/z_se": decision["z_se"]}
         verdict = decision["decision"]
-        if not promoted and verdict == "ADMIT":
-            self._switch(step, "promoted", "promote", decision, numbers)
-        elif not promoted and verdict == "REJECT":
-            self._switch(step, "rejected", "reject", decision, numbers)
+        gate = None if promoted else self.gate()
+        if gate is not None:
+            out["canary/shadow_nsr"] = gate.value
+        if not promoted and (verdict == "REJECT" or (gate is not None and gate.reject)):
+            self._switch(step, "rejected", "reject", decision, numbers, gate)
+        elif not promoted and verdict == "ADMIT":
+            self._switch(step, "promoted", "promote", decision, numbers, gate)
         elif not promoted and self.sums.M >= self.settings.max_batches:
-            self._switch(step, "undecided", "undecided", decision, numbers)
+            self._switch(step, "undecided", "undecided", decision, numbers, gate)
         elif promoted and verdict == "REJECT":
             self._switch(step, "fallen_back", "fall_back", decision, numbers)
         return out | {"canary/promoted": float(self.phase == "promoted")}
 
-    def _switch(self, step: int, phase: str, event: str, decision: dict, numbers: dict) -> None:
+    def _switch(self, step: int, phase: str, event: str, decision: dict, numbers: dict, gate=None) -> None:
         was = self.name(self.run.plan)
         self.run.state.canary = phase
         self.sums = Sums(successive=True)
         self.history.clear()
+        self.health = {"shadow": [], "reference": []}
         if phase == "promoted":
             self.close()
             self.train_on(self.candidate, self.stale, step + 1)
@@ -214,6 +265,8 @@ class Canary:
         z = f"z {decision['z']:.3g} +- {decision['z_se']:.3g} against the cut {decision['cut']:g} over " \
             f"{decision['batches']} pairs, {decision['steps']} steps to go"
         candidate, reference = self.name(self.candidate), self.name(self.reference)
+        if gate is not None and (gate.reject or event != "reject"):
+            z += f"; its rollouts: {gate.verdict} by the runtime guard's rule ({'; '.join(gate.reasons[:2])})"
         line = {"promote": f"candidate {candidate} admitted ({z}): training on it from step {step + 1}",
                 "reject": f"candidate {candidate} rejected ({z}): the run stays on {reference}",
                 "undecided": f"candidate {candidate} undecided after {decision['batches']} pairs ({z}): the "
@@ -221,7 +274,8 @@ class Canary:
                 "fall_back": f"candidate {candidate} rejected while training on it ({z}): back to "
                              f"{reference} from step {step + 1}"}[event]
         self._log({"step": step, "event": event, "from": was, "to": self.name(self.run.plan),
-                   "decision": decision, "numbers": numbers}, line)
+                   "decision": decision, "numbers": numbers} | (
+                      {"rollouts": gate.to_dict()} if gate is not None else {}), line)
 
     def guard_fell_back(self, step: int) -> None:
         """The runtime guard switched the rollouts to a safer plan: the canary ends there."""
@@ -251,7 +305,8 @@ class Canary:
         versions = sorted(self.history)
         return {"canary": self.sums.state_dict(),
                 "canary_scales": dict(self.shadow.scales) if self.shadow is not None else {},
-                "canary_history": {"versions": versions, "weights": [self.history[v] for v in versions]}}
+                "canary_history": {"versions": versions, "weights": [self.history[v] for v in versions]},
+                "canary_health": {side: [asdict(h) for h in kept] for side, kept in self.health.items()}}
 
     def load_state_dict(self, blob: dict, where: str, fix: str) -> None:
         """What state_dict saved (checked), and the plan the phase trains on (a promoted run resumes on the
@@ -268,8 +323,15 @@ class Canary:
             isinstance(v, int) and isinstance(w, dict) and w.keys() == own.keys() and all(
                 isinstance(w[k], torch.Tensor) and w[k].shape == own[k].shape for k in own)
             for v, w in zip(versions, weights)), f"{where}: its canary state does not fit this run", fix)
+        health = blob.get("canary_health", {"shadow": [], "reference": []})
+        names = {f.name for f in fields(RolloutHealth)}
+        require(isinstance(health, dict) and health.keys() == {"shadow", "reference"} and all(
+            isinstance(kept, list) and all(isinstance(h, dict) and h.keys() == names and all(
+                v is None or (isinstance(v, float)) for v in h.values()) for h in kept) for kept in health.values()),
+            f"{where}: its canary state does not fit this run", fix)
         self.sums, self.saved_scales = sums, scales
         self.history = dict(zip(versions, weights))
+        self.health = {side: [RolloutHealth(**h) for h in kept] for side, kept in health.items()}
         if self.phase == "promoted":  # the rollouts the trainer then starts with the checkpoint's batches in flight
             self.train_on(self.candidate, self.stale, self.run.state.step, start=False)
 

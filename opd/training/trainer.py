@@ -213,7 +213,7 @@ def run_step(run: Run) -> dict:
         state.bad_steps += 1
         state.skipped += 1
     if run.canary is not None:  # after the publish: a switch re-makes the engine on the newest weights
-        metrics |= run.canary.after_step(state.step - 1, ok)
+        metrics |= run.canary.after_step(state.step - 1, ok, metrics)
     elapsed = time.perf_counter() - start
     return metrics | sample_metrics | {"train/skipped_steps": state.skipped, "train/version": state.version,
                                         "time/step": elapsed,
