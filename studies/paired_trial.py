@@ -36,7 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import admission as bench  # noqa: E402 (the stored, labelled runs)
 
-from opd.admission.trial import TRIAL_CUT, decide, eval_steps, trial_z  # noqa: E402 (what `opd admit --trial` decides on)
+from opd.admission.trial import (NSR_RATIO, TRIAL_CUT, decide, eval_steps, mean_nsr,  # noqa: E402 (what `opd admit
+                                  mismatch, trial_z)  # --trial` decides on)
 from opd.config.runlog import read_metrics  # noqa: E402
 from opd.study.sweep import stored_config  # noqa: E402
 from opd.training.trainer import train  # noqa: E402
@@ -57,7 +58,33 @@ def trial(cfg, steps: int, every: int, contexts: str = "sampled") -> dict:
     evals = {str(r["step"]): {"rkl": r["eval/rkl"], "entropy": r.get("eval/entropy")}
              for r in rows if "eval/rkl" in r}
     curve = [r.get("loss/rkl_sampled") for r in rows if "loss/value" in r]
-    return {"evals": evals, "curve": curve}
+    return {"evals": evals, "curve": curve, "nsr": mean_nsr([r for r in rows if "loss/value" in r])}
+
+
+def gate_ratios(lines: list[dict], rows: list[dict]) -> dict:
+    """(candidate line's key, run index) -> (its rollout nsr over its BF16 twin's, where it comes from): the trial's
+    own steps where both lines stored an nsr, else the stand-in, the stored study run's probe nsr over its BF16
+    floor's (at the initial student; the trial's gate measures at the trial's weights)."""
+    twins = {(x["recipe"], x["seed"]): x.get("nsr") for x in lines if x["source"] == "bf16"}
+    probes: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["source"] != "bf16":
+            probes.setdefault(f"{r['study']}|{r['family']}|{r['estimator']}|{r['source']}|{r['level']}", []).append(r)
+    for runs in probes.values():  # in the order of the line's labels (bench.recipes: by seed)
+        runs.sort(key=lambda r: r.get("seed", 0))
+    out = {}
+    for x in lines:
+        if x["source"] == "bf16":
+            continue
+        twin, key = twins.get((x["recipe"], x["seed"])), x.get("key") or f"{x['recipe']}|{x['source']}|{x['seed']}"
+        for i in range(len(x["degraded"])):
+            if x.get("nsr") is not None and twin:
+                out[(key, i)] = (x["nsr"] / twin, "trial")
+            elif key in probes:
+                probe = probes[key][min(i, len(probes[key]) - 1)]["probe"]
+                if probe.get("nsr") is not None and probe.get("floor_nsr"):
+                    out[(key, i)] = (probe["nsr"] / probe["floor_nsr"], "probe")
+    return out
 
 
 def plan_trials(rows: list[dict], pairs: tuple) -> list[dict]:
@@ -126,7 +153,9 @@ def mean_z(lines: list[dict], k: int) -> tuple[list[dict], list[int]]:
     return rows, steps
 
 
-def report(lines: list[dict]) -> dict:
+def report(lines: list[dict], ratios: dict | None = None) -> dict:
+    """The accuracies of the stored trial lines; ratios (gate_ratios): the product's rule is also reported with its
+    mismatch gate (a candidate whose rollout nsr is more than NSR_RATIO x its twin's is rejected)."""
     result = {}
     steps = sorted({int(s) for x in lines for s in x["evals"] if int(s) > 0})
     for step in steps:
@@ -157,6 +186,17 @@ def report(lines: list[dict]) -> dict:
                   f"the decided {among:.3f}) | never-admit "
                   f"{bad / n:.3f}, always-admit {1 - bad / n:.3f}")
             result[f"trial_k{step}_{pair}"] = right
+            gated = [(v, r, (ratios or {}).get(r["key"])) for v, r in zip(verdicts, mine)]
+            if ratios and all(g is not None for _, _, g in gated):
+                verdicts = ["REJECT" if mismatch(g[0], 1.0)["reject"] else v for v, _, g in gated]
+                right = sum((v == "ADMIT") != r["degraded"] for v, r in zip(verdicts, mine)) / n
+                unsafe = sum(v == "ADMIT" and r["degraded"] for v, r in zip(verdicts, mine)) / n
+                where = sorted({g[1] for _, _, g in gated})
+                print(f"K={step} opd admit --trial with its mismatch gate (nsr > {NSR_RATIO:g}x the twin's: REJECT; "
+                      f"the ratio from {' and '.join(where)}) {pair:8} ({n:3} runs): accuracy {right:.3f}, admitted "
+                      f"and degraded {unsafe:.3f}, UNCERTAIN {verdicts.count('UNCERTAIN') / n:.3f} | never-admit "
+                      f"{bad / n:.3f}, always-admit {1 - bad / n:.3f}")
+                result[f"trial_gated_k{step}_{pair}"] = right
     return result
 
 
@@ -178,7 +218,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one recipe's BF16 seeds and one candidate, 2 steps")
     args = parser.parse_args()
     if args.report:
-        result = report(read_lines(Path(args.report)))
+        lines = read_lines(Path(args.report))
+        result = report(lines, gate_ratios(lines, bench.stored_rows()))
         print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
         return
     rows = bench.stored_rows()
@@ -209,7 +250,7 @@ def main() -> None:
             with out.open("a") as f:
                 f.write(json.dumps(line) + "\n")
     lines = read_lines(out) if out else lines
-    result = report(lines)
+    result = report(lines, gate_ratios(lines, bench.stored_rows()))
     print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()) if result else
           f"RESULT trials={len(lines)}")
 

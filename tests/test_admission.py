@@ -820,6 +820,8 @@ def test_paired_trial_decides_from_the_recipes_own_seed_gaps(pair):
     from opd.admission.trial import check_trial, decide
     floor = check_trial(config(pair, plan="forward=bf16 kv=bf16", steps=20), steps=2, seeds=1, cut=4.0)
     assert floor["decision"] == "ADMIT" and floor["z"] == 0 and floor["cost_steps"] == 6
+    assert floor["mismatch"] == {"nsr": floor["mismatch"]["twin_nsr"], "twin_nsr": pytest.approx(
+        floor["mismatch"]["nsr"]), "nsr_ratio": 1.0, "reject": False} and floor["mismatch"]["nsr"] > 0
     assert floor["cost_share"] == pytest.approx(6 / 20) and floor["held_out"]["candidate"] == floor["held_out"]["twin"]
     from opd import make_config  # the llama pair, the first study's sampled_mu recipe, 100% weight noise
     harmful = check_trial(make_config(family="llama", task="chain", steps=24, batch_size=16, threads=1,
@@ -831,6 +833,7 @@ def test_paired_trial_decides_from_the_recipes_own_seed_gaps(pair):
     assert se == pytest.approx(z * math.sqrt(math.pi / 2 - 1) / math.sqrt(2))
     assert harmful["decision"] == ("ADMIT" if z + se <= 4 else "REJECT" if z - se > 4 else "UNCERTAIN")
     assert harmful["decision"] == "REJECT", harmful["reasons"]  # (z 15.7 on an Intel AMX CPU)
+    assert harmful["mismatch"]["nsr_ratio"] > 30 and harmful["mismatch"]["reject"]  # the rollouts' nsr rejects it too
     # what passes the same trial, against the same twin and seeds: the most sensitive layers spared, K steps a try
     tried = harmful["proposal"]["tried"]
     assert tried and [t["bf16_layers"] for t in tried][:2] == [[harmful["proposal"]["layer_kl"].index(
@@ -848,6 +851,23 @@ def test_paired_trial_decides_from_the_recipes_own_seed_gaps(pair):
     assert harmful["z_rkl"] == pytest.approx(sum(z_rkl) / 4)
     assert harmful["z"] == pytest.approx(sum(harmful["z_by_step"].values()) / 4)
     assert all(z >= zr - 1e-9 for z, zr in zip(harmful["z_by_step"].values(), z_rkl))
+
+
+def test_the_trials_mismatch_gate_rejects_whatever_z_says(pair, monkeypatch):
+    """The candidate's rollout nsr over its BF16 twin's past NSR_RATIO rejects even at z = 0 (here the twin itself,
+    ratio 1, against a ratio of 0.5); the arithmetic of the gate, a NaN nsr (broken rollouts) and no nsr at all."""
+    from opd.admission import trial
+    monkeypatch.setattr(trial, "NSR_RATIO", 0.5)
+    result = trial.check_trial(config(pair, plan="forward=bf16 kv=bf16", steps=20), steps=1, seeds=1, cut=4.0,
+                               propose=False)
+    assert result["z"] == 0 and result["decision"] == "REJECT" and result["mismatch"]["nsr_ratio"] == 1.0
+    assert any("more than 0.5x, REJECT whatever z says" in r for r in result["reasons"])
+    monkeypatch.undo()
+    assert trial.mismatch(0.3, 0.01) == {"nsr": 0.3, "twin_nsr": 0.01, "nsr_ratio": pytest.approx(30.0),
+                                         "reject": False}
+    assert trial.mismatch(0.31, 0.01)["reject"] and trial.mismatch(math.nan, 0.01)["reject"]
+    assert trial.mismatch(None, 0.01) is None and trial.mean_nsr([{"loss/value": 1.0}]) is None
+    assert trial.mean_nsr([{"opd/nsr": 0.1}, {"opd/nsr": 0.3}, {}]) == pytest.approx(0.2)
 
 
 def test_paired_trial_arithmetic():

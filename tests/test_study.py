@@ -462,6 +462,16 @@ def test_paired_trial_measures_the_gap_in_units_of_the_recipes_seed_gap():
     rows, used = paired_trial.mean_z(lines, 4)
     assert used == [2, 4] and len(rows) == 3  # at step 2: z 2 for each candidate (gap 0.4 over the seeds' 0.2)
     assert [round(r["z_mean"], 6) for r in rows] == [2.5, 2.5, 1.25] and rows[0]["z"] == pytest.approx(3.0)
+    # the mismatch gate's ratio: the trial's own steps' nsr over its twin's where both lines have one, else the
+    # stored study run's probe nsr over its BF16 floor (a stand-in); the candidate's key names its study run
+    for x in lines:
+        x["key"] = f"{x['recipe']}|e|{x['source']}|l"
+    lines[0]["nsr"], lines[3]["nsr"] = 0.01, 0.5
+    probe = {"study": "r", "family": "a", "estimator": "e", "source": "w", "level": "l", "probe": {"nsr": 0.2,
+                                                                                                    "floor_nsr": 0.02}}
+    ratios = paired_trial.gate_ratios(lines, [probe])
+    assert ratios == {("r|a|e|kv|l", 0): (pytest.approx(50.0), "trial"),
+                      ("r|a|e|kv|l", 1): (pytest.approx(50.0), "trial"), ("r|a|e|w|l", 0): (pytest.approx(10.0), "probe")}
 
 
 def test_a_grids_own_evaluations_become_paired_trial_lines(pair, tmp_path):

@@ -23,6 +23,17 @@ between (with the seeds that would decide).
 The cut is provisional: fitted on one built-in pair's fixed-context trials and applied to the other (the mean z over
 steps 2, 4, 6), the best cuts were 2.79 and 2.95; TRIAL_CUT rounds them. It is to be refitted on the real pairs'
 trials (docs/admission.md, "The paired trial").
+
+Beside z, the trial's own training steps measure the rollouts' mismatch: the candidate's mean `opd/nsr` (the engine's
+log-probs against the trainer's, next to the OPD signal) over its steps, against the BF16 twin's on the same prompts
+and draws. A candidate whose nsr is more than NSR_RATIO times its twin's is rejected whatever z says (a
+non-finite nsr, broken rollouts, too): some mismatch harms a run only after the trial's K steps. Unitless, on the
+user's model, like z. Chosen on the built-in pairs (docs/admission.md, "The paired trial"): with the stored runs'
+probe nsr over their BF16 floor as the stand-in, fitted on one pair and applied to the other at K = 4, the best
+cuts were 29.6 and 43.3; added to the product's rule (cut 3, three ways) it took the admitted-and-degraded share
+from 2.7% to 0 (llama) and 8.1% to 2.7% (qwen3) and lost no right decision. On the smollm2 pair at lr 1e-4 two runs
+above 30x (INT4 weights 40x, 10% weight noise 44x) trained fine, and at lr 3e-5 every run above it degraded: the
+gate errs on the safe side there.
 """
 import math
 import tempfile
@@ -39,6 +50,7 @@ from opd.models.devices import restored_threads
 from opd.training.trainer import train
 
 TRIAL_CUT = 3.0  # provisional (module docstring)
+NSR_RATIO = 30.0  # the candidate's rollout nsr over its BF16 twin's past which the trial rejects (module docstring)
 QUANTITIES = ("rkl", "entropy")
 NOISE_RSE = math.sqrt(math.pi / 2 - 1)  # relative standard error of one |N(0, s2)| as an estimate of its mean
 
@@ -71,6 +83,24 @@ def trial_z_mean(candidate: dict, twin: dict, others: list[dict]) -> dict:
     mean = lambda key: sum(z[key] for z in each.values()) / len(each)  # noqa: E731
     return {"z_rkl": mean("z_rkl"), "z_entropy": mean("z_entropy"), "z": mean("z"),
             "z_by_step": {k: z["z"] for k, z in each.items()}, "noise_seeds": len(others)}
+
+
+def mismatch(candidate_nsr: float | None, twin_nsr: float | None, ratio: float | None = None) -> dict | None:
+    """The trial's mismatch gate (module docstring; ratio: NSR_RATIO): {"nsr", "twin_nsr", "nsr_ratio", "reject"}, or
+    None where the candidate's steps measured no nsr (an async candidate that recomputes no q)."""
+    ratio = NSR_RATIO if ratio is None else ratio
+    if candidate_nsr is None or twin_nsr is None:
+        return None
+    if not math.isfinite(candidate_nsr):
+        return {"nsr": candidate_nsr, "twin_nsr": twin_nsr, "nsr_ratio": math.nan, "reject": True}
+    times = candidate_nsr / twin_nsr if twin_nsr > 0 else (math.inf if candidate_nsr > 0 else 1.0)
+    return {"nsr": candidate_nsr, "twin_nsr": twin_nsr, "nsr_ratio": times, "reject": times > ratio}
+
+
+def mean_nsr(rows: list[dict]) -> float | None:
+    """A run's mean opd/nsr over its training steps (a NaN, broken log-probs, stays one); None without any."""
+    values = [r["opd/nsr"] for r in rows if r.get("opd/nsr") is not None]
+    return sum(values) / len(values) if values else None
 
 
 def decide(z: float, seeds: int, cut: float) -> dict:
@@ -109,7 +139,7 @@ def check_trial(cfg: TrainConfig, steps: int = 4, seeds: int = 2, cut: float | N
     twin = replace(base, plan=FLOOR_PLAN, schedule="sync")
     runs = [("twin", twin), ("candidate", base)] + [(f"seed {cfg.seed + i}", replace(twin, seed=cfg.seed + i))
                                                     for i in range(1, seeds + 1)]
-    after, seconds, shared = {}, {}, {}
+    after, seconds, shared, nsr = {}, {}, {}, {}
     stale = staleness(cfg)
     with tempfile.TemporaryDirectory() as folder, restored_threads():
         def held_out(name: str, run_cfg: TrainConfig) -> dict:
@@ -123,14 +153,23 @@ def check_trial(cfg: TrainConfig, steps: int = 4, seeds: int = 2, cut: float | N
             seconds[name] = time.perf_counter() - t
             if not shared:  # the twin sampled them: every other run is evaluated on the same contexts
                 shared.update(contexts=run_dir / "eval_contexts.json", before=summary["before"])
+            rows = read_metrics(run_dir)
+            nsr[name] = mean_nsr([r for r in rows if "loss/value" in r])
             return {r["step"]: {k: r[k] for k in ("eval/rkl", "eval/entropy")}
-                    for r in read_metrics(run_dir) if "eval/rkl" in r and r["step"] > 0}
+                    for r in rows if "eval/rkl" in r and r["step"] > 0}
+
+        def gated(verdict: dict, name: str) -> dict:
+            """The verdict with the mismatch gate applied to run `name`'s rollouts (module docstring)."""
+            gate = mismatch(nsr.get(name), nsr.get("twin"))
+            if gate is None:
+                return verdict
+            return verdict | {"mismatch": gate} | ({"decision": "REJECT"} if gate["reject"] else {})
 
         for name, run_cfg in runs:
             after[name] = held_out(name, run_cfg)
         others = [after[name] for name, _ in runs[2:]]
         numbers = trial_z_mean(after["candidate"], after["twin"], others)
-        verdict = decide(numbers["z"], seeds, cut)
+        verdict = gated(decide(numbers["z"], seeds, cut), "candidate")
         proposal = None
         if verdict["decision"] == "REJECT" and propose:
             def judge(candidate: TrainConfig, k: int) -> dict:
@@ -138,7 +177,7 @@ def check_trial(cfg: TrainConfig, steps: int = 4, seeds: int = 2, cut: float | N
                 after[label] = held_out(label, replace(base, plan=candidate.plan, schedule=candidate.schedule,
                                                        async_=candidate.async_))
                 z = trial_z_mean(after[label], after["twin"], others)["z"]
-                return {"z": z} | decide(z, seeds, cut)
+                return {"z": z} | gated(decide(z, seeds, cut), label)
             proposal = propose_passing(cfg, stale, judge, what="opd admit --trial")
     what = f"plan {cfg.plan or 'fp32'}" + (f" at staleness {stale}" if stale else "")
     last = {name: runs_[steps] for name, runs_ in after.items()}
@@ -155,6 +194,13 @@ def check_trial(cfg: TrainConfig, steps: int = 4, seeds: int = 2, cut: float | N
                + ", ".join(f"{k} ({z:.2f})" for k, z in numbers["z_by_step"].items())
                + f" (reverse KL {numbers['z_rkl']:.2f}, entropy {numbers['z_entropy']:.2f} on average); the cut is "
                f"{cut:g}, provisional (docs/admission.md, \"The paired trial\")"]
+    gate = verdict.get("mismatch")
+    if gate is not None:
+        reasons.append(f"its rollouts' nsr (the engine's log-probs against the trainer's, next to the OPD signal) "
+                       f"averaged {gate['nsr']:.3g} over its steps, {gate['nsr_ratio']:.3g}x the BF16 twin's "
+                       f"{gate['twin_nsr']:.3g}" + (f": more than {NSR_RATIO:g}x, REJECT whatever z says (a "
+                                                    "mismatch that large may harm after the trial's steps)"
+                                                    if gate["reject"] else f" (at most {NSR_RATIO:g}x passes)"))
     if verdict["decision"] == "UNCERTAIN":
         more = verdict.get("seeds_to_decide")
         reasons.append("the measurement straddles the cut" + (f": about {more} BF16 seeds (--trial-seeds) would "

@@ -12,14 +12,18 @@ remaining steps. From `canary.min_batches` pairs on, each new pair decides:
     REJECT     z - one standard error > the cut: the run stays on its plan; the shadow stops (no more cost)
     UNCERTAIN  go on; after `canary.max_batches` pairs the run stays on its plan and the shadow stops
 
-and beside the gradient, the shadow rollouts themselves are judged by the admission rule the runtime guard applies
-(rules.decide, the guard's thresholds or guard.limit): their mean nsr and ESS over the shadow batches (q: the sampling
-weights' own log-probs, for a stale shadow a forward of its older copy), the candidate's staleness x lr, and, where
-the run's plan is the BF16 floor's, the run's own steps as the floor. Its REJECT rejects the candidate whatever the
-gradient says: a promotion the guard would undo at its first check is no promotion (on the smollm2 pair the gradient
-statistic admitted 100% weight noise, nsr 2.39, and an async FP8 cache at staleness 1, whose drift budget there is
-0: benchmarks.md, "The canary on a real pair"). The guard's limits are our studies' calibration: on a model unlike
-theirs this gate is a prior, not a measurement of the user's recipe.
+and beside the gradient, the shadow rollouts themselves are judged by the admission check's rule (rules.decide, the
+guard's thresholds or guard.limit) as `opd admit` judges a probe: the latest shadow batch's nsr and ESS (q: the
+sampling weights' own log-probs, for a stale shadow a forward of its older copy; what a guard checking every step
+would judge on the candidate's first step), the candidate's staleness x lr against the drift budget, and, where the
+run's plan is the BF16 floor's, the run's first step as the floor (the initial student's, as the probe's floor: the
+calibration's floors were measured there). Its REJECT rejects the candidate whatever the gradient says (on the
+smollm2 pair the gradient statistic alone admitted 100% weight noise and an async FP8 cache at staleness 1:
+benchmarks.md, "The canary on a real pair"). Why the latest batch and the first step: the gate's first version took
+the mean over every shadow batch and the mean of the run's steps as the floor, and rejected the harmless FP8 cache
+there (ess_frac 0.484 < 0.5 over steps 0-3, where the BF16 run's own steps read 0.56-0.61 at steps 1-2 while the
+pruned student moves fast, and its floor read 3.7x the initial one). The limits are our studies' calibration: on a
+model unlike theirs this gate is a prior, not a measurement of the user's recipe.
 
 After a promotion the roles swap: every `canary.watch_every` steps the shadow samples under the run's own plan, the
 training gradient is the candidate's, and the same statistic above the cut (its point estimate, on fresh pairs,
@@ -91,7 +95,8 @@ class Canary:
         self.history: dict[int, dict] = {}  # version -> weights, the last `stale` + 1 (a stale shadow samples them)
         self.thresholds = None if run.cfg.guard.limit else load_thresholds(run.cfg.guard.thresholds)
         self.on_floor = self.reference == Plan.parse(FLOOR_PLAN, len(run.plan.layers))  # the run's steps: the floor
-        self.health: dict[str, list] = {"shadow": [], "reference": []}  # RolloutHealth of the shadow batches, steps
+        # RolloutHealth of the run's first step (the BF16 floor, where the plan is BF16) and of the latest shadow batch
+        self.health: dict = {"floor": None, "shadow": None}
         self.sampler, self.shadow_health = None, None
 
     @property
@@ -196,21 +201,18 @@ class Canary:
     def gate(self):
         """The admission rule on the shadow rollouts so far (module docstring) -> rules.Decision, or None before
         any."""
-        shadow = RolloutHealth.mean(self.health["shadow"])
-        if shadow is None:
+        if self.health["shadow"] is None:
             return None
         cfg = self.run.cfg
-        floor = RolloutHealth.mean(self.health["reference"]) if self.on_floor else None
-        return admission(shadow, self.thresholds, estimator_class(cfg.loss), self.stale, cfg.guard.limit,
-                         cfg.optim.lr, floor)
+        return admission(self.health["shadow"], self.thresholds, estimator_class(cfg.loss), self.stale,
+                         cfg.guard.limit, cfg.optim.lr, self.health["floor"] if self.on_floor else None)
 
     def after_step(self, step: int, ok: bool, metrics: dict | None = None) -> dict:
         """Add the step's pair (a finite step's) and decide -> canary/* metrics; metrics: the step's own (the run's
-        rollout health, the floor while its plan is BF16). A switch takes effect from the next step's rollouts."""
-        if self.phase == "shadow" and ok and self.on_floor and metrics:
-            own = RolloutHealth.of(metrics)
-            if own is not None:
-                self.health["reference"].append(own)
+        rollout health: the first one is the floor where its plan is BF16). A switch takes effect from the next step's
+        rollouts."""
+        if self.phase == "shadow" and ok and self.on_floor and metrics and self.health["floor"] is None:
+            self.health["floor"] = RolloutHealth.of(metrics)
         if self.phase == "shadow" and self.stale and ok:  # the weights a stale shadow will sample
             version = self.run.state.version
             self.history[version] = _clone(self.run.student.state_dict())
@@ -223,7 +225,7 @@ class Canary:
         g, c = (self.shadow_grad, self.trained_grad) if promoted else (self.trained_grad, self.shadow_grad)
         self.sums.add(g, c)
         if self.shadow_health is not None:
-            self.health["shadow"].append(self.shadow_health)
+            self.health["shadow"] = self.shadow_health
         self.shadow_grad = self.trained_grad = self.shadow_health = None
         out = {"canary/pairs": self.sums.M, "canary/promoted": float(promoted), "time/canary": self.seconds,
                "canary/shadow_version_gap": self.gap}
@@ -253,7 +255,7 @@ class Canary:
         self.run.state.canary = phase
         self.sums = Sums(successive=True)
         self.history.clear()
-        self.health = {"shadow": [], "reference": []}
+        self.health["shadow"] = None
         if phase == "promoted":
             self.close()
             self.train_on(self.candidate, self.stale, step + 1)
@@ -306,7 +308,7 @@ class Canary:
         return {"canary": self.sums.state_dict(),
                 "canary_scales": dict(self.shadow.scales) if self.shadow is not None else {},
                 "canary_history": {"versions": versions, "weights": [self.history[v] for v in versions]},
-                "canary_health": {side: [asdict(h) for h in kept] for side, kept in self.health.items()}}
+                "canary_health": {k: asdict(h) if h is not None else None for k, h in self.health.items()}}
 
     def load_state_dict(self, blob: dict, where: str, fix: str) -> None:
         """What state_dict saved (checked), and the plan the phase trains on (a promoted run resumes on the
@@ -323,15 +325,15 @@ class Canary:
             isinstance(v, int) and isinstance(w, dict) and w.keys() == own.keys() and all(
                 isinstance(w[k], torch.Tensor) and w[k].shape == own[k].shape for k in own)
             for v, w in zip(versions, weights)), f"{where}: its canary state does not fit this run", fix)
-        health = blob.get("canary_health", {"shadow": [], "reference": []})
+        health = blob.get("canary_health", {"floor": None, "shadow": None})
         names = {f.name for f in fields(RolloutHealth)}
-        require(isinstance(health, dict) and health.keys() == {"shadow", "reference"} and all(
-            isinstance(kept, list) and all(isinstance(h, dict) and h.keys() == names and all(
-                v is None or (isinstance(v, float)) for v in h.values()) for h in kept) for kept in health.values()),
+        require(isinstance(health, dict) and health.keys() == {"floor", "shadow"} and all(
+            h is None or (isinstance(h, dict) and h.keys() == names and all(
+                v is None or isinstance(v, float) for v in h.values())) for h in health.values()),
             f"{where}: its canary state does not fit this run", fix)
         self.sums, self.saved_scales = sums, scales
         self.history = dict(zip(versions, weights))
-        self.health = {side: [RolloutHealth(**h) for h in kept] for side, kept in health.items()}
+        self.health = {k: RolloutHealth(**h) if h is not None else None for k, h in health.items()}
         if self.phase == "promoted":  # the rollouts the trainer then starts with the checkpoint's batches in flight
             self.train_on(self.candidate, self.stale, self.run.state.step, start=False)
 
