@@ -839,8 +839,9 @@ def test_paired_trial_decides_from_the_recipes_own_seed_gaps(pair):
     assert tried and [t["bf16_layers"] for t in tried][:2] == [[harmful["proposal"]["layer_kl"].index(
         max(harmful["proposal"]["layer_kl"]))], tried[1]["bf16_layers"]] and len(tried[1]["bf16_layers"]) == 2
     assert harmful["cost_steps"] == 4 * (4 + len(tried)) and len(harmful["run_seconds"]) == 4 + len(tried)
-    for t in tried:
-        assert t["decision"] == decide(t["z"], 2, 4.0)["decision"]
+    for t in tried:  # z's decision, or REJECT by the mismatch gate (the try's nsr over the twin's past 30x)
+        assert t["nsr_reject"] == (t["nsr_ratio"] > 30)
+        assert t["decision"] == ("REJECT" if t["nsr_reject"] else decide(t["z"], 2, 4.0)["decision"])
     # z: the mean over the trial's evaluations (every max(1, K // 3) steps and K: steps 1, 2, 3, 4 here) of each one's
     # gap in units of the seeds' gaps, recomputed here from the runs' held-out numbers
     runs = harmful["held_out"]

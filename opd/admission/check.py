@@ -240,7 +240,7 @@ def propose_passing(cfg: TrainConfig, stale: int, judge, tries: int = 3,
                 cand = replace(cfg, guard=GuardConfig(), async_=replace(cfg.async_, max_staleness=k, prefetch=-1),
                                schedule="async" if k else "sync")
                 d = judge(cand, k)
-                tried.append({"max_staleness": k, "z": d["z"], "decision": d["decision"]})
+                tried.append({"max_staleness": k, "z": d["z"], "decision": d["decision"]} | _gate(d))
                 if d["decision"] == "ADMIT":
                     return {"plan": None, "max_staleness": k, "z": d["z"], "tried": tried,
                             "note": f"the same plan at async.max_staleness {k}" + (" (synchronous)" if not k else "")}
@@ -258,10 +258,17 @@ def propose_passing(cfg: TrainConfig, stale: int, judge, tries: int = 3,
             kept = sorted(order[:j])
             candidate = Plan.parse(f"{plan}; {','.join(map(str, kept))}: {KEEP}", n)
             d = judge(replace(cfg, plan=str(candidate), guard=GuardConfig()), 0)
-            tried.append({"plan": str(candidate), "bf16_layers": kept, "z": d["z"], "decision": d["decision"]})
+            tried.append({"plan": str(candidate), "bf16_layers": kept, "z": d["z"], "decision": d["decision"]}
+                         | _gate(d))
             if d["decision"] == "ADMIT":
                 return {"plan": str(candidate), "bf16_layers": kept, "z": d["z"], "layer_kl": sensitivity,
                         "tried": tried, "note": f"its {j} most sensitive layer(s) kept in BF16"} | \
                     in_vllm_terms(candidate)
     return {"plan": None, "layer_kl": sensitivity, "tried": tried,
             "note": f"none of {len(tried)} plans with the most sensitive layers in BF16 passed: BF16 rollouts"}
+
+
+def _gate(judged: dict) -> dict:
+    """A try's mismatch gate (the paired trial's: trial.mismatch), where its measurement has one."""
+    gate = judged.get("mismatch")
+    return {"nsr_ratio": gate["nsr_ratio"], "nsr_reject": gate["reject"]} if gate else {}

@@ -268,7 +268,8 @@ class Canary:
             f"{decision['batches']} pairs, {decision['steps']} steps to go"
         candidate, reference = self.name(self.candidate), self.name(self.reference)
         if gate is not None and (gate.reject or event != "reject"):
-            z += f"; its rollouts: {gate.verdict} by the runtime guard's rule ({'; '.join(gate.reasons[:2])})"
+            said = [r for r in gate.reasons if not r.startswith(("kl_k3 ", "adv_sign_flip "))]  # the judged ones
+            z += f"; its rollouts: {gate.verdict} by the admission check's rule ({'; '.join(said)})"
         line = {"promote": f"candidate {candidate} admitted ({z}): training on it from step {step + 1}",
                 "reject": f"candidate {candidate} rejected ({z}): the run stays on {reference}",
                 "undecided": f"candidate {candidate} undecided after {decision['batches']} pairs ({z}): the "
