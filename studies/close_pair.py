@@ -22,13 +22,15 @@ import json
 import sys
 from pathlib import Path
 
+from opd.admission.trial import mean_nsr
 from opd.config.runlog import read_metrics
 from opd.study.sweep import read_results
 from opd.study.tolerance import label, latest
 
 
 def trial_lines(results: Path, runs: Path, study: str, quality: str = "fixed") -> list[dict]:
-    """paired_trial.py's lines ({key, recipe, pair, source, seed, evals {step: {rkl, entropy}}, degraded}) of a grid's
+    """paired_trial.py's lines ({key, recipe, pair, source, seed, evals {step: {rkl, entropy}}, nsr, degraded}; nsr:
+    the mean opd/nsr of the steps before the first evaluation after step 0, the trial's mismatch gate) of a grid's
     runs (its results file, its folder of run logs), labelled by configuration against the grid's own BF16 seeds.
     quality: what labels a run, its final evaluation "fixed" (eval.contexts fixed: the reverse KL and entropy on the
     contexts every run shares) or "sampled" (its final samples drawn anew: eval/sampled_rkl, eval/sampled_entropy)."""
@@ -43,11 +45,14 @@ def trial_lines(results: Path, runs: Path, study: str, quality: str = "fixed") -
         if not log.is_file():
             print(f"close_pair: no log for {r['id']} ({log}): skipped", file=sys.stderr)
             continue
+        metrics = read_metrics(log.parent)
         evals = {str(m["step"]): {"rkl": m["eval/rkl"], "entropy": m.get("eval/entropy")}
-                 for m in read_metrics(log.parent) if "eval/rkl" in m}
+                 for m in metrics if "eval/rkl" in m}
+        first = min([int(s) for s in evals if int(s) > 0], default=None)  # the early look: a K-step trial's steps
         recipe = f"{study}|{r['family']}|{r['estimator']}"
         line = {"key": f"{recipe}|{r['source']}|{r['level']}|seed{r['seed']}", "recipe": recipe, "pair": r["family"],
-                "source": r["source"], "seed": r["seed"], "evals": evals}
+                "source": r["source"], "seed": r["seed"], "evals": evals,
+                "nsr": mean_nsr([m for m in metrics if "loss/value" in m and (first is None or m["step"] < first)])}
         if r["source"] != "bf16":
             line["degraded"] = [bool(r["degraded"])] if r["degraded"] is not None else []
         out.append(line)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from opd.config.runlog import read_metrics
 from opd.io.errors import OpdError
 from opd.study.sensitivity import layer_map, spread
 from opd.study.sweep import expand, load_grid, read_results, run_sweep
@@ -490,6 +491,11 @@ def test_a_grids_own_evaluations_become_paired_trial_lines(pair, tmp_path):
     assert [(x["source"], x["seed"]) for x in lines] == [("bf16", 0), ("bf16", 1), ("noise", 0)]
     assert all(set(x["evals"]) == {"0", "2", "4"} for x in lines)
     assert lines[2]["degraded"] in ([True], [False]) and "degraded" not in lines[0]
+    # the trial's mismatch gate: each run's mean opd/nsr over the steps before its first evaluation (steps 0 and 1)
+    for x, folder in zip(lines, sorted((tmp_path / "runs").iterdir())):
+        logged = [m["opd/nsr"] for m in read_metrics(folder) if "loss/value" in m]
+        assert len(logged) == 4 and x["nsr"] == pytest.approx(sum(logged[:2]) / 2)
+    assert lines[0]["nsr"] < 1e-5 < lines[2]["nsr"]  # the float32 plan: rounding only; 30% weight noise
     [z] = paired_trial.z_scores(lines, "2")
     e = [x["evals"]["2"]["rkl"] for x in lines]
     assert z["z_rkl"] == pytest.approx(abs(e[2] - e[0]) / abs(e[1] - e[0]))
