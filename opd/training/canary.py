@@ -199,8 +199,8 @@ class Canary:
                                                batch.mask, cfg.loss.cap))
 
     def gate(self):
-        """The admission rule on the shadow rollouts so far (module docstring) -> rules.Decision, or None before
-        any."""
+        """The admission check's rule on the latest shadow batch (module docstring) -> rules.Decision, or None before
+        the first."""
         if self.health["shadow"] is None:
             return None
         cfg = self.run.cfg
