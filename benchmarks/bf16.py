@@ -14,6 +14,7 @@
 
     python benchmarks/bf16.py --quick    # the smollm2 pair, small shapes (under a minute after its build)
     python benchmarks/bf16.py            # the Qwen2.5-Coder pair (docs/benchmarks.md's numbers)
+    python benchmarks/bf16.py --steps 3 --rounds 1   # the same, shorter (fewer whole steps)
 
 The last line is `RESULT key=value ...`.
 """
@@ -166,6 +167,8 @@ def logprob_agreement(family: str, batch: int, new_tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--steps", type=int, default=4, help="steps of each whole-step run (the first is dropped)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the float32 and bf16 runs, alternated")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     from opd.data.real_pairs import build_pair
@@ -182,12 +185,12 @@ def main() -> None:
     prompts = [tok.encode_prompt(ex.prompt) for ex in read_prompts(prompt_file(), PromptFormat(chat=True), tok)[:8]]
     result |= engine_speed(student_dir, prompts[:4 if args.quick else 8], 16 if args.quick else 64,
                            1 if args.quick else 3)
-    batch, tokens, steps = (4, 16, 2) if args.quick else (8, 128, 4)
+    batch, tokens, steps = (4, 16, 2) if args.quick else (8, 128, args.steps)
     result |= logprob_agreement(family, batch, tokens)
     if not args.quick:
         import tempfile
         with tempfile.TemporaryDirectory() as root:
-            result |= step_speed(family, batch, tokens, steps, 2, Path(root))
+            result |= step_speed(family, batch, tokens, steps, args.rounds, Path(root))
     result["seconds"] = time.perf_counter() - start
     print("RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
 
