@@ -15,6 +15,9 @@
     python benchmarks/bf16.py --quick    # the smollm2 pair, small shapes (under a minute after its build)
     python benchmarks/bf16.py            # the Qwen2.5-Coder pair (docs/benchmarks.md's numbers)
     python benchmarks/bf16.py --steps 3 --rounds 1   # the same, shorter (fewer whole steps)
+    python benchmarks/bf16.py --engine-only --plan "forward=bf16 kv=bf16 w=int4"   # 2. alone, for another plan
+        # (a plan's quantized layers: float32 GEMMs of their dequantized weights against bf16 GEMMs of them rounded
+        # to bf16, since 2026-12-07; add --quick for the smollm2 pair)
 
 The last line is `RESULT key=value ...`.
 """
@@ -65,14 +68,15 @@ def matmul_rates(hidden: int, inner: int, rows: list[int], rounds: int) -> dict:
 
 # ---- 2. the engine -----------------------------------------------------------------------------------------------
 
-def engine_speed(folder: Path, prompts: list[list[int]], new_tokens: int, rounds: int) -> dict:
+def engine_speed(folder: Path, prompts: list[list[int]], new_tokens: int, rounds: int,
+                 plan: str = "forward=bf16 kv=bf16") -> dict:
     from opd.models.checkpoint import load_checkpoint
     from opd.engines.builtin import Engine
     from opd.engines.sampling import SamplingParams
     model, tok = load_checkpoint(folder)
     params = SamplingParams(new_tokens, temperature=1.0)
-    engines = {"shadowed": Engine(model, tok.stop_ids, tok.pad_id, "forward=bf16 kv=bf16", bf16_gemm="float32"),
-               "native": Engine(model, tok.stop_ids, tok.pad_id, "forward=bf16 kv=bf16", bf16_gemm="native")}
+    engines = {"shadowed": Engine(model, tok.stop_ids, tok.pad_id, plan, bf16_gemm="float32"),
+               "native": Engine(model, tok.stop_ids, tok.pad_id, plan, bf16_gemm="native")}
     rates = {name: [] for name in engines}
     for _ in range(rounds):
         for name, engine in engines.items():
@@ -80,7 +84,7 @@ def engine_speed(folder: Path, prompts: list[list[int]], new_tokens: int, rounds
             rollouts = engine.generate(prompts, params, 0)
             rates[name].append(sum(len(r.completion_ids) for r in rollouts) / (time.perf_counter() - start))
     shadowed, native = (statistics.median(rates[n]) for n in engines)
-    print(f"2. engine forward=bf16 on {len(prompts)} x {new_tokens} tokens: float32 shadows {shadowed:.1f} tokens/s, "
+    print(f"2. engine {plan} on {len(prompts)} x {new_tokens} tokens: float32 shadows {shadowed:.1f} tokens/s, "
           f"native bf16 {native:.1f} tokens/s -> {native / shadowed:.2f}x", flush=True)
     rollouts = engines["shadowed"].generate(prompts, params, 1)
     completions = [r.completion_ids for r in rollouts]
@@ -169,25 +173,30 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=4, help="steps of each whole-step run (the first is dropped)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the float32 and bf16 runs, alternated")
+    parser.add_argument("--plan", default="forward=bf16 kv=bf16", help="the engine section's plan (a forward=bf16 one)")
+    parser.add_argument("--engine-only", action="store_true", help="only the engine section (2.)")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     from opd.data.real_pairs import build_pair
     from opd.models.checkpoint import load_checkpoint
     family = "smollm2" if args.quick else "qwen2.5-coder"
-    print(f"CPU: {cpu()}, {os.cpu_count()} threads; torch {torch.__version__}; pair {family}", flush=True)
+    print(f"CPU: {cpu()}, {os.cpu_count()} threads; torch {torch.__version__}; pair {family}; plan {args.plan}",
+          flush=True)
     start = time.perf_counter()
     student_dir, _ = build_pair(family, progress=False)
     model, tok = load_checkpoint(student_dir)
     cfg = model.cfg
-    result = matmul_rates(cfg.hidden_size, cfg.intermediate_size, [8, 2048], 2 if args.quick else 5)
+    result = {} if args.engine_only else matmul_rates(cfg.hidden_size, cfg.intermediate_size, [8, 2048],
+                                                      2 if args.quick else 5)
     from opd.data.humaneval import prompt_file
     from opd.data.prompts import PromptFormat, read_prompts
     prompts = [tok.encode_prompt(ex.prompt) for ex in read_prompts(prompt_file(), PromptFormat(chat=True), tok)[:8]]
     result |= engine_speed(student_dir, prompts[:4 if args.quick else 8], 16 if args.quick else 64,
-                           1 if args.quick else 3)
+                           1 if args.quick else 3, args.plan)
     batch, tokens, steps = (4, 16, 2) if args.quick else (8, 128, args.steps)
-    result |= logprob_agreement(family, batch, tokens)
-    if not args.quick:
+    if not args.engine_only:
+        result |= logprob_agreement(family, batch, tokens)
+    if not args.quick and not args.engine_only:
         import tempfile
         with tempfile.TemporaryDirectory() as root:
             result |= step_speed(family, batch, tokens, steps, args.rounds, Path(root))

@@ -84,7 +84,7 @@ class Engine:
         self.weights = [LayerWeights("bf16" if bf16 and p.weights == "none" else p.weights, p.noise, p.key_outlier)
                         for p in plan.layers]
         self.scales: dict = {}  # layer -> [k_scale, v_scale], shared by every batch
-        self.model = rollout_copy(model, self.weights, noise_seed, self.shadows, plan.forward)
+        self.model = rollout_copy(model, self.weights, noise_seed, self.shadows, plan.forward, native=native)
         apply_kernels(self.model, plan.kernels, [spec.dtype for spec in plan.kv_specs])
         self.forward = compiled_forward(self.model) if compile else \
             lambda *args: next_token_logits(self.model, *args)

@@ -126,29 +126,39 @@ class QuantLinear(nn.Module):
 
     The float32 weight a matmul needs is dequantized for each call on CUDA. On the CPU it is also kept dequantized
     (`cache`): the CPU has no fast float8 conversion (converting a weight costs more than its matmul; dev/LOG.md). That cache is one float32 copy of the quantized layers' linear weights, never of the embeddings
-    or output layer, and it is the emulation's only weight shadow."""
+    or output layer, and it is the emulation's only weight shadow.
 
-    def __init__(self, scheme: str, weight: torch.Tensor, bias: torch.Tensor | None, cache: bool):
+    native (a bf16 forward on native bf16 GEMMs, engine.bf16_gemm): the dequantized weight is rounded to bf16 (the
+    cache is kept so) and a bf16 input multiplies it in a bf16 GEMM (float32 accumulation, bf16 output), as a
+    weight-only low-bit kernel does (it dequantizes to 16 bits, then runs a 16-bit GEMM); without it a bf16 input is
+    upcast and multiplied in float32, outside the CPU's bf16 units (2x the step of a BF16 plan on the close pair,
+    dev/LOG.md 2026-12-06). The two agree to well under the quantization's own error (tests/test_devices.py)."""
+
+    def __init__(self, scheme: str, weight: torch.Tensor, bias: torch.Tensor | None, cache: bool,
+                 native: bool = False):
         super().__init__()
-        self.scheme, self.shape = scheme, weight.shape
+        self.scheme, self.shape, self.native = scheme, weight.shape, native
         self.names = []
         for name, tensor in quantize_weight(weight, scheme).items():
             self.register_buffer(name, tensor)
             self.names.append(name)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.act_quant = ACT_QUANT.get(scheme)
-        self.register_buffer("dequantized", dequantize_weight(self.stored(), scheme, self.shape) if cache else None,
-                             persistent=False)
+        self.register_buffer("dequantized", self._dequantized() if cache else None, persistent=False)
 
     def stored(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.names}
 
+    def _dequantized(self) -> torch.Tensor:
+        weight = dequantize_weight(self.stored(), self.scheme, self.shape)
+        return weight.to(torch.bfloat16) if self.native else weight
+
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized float32 weight (what the matmul uses)."""
+        """The dequantized weight (what the matmul uses): float32, or bf16 where native."""
         if self.dequantized is not None:
             return self.dequantized
-        return dequantize_weight(self.stored(), self.scheme, self.shape)
+        return self._dequantized()
 
     @torch.no_grad()
     def load_(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -158,18 +168,20 @@ class QuantLinear(nn.Module):
         if bias is not None:
             self.bias.copy_(bias)
         if self.dequantized is not None:
-            self.dequantized.copy_(dequantize_weight(self.stored(), self.scheme, self.shape))
+            self.dequantized.copy_(self._dequantized())
 
     def forward(self, x):
         if self.act_quant is not None:
             x = self.act_quant(x).to(x.dtype)
+        if self.native and x.dtype == torch.bfloat16:  # a bf16 GEMM: float32 accumulation, bf16 output
+            return F.linear(x, self.weight, None if self.bias is None else self.bias.to(x.dtype))
         if x.dtype != torch.float32:  # a bf16 forward: float32 accumulation, the output rounded to bf16
-            return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
-        return F.linear(x, self.weight, self.bias)
+            return F.linear(x.float(), self.weight.float(), self.bias).to(x.dtype)
+        return F.linear(x, self.weight.float(), self.bias)
 
 
-def quantize_linear(linear: nn.Linear, scheme: str, cache: bool = True) -> QuantLinear:
-    return QuantLinear(scheme, linear.weight, linear.bias, cache)
+def quantize_linear(linear: nn.Linear, scheme: str, cache: bool = True, native: bool = False) -> QuantLinear:
+    return QuantLinear(scheme, linear.weight, linear.bias, cache, native)
 
 
 def add_noise(linear: nn.Linear, scale: float, generator: torch.Generator) -> None:
@@ -204,14 +216,14 @@ class LayerWeights:
 
 
 def rollout_copy(model: Transformer, layers: list[LayerWeights], seed: int = 0, cache: bool | None = None,
-                 forward: str = "fp32") -> Transformer:
+                 forward: str = "fp32", native: bool = False) -> Transformer:
     """A model that computes with `model`'s modules, except that every layer `layers` changes is its own copy with
     the noise, outlier keys and weight scheme applied (in that order: the noise is relative to the model's weights,
     and the quantizer sees the weights of the model with outliers, as it would a real one). `model` itself when no
     layer changes. cache: keep quantized weights dequantized too (QuantLinear; default: on the CPU).
     forward "bf16": a bf16 engine's copy instead: every module its own bf16 copy (a changed layer's projections
     compute from their stored weights in float32 and round their outputs to bf16, as a low-precision GEMM with
-    a bf16 output does)."""
+    a bf16 output does; native: from their weights dequantized to bf16, in bf16 GEMMs: QuantLinear)."""
     n = model.cfg.num_layers
     require(len(layers) == n, f"weight plan must name {n} layers")
     if forward == "fp32" and not any(layer.changes for layer in layers):
@@ -221,7 +233,8 @@ def rollout_copy(model: Transformer, layers: list[LayerWeights], seed: int = 0, 
     source = bf16_copy(model) if forward == "bf16" else model
     out = empty_model(model.cfg)
     out.embed_tokens, out.norm, out.lm_head = source.embed_tokens, source.norm, source.lm_head
-    out.layers = nn.ModuleList(_changed_layer(block, plan, cache) if plan.changes else block
+    native = native and forward == "bf16"
+    out.layers = nn.ModuleList(_changed_layer(block, plan, cache, native) if plan.changes else block
                                for block, plan in zip(source.layers, layers))
     refresh(out, model, layers, seed)
     return out.eval()
@@ -236,12 +249,12 @@ def bf16_copy(model: Transformer) -> Transformer:
     return out.requires_grad_(False).eval()
 
 
-def _changed_layer(block: nn.Module, plan: LayerWeights, cache: bool) -> nn.Module:
+def _changed_layer(block: nn.Module, plan: LayerWeights, cache: bool, native: bool = False) -> nn.Module:
     """The structure of a changed layer: its own norms, QuantLinear storage for its projections (filled by refresh)."""
     with torch.no_grad():
         copy_ = copy.deepcopy(block)
         for parent, name in linears(copy_):
-            setattr(parent, name, quantize_linear(getattr(parent, name), plan.scheme, cache))
+            setattr(parent, name, quantize_linear(getattr(parent, name), plan.scheme, cache, native))
     return copy_.requires_grad_(False)
 
 
