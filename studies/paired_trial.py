@@ -36,8 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import admission as bench  # noqa: E402 (the stored, labelled runs)
 
-from opd.admission.trial import (NSR_RATIO, TRIAL_CUT, decide, eval_steps, mean_nsr,  # noqa: E402 (what `opd admit
-                                  mismatch, trial_z)  # --trial` decides on)
+from opd.admission.trial import (NSR_RATIO, QUANTITIES, TRIAL_CUT, decide, eval_steps,  # noqa: E402 (what `opd
+                                  mean_nsr, mismatch, trial_z)  # admit --trial` decides on)
 from opd.config.runlog import read_metrics  # noqa: E402
 from opd.study.sweep import stored_config  # noqa: E402
 from opd.training.trainer import train  # noqa: E402
@@ -153,6 +153,68 @@ def mean_z(lines: list[dict], k: int) -> tuple[list[dict], list[int]]:
     return rows, steps
 
 
+def pooled_z(lines: list[dict], k: int) -> tuple[list[dict], list[int]]:
+    """The pooled z at K (pre-registered in dev/LOG.md, session 38): per quantity, the candidate's gaps to its twin
+    summed over the stored evaluations among eval_steps(K), over the mean gap between all pairs of the recipe's BF16
+    runs (the twin included) summed over the same evaluations; the larger of reverse KL and entropy. Against the
+    shipped mean of per-evaluation ratios, one small seed gap at one evaluation cannot blow it up.
+    -> (one row per stored run: {"key", "pair", "recipe", "degraded", "z_pooled"}, the steps used)."""
+    from itertools import combinations
+    stored = {int(s) for x in lines for s in x["evals"]}
+    steps = [str(s) for s in eval_steps(k) if s in stored]
+    bf16: dict[str, dict[int, dict]] = {}
+    for x in lines:
+        if x["source"] == "bf16" and all(s in x["evals"] for s in steps):
+            bf16.setdefault(x["recipe"], {})[x["seed"]] = x["evals"]
+    out = []
+    for x in lines:
+        seeds = bf16.get(x["recipe"], {})
+        if x["source"] == "bf16" or x["seed"] not in seeds or len(seeds) < 2 or not all(s in x["evals"] for s in steps):
+            continue
+        z = {}
+        for q in QUANTITIES:
+            gap = sum(abs(x["evals"][s][q] - seeds[x["seed"]][s][q]) for s in steps)
+            pairs = list(combinations(seeds.values(), 2))
+            noise = sum(sum(abs(a[s][q] - b[s][q]) for a, b in pairs) / len(pairs) for s in steps)
+            z[q] = gap / max(noise, 1e-12)
+        key = x.get("key") or f"{x['recipe']}|{x['source']}|{x['seed']}"
+        out += [{"key": (key, i), "pair": x["pair"], "recipe": x["recipe"], "degraded": d,
+                 "z_pooled": max(z.values())} for i, d in enumerate(x["degraded"])]
+    return out, [int(s) for s in steps]
+
+
+def report_pooled(lines: list[dict]) -> dict:
+    """The pooled z's accuracies: its cut fitted on the built-in pairs' runs (both), applied to each real recipe;
+    and each pair held out (the cut from the others); beside the shipped cut 3 (two ways) and the trivial rules."""
+    result = {}
+    for k in sorted({int(s) for x in lines for s in x["evals"] if int(s) > 0}):
+        rows, used = pooled_z(lines, k)
+        toys = [r for r in rows if r["pair"] in ("llama", "qwen3")]
+        if not toys or not rows:
+            continue
+        score = lambda c, rs: sum((r["z_pooled"] > c) == r["degraded"] for r in rs) - sum(  # noqa: E731
+            r["z_pooled"] <= c and r["degraded"] for r in rs)
+        cut = max(sorted({r["z_pooled"] for r in toys} | {0.0}), key=lambda c: score(c, toys))
+        for pair in sorted({r["pair"] for r in rows}):
+            if any(r["pair"] != pair for r in rows):
+                h = held_out([r | {"z": r["z_pooled"]} for r in rows], pair, "z")
+                print(f"K={k} pooled z (steps {used}) held out {pair:8} ({h['n']:3} runs) > {h['cut']:.3g}: accuracy "
+                      f"{h['accuracy']:.3f}, admitted and degraded {h['admitted_degraded']:.3f} | never-admit "
+                      f"{h['never_admit']:.3f}, always-admit {h['always_admit']:.3f}")
+                result[f"pooled_k{k}_{pair}"] = h["accuracy"]
+        for recipe in sorted({r["recipe"] for r in rows if r["pair"] not in ("llama", "qwen3")}):
+            mine = [r for r in rows if r["recipe"] == recipe]
+            n, bad = len(mine), sum(r["degraded"] for r in mine)
+            for name, c in (("the toys' cut", cut), ("cut 3", TRIAL_CUT)):
+                right = sum((r["z_pooled"] > c) == r["degraded"] for r in mine) / n
+                unsafe = sum(r["z_pooled"] <= c and r["degraded"] for r in mine) / n
+                print(f"K={k} pooled z, {name} {c:.3g}, on {recipe} ({n} runs): accuracy {right:.3f}, admitted and "
+                      f"degraded {unsafe:.3f} | never-admit {bad / n:.3f}, always-admit {1 - bad / n:.3f}")
+            result[f"pooled_toycut_k{k}_{recipe.split('|')[0].replace(' ', '_')}"] = sum(
+                (r["z_pooled"] > cut) == r["degraded"] for r in mine) / n
+    return result
+
+
 def report(lines: list[dict], ratios: dict | None = None) -> dict:
     """The accuracies of the stored trial lines; ratios (gate_ratios): the product's rule is also reported with its
     mismatch gate (a candidate whose rollout nsr is more than NSR_RATIO x its twin's is rejected)."""
@@ -219,7 +281,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.report:
         lines = read_lines(Path(args.report))
-        result = report(lines, gate_ratios(lines, bench.stored_rows()))
+        result = report(lines, gate_ratios(lines, bench.stored_rows())) | report_pooled(lines)
         print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
         return
     rows = bench.stored_rows()

@@ -473,6 +473,10 @@ def test_paired_trial_measures_the_gap_in_units_of_the_recipes_seed_gap():
     ratios = paired_trial.gate_ratios(lines, [probe])
     assert ratios == {("r|a|e|kv|l", 0): (pytest.approx(50.0), "trial"),
                       ("r|a|e|kv|l", 1): (pytest.approx(50.0), "trial"), ("r|a|e|w|l", 0): (pytest.approx(10.0), "probe")}
+    # the pooled z (session 38): gaps summed over steps 2 and 4 over the mean gap of all pairs of BF16 runs (twin
+    # included) summed alike: reverse KL 0.7 / (0.1333 + 0.1333) for kv, 0.45 / 0.2667 for w; entropy 0.1 / 0.2
+    rows, used = paired_trial.pooled_z(lines, 4)
+    assert used == [2, 4] and [round(r["z_pooled"], 6) for r in rows] == [2.625, 2.625, 1.6875]
 
 
 def test_a_grids_own_evaluations_become_paired_trial_lines(pair, tmp_path):
