@@ -117,8 +117,9 @@ def test_a_model_far_from_every_calibration_model_is_not_admitted():
 
 def test_admit_on_a_model_far_from_the_calibration_is_not_admitted_and_proposes_no_plan(pair, tmp_path):
     """opd admit with thresholds whose only calibration model has a BF16 floor 100x+ from the probed pair's: even
-    BF16 rollouts are UNCERTAIN (ADMIT with the shipped thresholds, which saw this pair), and a rejected plan gets no
-    per-layer proposal (no plan could be admitted), only what to do."""
+    BF16 rollouts are UNCERTAIN (ADMIT with the shipped thresholds, which saw this pair), with the paired trial named
+    as what would decide it, and a rejected plan gets no per-layer proposal (no plan could be admitted), only what to
+    do."""
     import json
     import opd
     from opd.health.thresholds import load_thresholds
@@ -130,6 +131,8 @@ def test_admit_on_a_model_far_from_the_calibration_is_not_admitted_and_proposes_
     at_floor = opd.admit(bf16, rollouts=4, thresholds=str(far), warmup=0)
     assert at_floor["decision"] == "UNCERTAIN" and at_floor["calibration_distance"]["far"]
     assert any("more than 3x" in r and "(elsewhere)" in r for r in at_floor["reasons"])
+    assert any("opd admit --trial 4" in r for r in at_floor["reasons"])  # what would decide it, with its cost
+    assert not any("--trial" in r for r in opd.admit(bf16, rollouts=4, warmup=0)["reasons"])
     noisy = opd.admit(config(pair, plan="noise=0.5"), rollouts=4, thresholds=str(far), warmup=0)
     assert noisy["decision"] != "ADMIT" and noisy["proposal"]["plan"] is None
     assert noisy["proposal"]["layer_kl"] == [] and "this far from the calibration" in noisy["proposal"]["note"]

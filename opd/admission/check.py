@@ -147,6 +147,12 @@ def decide_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 
             safe = f" to {safe_staleness(budget, lr)} at lr {lr:g}" if budget and lr else ""
             out["proposal"] = {"plan": None, "layer_kl": [], "note": f"the plan passes: lower async.max_staleness{safe}, "
                                "lower the lr, or use another estimator"}
+    if out["decision"] == "UNCERTAIN" and far is not None and far["far"] and not limit:
+        steps = setup.cfg.steps
+        out["reasons"].append("to decide from this model and recipe instead (its learning rate and horizon, which no "
+                              "probe of the rollouts sees): opd admit --trial 4, 4 steps each of the candidate, its "
+                              f"BF16 twin and 2 more BF16 seeds (16 steps, {16 / max(1, steps):.1%} of this run's "
+                              f"{steps}; its measured standing: docs/admission.md, \"The paired trial\")")
     out["seconds"] = time.perf_counter() - start
     return out
 
