@@ -826,6 +826,9 @@ def test_paired_trial_decides_from_the_recipes_own_seed_gaps(pair):
     assert floor["mismatch"] == {"nsr": floor["mismatch"]["twin_nsr"], "twin_nsr": pytest.approx(
         floor["mismatch"]["nsr"]), "nsr_ratio": 1.0, "reject": False} and floor["mismatch"]["nsr"] > 0
     assert floor["cost_share"] == pytest.approx(6 / 20) and floor["held_out"]["candidate"] == floor["held_out"]["twin"]
+    # the measured cost: the whole trial in the twin's training steps (evaluations and loads included: more than 6)
+    assert floor["cost_step_equivalents"] == pytest.approx(floor["seconds"] / floor["step_seconds"])
+    assert floor["cost_step_equivalents"] > 6 and any("of a 1,000-step run" in r for r in floor["reasons"])
     from opd import make_config  # the llama pair, the first study's sampled_mu recipe, 100% weight noise
     harmful = check_trial(make_config(family="llama", task="chain", steps=24, batch_size=16, threads=1,
                                       plan="forward=bf16 kv=bf16 noise=1.0", optim=dict(lr=1e-4, warmup_steps=5),

@@ -140,7 +140,7 @@ def check_trial(cfg: TrainConfig, steps: int = 4, seeds: int = 2, cut: float | N
     twin = replace(base, plan=FLOOR_PLAN, schedule="sync")
     runs = [("twin", twin), ("candidate", base)] + [(f"seed {cfg.seed + i}", replace(twin, seed=cfg.seed + i))
                                                     for i in range(1, seeds + 1)]
-    after, seconds, shared, nsr = {}, {}, {}, {}
+    after, seconds, shared, nsr, step_s = {}, {}, {}, {}, {}
     stale = staleness(cfg)
     with tempfile.TemporaryDirectory() as folder, restored_threads():
         def held_out(name: str, run_cfg: TrainConfig) -> dict:
@@ -156,6 +156,8 @@ def check_trial(cfg: TrainConfig, steps: int = 4, seeds: int = 2, cut: float | N
                 shared.update(contexts=run_dir / "eval_contexts.json", before=summary["before"])
             rows = read_metrics(run_dir)
             nsr[name] = mean_nsr([r for r in rows if "loss/value" in r])
+            times = [r["time/step"] for r in rows if "loss/value" in r and r.get("time/step")]
+            step_s[name] = sum(times) / len(times) if times else None
             return {r["step"]: {k: r[k] for k in ("eval/rkl", "eval/entropy")}
                     for r in rows if "eval/rkl" in r and r["step"] > 0}
 
@@ -207,8 +209,14 @@ def check_trial(cfg: TrainConfig, steps: int = 4, seeds: int = 2, cut: float | N
         reasons.append("the measurement straddles the cut" + (f": about {more} BF16 seeds (--trial-seeds) would "
                                                                "decide" if more else ""))
     trial_steps = steps * len(seconds)
+    total = time.perf_counter() - start
+    if step_s.get("twin"):  # the whole trial (its evaluations, loads and sampling too) in the twin's training steps
+        equivalent = total / step_s["twin"]
+        reasons.append(f"cost: {total:.0f} s, {equivalent:.0f} of this recipe's BF16 steps ({step_s['twin']:.3g} s "
+                       f"each, the twin's): {equivalent / 1000:.1%} of a 1,000-step run, "
+                       f"{equivalent / max(1, cfg.steps):.1%} of this run's {cfg.steps}")
     return verdict | numbers | ({"proposal": proposal} if proposal else {}) | {
         "mode": "trial", "plan": str(cfg.plan), "estimator_class": estimator_class(cfg.loss), "staleness": stale,
         "cut": cut, "steps": steps, "held_out": after, "reasons": reasons, "cost_steps": trial_steps,
-        "cost_share": trial_steps / max(1, cfg.steps), "run_seconds": seconds,
-        "seconds": time.perf_counter() - start}
+        "cost_share": trial_steps / max(1, cfg.steps), "run_seconds": seconds, "step_seconds": step_s.get("twin"),
+        "cost_step_equivalents": total / step_s["twin"] if step_s.get("twin") else None, "seconds": total}
