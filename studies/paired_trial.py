@@ -19,8 +19,8 @@ accuracy is printed beside never-admit and always-admit on the same runs.
     python studies/paired_trial.py --contexts sampled --out studies/data/paired_trial_toys.jsonl   # as stored
     python studies/paired_trial.py --quick                                    # one recipe, one candidate: seconds
     python studies/paired_trial.py --pairs smollm2 --estimators full_rkl --steps 4 --every 2 \
-        --out studies/data/paired_trial_smollm2.jsonl                        # the far pair at both lrs: ~36
-                                                                              # trials, ~2 h alone (not run yet)
+        --out studies/data/paired_trial_smollm2.jsonl                        # the far pair at both lrs: 36
+                                                                              # trials, ~75 min alone (session 38)
     python studies/paired_trial.py --report studies/data/paired_trial_toys.jsonl  # the accuracies, nothing run
 
 One JSON line per trial run (BF16 seeds and candidates) is appended to --out; one already there is not run again.
