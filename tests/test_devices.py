@@ -97,6 +97,14 @@ def test_native_bf16_gemms_of_quantized_weights_agree_with_the_float32_emulation
     assert 1 / 1.5 < gap("native", "fp32") / gap("float32", "fp32") < 1.5
     if tight:
         assert gap("native", "float32") < 0.1 * gap("float32", "fp32")
+    # a projection with a bias (Qwen's q/k/v): the native copy holds it in bf16, also after new weights load
+    w, b, x = torch.randn(64, 32), torch.randn(64), torch.randn(5, 32).to(torch.bfloat16)
+    layers = [QuantLinear("int4", w, b, True, native) for native in (True, False)]
+    for _ in range(2):
+        assert layers[0].bias.dtype == torch.bfloat16
+        assert (layers[0](x).float() - layers[1](x).float()).abs().mean() < 0.02  # bf16 roundings of outputs ~5
+        for layer in layers:
+            layer.load_(w * 1.01, b * 2)
 
 
 def test_bf16_gemm_chooses_the_bf16_forward_s_matmuls(monkeypatch):

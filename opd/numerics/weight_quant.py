@@ -142,7 +142,9 @@ class QuantLinear(nn.Module):
         for name, tensor in quantize_weight(weight, scheme).items():
             self.register_buffer(name, tensor)
             self.names.append(name)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        # a native copy keeps its bias in bf16 too: the decode loop casts nothing per call
+        self.register_buffer("bias", None if bias is None else
+                             bias.detach().to(torch.bfloat16 if native else torch.float32).clone())
         self.act_quant = ACT_QUANT.get(scheme)
         self.register_buffer("dequantized", self._dequantized() if cache else None, persistent=False)
 
@@ -174,7 +176,7 @@ class QuantLinear(nn.Module):
         if self.act_quant is not None:
             x = self.act_quant(x).to(x.dtype)
         if self.native and x.dtype == torch.bfloat16:  # a bf16 GEMM: float32 accumulation, bf16 output
-            return F.linear(x, self.weight, None if self.bias is None else self.bias.to(x.dtype))
+            return F.linear(x, self.weight, self.bias)
         if x.dtype != torch.float32:  # a bf16 forward: float32 accumulation, the output rounded to bf16
             return F.linear(x.float(), self.weight.float(), self.bias).to(x.dtype)
         return F.linear(x, self.weight.float(), self.bias)
