@@ -70,11 +70,12 @@ def candidate_rollouts(run, plan: Plan, weights: dict | None = None) -> SyncRoll
     return rollouts
 
 
-def measure(bf16_cfg, cand_cfg, staleness: int, batches: int) -> dict:
+def measure(bf16_cfg, cand_cfg, staleness: int, batches: int, sums=None) -> dict:
     """The candidate's stats on the recipe's initial student (after `staleness` BF16 steps for a stale candidate,
     whose rollouts the initial student samples under the candidate's plan). A candidate that differs from the BF16
     config only in its plan and schedule is sampled by a second engine of the same set-up; any other difference
-    (weight noise of another seed, another engine, ...) loads a set-up of its own."""
+    (weight noise of another seed, another engine, ...) loads a set-up of its own. `sums`: what collects the pairs
+    (default a drift.Sums; anything with add(g, c) and stats(steps))."""
     run, initial = warmed_run(bf16_cfg, staleness)
     older = initial if staleness else None
     same_setup = replace(cand_cfg, plan=bf16_cfg.plan, schedule=bf16_cfg.schedule, steps=bf16_cfg.steps,
@@ -88,7 +89,7 @@ def measure(bf16_cfg, cand_cfg, staleness: int, batches: int) -> dict:
             cand_run.student.load_state_dict(run.student.state_dict())
             cand_run.rollouts.start(cand_run.student.state_dict(), 0, {})
             other = candidate_rollouts(cand_run, cand_run.plan, older) if older is not None else cand_run.rollouts
-        sums = Sums()
+        sums = Sums() if sums is None else sums
         for i in [1000 + j for j in range(batches)]:  # prompt batches the warm-up did not train on
             sums.add(gradient(run, i), gradient(cand_run or run, i, other))
     finally:

@@ -1,0 +1,171 @@
+"""Does the share of the BF16 descent a candidate's rollouts lose predict a run's label? (issue 57, candidate (a'):
+the gradient bias of candidate (a) projected on the one direction that moves quality.)
+
+Candidate (a) (opd/admission/bias.py) compares the whole bias vector with the whole SGD noise vector; on the far
+real pair its bias estimates sat inside their own standard errors (M = 4: se 4,000 against biases of 500-2,000 in
+Adam's units) and decided no better than the trivial rules. Most of that vector moves nothing the labels measure:
+noise in directions orthogonal to the descent changes the loss only at second order, a bias along it at first order.
+So here, from the same M pairs (g_i BF16, c_i candidate, common random numbers; d_i = c_i - g_i), cross-fitted
+(each batch projected on the mean BF16 gradient of the other batches, h_-i, so that no batch meets itself):
+
+    p_i = h_-i . W g_i        the progress a BF16 step makes along the descent (W: 1 raw; 1/s adam, s the root
+    q_i = h_-i . W d_i        mean square of both rollouts' gradients: Adam's step is -lr c / s)
+    r  = -mean(q) / mean(p)   the share of a BF16 step's progress the candidate loses (negative: gains)
+    z  = sqrt(T / 2) * -mean(q) / std(p)   its drift over T steps against the BF16 seeds' spread along h
+
+each with its standard error from the batches' spread. The rule `degraded if stat > c` takes c from the other pairs
+(leave one pair out); each accuracy beside never-admit and always-admit on the same runs, per recipe too.
+
+    python studies/progress_deficit.py --pairs smollm2 --estimators full_rkl --out studies/data/progress_smollm2.jsonl
+    python studies/progress_deficit.py --out studies/data/progress_toys.jsonl --estimators full_rkl
+    python studies/progress_deficit.py --report studies/data/progress_toys.jsonl,studies/data/progress_smollm2.jsonl
+
+One JSON line per configuration, appended (resumes); a synchronous configuration that differs from a measured one
+only in its learning rate reuses its numbers (the initial student's gradients do not see it).
+"""
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import admission as bench  # noqa: E402 (the stored, labelled runs)
+from gradient_bias import groups, read_lines, signature  # noqa: E402
+
+from opd.admission.bias import measure  # noqa: E402
+from opd.models.devices import restored_threads  # noqa: E402
+from opd.study.sweep import stored_config  # noqa: E402
+
+STATS = ("adam_r", "adam_zp", "raw_r", "raw_zp")
+
+
+class Pairs:
+    """Keeps every (g_i, c_i) (float32): the cross-fitted projections need each batch against the others' mean."""
+
+    def __init__(self):
+        self.g, self.c = [], []
+
+    def add(self, g: torch.Tensor, c: torch.Tensor) -> None:
+        self.g.append(g.float().clone())
+        self.c.append(c.float().clone())
+
+    def stats(self, steps: int) -> dict:
+        return projections(self.g, self.c, steps)
+
+
+def projections(g: list[torch.Tensor], c: list[torch.Tensor], steps: int) -> dict:
+    """The module docstring's r and z, raw and in Adam's coordinates, with standard errors, from M paired flat
+    gradients (one batch at a time: a few vectors the student's size, not [M, n] temporaries)."""
+    M = len(g)
+    # float32 vectors, float64 sums: on a 100M-parameter student each vector is 400 MB
+    total, total_c, sq = torch.zeros_like(g[0]), torch.zeros_like(g[0]), torch.zeros_like(g[0])
+    for gi, ci in zip(g, c):
+        total += gi
+        total_c += ci
+        sq.addcmul_(gi, gi).addcmul_(ci, ci)
+    scale = sq.div_(2 * M).sqrt_().add_(1e-8)
+    out = {"M": M, "T": steps}
+    for name, w in {"raw": None, "adam": scale.reciprocal()}.items():
+        p, q = [], []
+        for gi, ci in zip(g, c):
+            hw = (total - gi).div_(M - 1)  # each batch's direction from the others
+            if w is not None:
+                hw.mul_(w)
+            p.append(torch.dot(hw.double(), gi.double()).item())
+            q.append((torch.dot(hw.double(), ci.double()) - torch.dot(hw.double(), gi.double())).item())
+            del hw
+        p, q = torch.tensor(p, dtype=torch.float64), torch.tensor(q, dtype=torch.float64)
+        P, D = p.mean().item(), q.mean().item()
+        se_q, sd_p = q.std().item() / math.sqrt(M), p.std().item()
+        wg = total if w is None else total * w
+        cos = (torch.dot(wg.double(), total_c.double()) / (torch.dot(wg.double(), total.double()) * torch.dot(
+            (total_c if w is None else total_c * w).double(), total_c.double())).sqrt()).item()
+        del wg
+        out |= {f"{name}_progress": P, f"{name}_deficit": -D, f"{name}_deficit_se": se_q,
+                f"{name}_progress_sd": sd_p, f"{name}_r": -D / max(abs(P), 1e-30),
+                f"{name}_r_se": se_q / max(abs(P), 1e-30),
+                f"{name}_zp": math.sqrt(steps / 2) * -D / max(sd_p, 1e-30),
+                f"{name}_zp_se": math.sqrt(steps / 2) * se_q / max(sd_p, 1e-30), f"{name}_cos": cos}
+    return out
+
+
+def recipe(key: str) -> str:
+    return "|".join(key.split("|")[:3])
+
+
+def report(lines: list[dict]) -> dict:
+    """Leave one pair out per statistic (the cut with the most right decisions on the other pairs, an admitted run
+    that degraded counting twice), then per recipe of the held-out pair; beside the trivial rules."""
+    result = {}
+    score = lambda c, rs: sum((r["s"] > c) == r["degraded"] for r in rs) - sum(  # noqa: E731
+        r["s"] <= c and r["degraded"] for r in rs)
+    for stat in STATS:
+        runs = [{"pair": x["pair"], "recipe": recipe(x["key"]), "degraded": d, "s": x[stat]}
+                for x in lines if stat in x for d in x["degraded"]]
+        for pair in sorted({r["pair"] for r in runs}):
+            train, test = [r for r in runs if r["pair"] != pair], [r for r in runs if r["pair"] == pair]
+            if not train:
+                continue
+            cut = max(sorted({r["s"] for r in train} | {0.0}), key=lambda c: score(c, train))
+            for name in ["all"] + sorted({r["recipe"] for r in test}):
+                mine = test if name == "all" else [r for r in test if r["recipe"] == name]
+                n, bad = len(mine), sum(r["degraded"] for r in mine)
+                acc = sum((r["s"] > cut) == r["degraded"] for r in mine) / n
+                unsafe = sum(r["s"] <= cut and r["degraded"] for r in mine) / n
+                print(f"{stat:8} held out {pair:8} {name:36} ({n:3} runs) > {cut:8.3g}: accuracy {acc:.3f}, "
+                      f"admitted and degraded {unsafe:.3f} | never-admit {bad / n:.3f}, always-admit {1 - bad / n:.3f}")
+                if name == "all":
+                    result[f"{stat}_{pair}"] = acc
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="", help="append one line per configuration here (resumes)")
+    parser.add_argument("--pairs", default="llama,qwen3", help="comma-separated pairs to measure")
+    parser.add_argument("--estimators", default="", help="comma-separated estimators (default: all)")
+    parser.add_argument("--threads", type=int, default=1, help="threads per measurement")
+    parser.add_argument("--batches", type=int, default=8, help="M: batches per configuration")
+    parser.add_argument("--sync-only", action="store_true", help="no staleness configurations")
+    parser.add_argument("--report", default="", help="only print the accuracies of these files' lines")
+    args = parser.parse_args()
+    if args.report:
+        result = report([x for f in args.report.split(",") for x in read_lines(Path(f))])
+        print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
+        return
+    todo = groups(bench.stored_rows(), tuple(args.pairs.split(",")))
+    if args.estimators:
+        todo = [g for g in todo if g["estimator"] in args.estimators.split(",")]
+    if args.sync_only:
+        todo = [g for g in todo if not g["staleness"]]
+    out = Path(args.out)
+    done = {x["key"]: x for x in read_lines(out)}
+    by_signature = {signature(g): done[g["key"]] for g in todo if g["key"] in done}
+    todo = sorted((g for g in todo if g["key"] not in done), key=lambda g: g["staleness"] > 0)
+    with restored_threads():
+        for n, g in enumerate(todo):
+            start = time.perf_counter()
+            same = by_signature.get(signature(g))
+            if same is not None:
+                numbers = {k: v for k, v in same.items() if k.split("_")[0] in ("raw", "adam") or k in ("M", "T")}
+                numbers["measured_as"] = same["key"]
+            else:
+                bf16, cand = (replace(stored_config(g[k]), threads=args.threads) for k in ("bf16", "cand"))
+                numbers = measure(bf16, cand, g["staleness"], args.batches, sums=Pairs())
+            line = {k: v for k, v in g.items() if k not in ("bf16", "cand")} | numbers | {
+                "seconds": time.perf_counter() - start}
+            by_signature.setdefault(signature(g), line)
+            print(f"[{n + 1}/{len(todo)}] {g['key']}: r adam {numbers['adam_r']:.3g} +- {numbers['adam_r_se']:.2g}, "
+                  f"zp adam {numbers['adam_zp']:.3g}, cos {numbers['adam_cos']:.3f}, degraded "
+                  f"{sum(g['degraded'])}/{g['runs']} ({line['seconds']:.0f} s)", flush=True)
+            with out.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    main()
