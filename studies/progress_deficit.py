@@ -41,7 +41,7 @@ from opd.admission.bias import measure  # noqa: E402
 from opd.models.devices import restored_threads  # noqa: E402
 from opd.study.sweep import stored_config  # noqa: E402
 
-STATS = ("adam_r", "adam_zp", "raw_r", "raw_zp")
+STATS = ("adam_r", "adam_zp", "raw_r", "raw_zp", "adam_u", "raw_u")
 
 
 class Pairs:
@@ -98,6 +98,22 @@ def recipe(key: str) -> str:
     return "|".join(key.split("|")[:3])
 
 
+def spreads(trials: list[dict], step: str = "4") -> dict:
+    """Per recipe, s: the BF16 seeds' mean |held-out reverse KL - the twin's| at `step` over the twin's change from
+    step 0 (paired_trial.py's lines; the twin is seed 0): how far this recipe's own seeds part, relative to how far
+    it moves, in its first steps."""
+    out = {}
+    for recipe_ in {x["recipe"] for x in trials}:
+        seeds = {x["seed"]: x["evals"] for x in trials if x["recipe"] == recipe_ and x["source"] == "bf16"
+                 and step in x["evals"] and "0" in x["evals"]}
+        if 0 not in seeds or len(seeds) < 2:
+            continue
+        twin = seeds[0]
+        gap = sum(abs(e[step]["rkl"] - twin[step]["rkl"]) for s, e in seeds.items() if s) / (len(seeds) - 1)
+        out[recipe_] = gap / max(abs(twin["0"]["rkl"] - twin[step]["rkl"]), 1e-12)
+    return out
+
+
 def report(lines: list[dict]) -> dict:
     """Leave one pair out per statistic (the cut with the most right decisions on the other pairs, an admitted run
     that degraded counting twice), then per recipe of the held-out pair; beside the trivial rules."""
@@ -132,17 +148,37 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="threads per measurement")
     parser.add_argument("--batches", type=int, default=8, help="M: batches per configuration")
     parser.add_argument("--sync-only", action="store_true", help="no staleness configurations")
+    parser.add_argument("--warm", type=int, default=0, help="measure synchronous configurations at the student after "
+                        "this many BF16 steps of their recipe (its learning rate: no reuse across rates)")
+    parser.add_argument("--only", default="", help="comma-separated source=level (and study=NAME) filters")
     parser.add_argument("--report", default="", help="only print the accuracies of these files' lines")
+    parser.add_argument("--trials", default="", help="with --report: paired_trial.py lines (comma-separated files) "
+                        "whose BF16 seeds give each recipe's spread s, for u = r / s")
     args = parser.parse_args()
     if args.report:
-        result = report([x for f in args.report.split(",") for x in read_lines(Path(f))])
+        lines = [x for f in args.report.split(",") for x in read_lines(Path(f))]
+        if args.trials:
+            s = spreads([x for f in args.trials.split(",") for x in read_lines(Path(f))])
+            for x in lines:
+                if recipe(x["key"]) in s:
+                    x |= {"spread": s[recipe(x["key"])]} | {f"{m}_u": x[f"{m}_r"] / s[recipe(x["key"])]
+                                                           for m in ("adam", "raw")}
+            print("relative BF16 spread after 4 steps: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(s.items())))
+        result = report(lines)
         print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
         return
     todo = groups(bench.stored_rows(), tuple(args.pairs.split(",")))
     if args.estimators:
         todo = [g for g in todo if g["estimator"] in args.estimators.split(",")]
-    if args.sync_only:
+    if args.sync_only or args.warm:
         todo = [g for g in todo if not g["staleness"]]
+    for item in [x for x in args.only.split(",") if x]:
+        key, value = item.split("=", 1)
+        if key == "study":
+            todo = [g for g in todo if g["study"] == value]
+    levels = [x for x in args.only.split(",") if x and not x.startswith("study=")]
+    if levels:
+        todo = [g for g in todo if f"{g['source']}={g['level']}" in levels]
     out = Path(args.out)
     done = {x["key"]: x for x in read_lines(out)}
     by_signature = {signature(g): done[g["key"]] for g in todo if g["key"] in done}
@@ -150,13 +186,16 @@ def main() -> None:
     with restored_threads():
         for n, g in enumerate(todo):
             start = time.perf_counter()
-            same = by_signature.get(signature(g))
+            same = None if args.warm else by_signature.get(signature(g))
             if same is not None:
                 numbers = {k: v for k, v in same.items() if k.split("_")[0] in ("raw", "adam") or k in ("M", "T")}
                 numbers["measured_as"] = same["key"]
             else:
-                bf16, cand = (replace(stored_config(g[k]), threads=args.threads) for k in ("bf16", "cand"))
-                numbers = measure(bf16, cand, g["staleness"], args.batches, sums=Pairs())
+                # (the staleness travels apart: measure() warms a synchronous run; one thread takes no async)
+                bf16, cand = (replace(stored_config(g[k]), threads=args.threads, schedule="sync")
+                              for k in ("bf16", "cand"))
+                numbers = measure(bf16, cand, g["staleness"], args.batches, sums=Pairs(), warm=args.warm) | (
+                    {"warm": args.warm} if args.warm else {})
             line = {k: v for k, v in g.items() if k not in ("bf16", "cand")} | numbers | {
                 "seconds": time.perf_counter() - start}
             by_signature.setdefault(signature(g), line)

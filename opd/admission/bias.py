@@ -22,6 +22,7 @@ from dataclasses import replace
 import torch
 
 from opd.health.drift import Sums
+from opd.io.errors import require
 from opd.numerics.plan import Plan
 from opd.training.learner import Scoring, collate, flat_gradient, score_batch
 from opd.training.rollouts import SyncRollouts
@@ -70,13 +71,15 @@ def candidate_rollouts(run, plan: Plan, weights: dict | None = None) -> SyncRoll
     return rollouts
 
 
-def measure(bf16_cfg, cand_cfg, staleness: int, batches: int, sums=None) -> dict:
+def measure(bf16_cfg, cand_cfg, staleness: int, batches: int, sums=None, warm: int = 0) -> dict:
     """The candidate's stats on the recipe's initial student (after `staleness` BF16 steps for a stale candidate,
     whose rollouts the initial student samples under the candidate's plan). A candidate that differs from the BF16
     config only in its plan and schedule is sampled by a second engine of the same set-up; any other difference
     (weight noise of another seed, another engine, ...) loads a set-up of its own. `sums`: what collects the pairs
-    (default a drift.Sums; anything with add(g, c) and stats(steps))."""
-    run, initial = warmed_run(bf16_cfg, staleness)
+    (default a drift.Sums; anything with add(g, c) and stats(steps)). warm: for a synchronous candidate, measure at
+    the student after `warm` BF16 steps of the recipe instead of the initial one."""
+    require(not (warm and staleness), "a warm measurement is for synchronous candidates", "use warm=0 with staleness")
+    run, initial = warmed_run(bf16_cfg, staleness or warm)
     older = initial if staleness else None
     same_setup = replace(cand_cfg, plan=bf16_cfg.plan, schedule=bf16_cfg.schedule, steps=bf16_cfg.steps,
                          async_=bf16_cfg.async_) == bf16_cfg
