@@ -41,7 +41,7 @@ from opd.admission.bias import measure  # noqa: E402
 from opd.models.devices import restored_threads  # noqa: E402
 from opd.study.sweep import stored_config  # noqa: E402
 
-STATS = ("adam_r", "adam_zp", "raw_r", "raw_zp", "adam_u", "raw_u")
+STATS = ("adam_r", "adam_zp", "raw_r", "raw_zp", "adam_u", "raw_u", "adam_absr", "raw_absr")
 
 
 class Pairs:
@@ -114,9 +114,11 @@ def spreads(trials: list[dict], step: str = "4") -> dict:
     return out
 
 
-def report(lines: list[dict]) -> dict:
+def report(lines: list[dict], by_estimator: bool = False) -> dict:
     """Leave one pair out per statistic (the cut with the most right decisions on the other pairs, an admitted run
     that degraded counting twice), then per recipe of the held-out pair; beside the trivial rules."""
+    for x in lines:  # two-sided: a candidate that moves further along the descent than BF16 is biased too
+        x |= {f"{m}_absr": abs(x[f"{m}_r"]) for m in ("adam", "raw") if f"{m}_r" in x}
     result = {}
     score = lambda c, rs: sum((r["s"] > c) == r["degraded"] for r in rs) - sum(  # noqa: E731
         r["s"] <= c and r["degraded"] for r in rs)

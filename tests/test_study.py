@@ -436,6 +436,39 @@ def test_successive_noise_leaves_out_the_drift_of_a_moving_mean_gradient():
     assert drift.Sums.from_state(saved, 400) is None and drift.Sums.from_state(saved, 399, successive=True) is None
 
 
+def test_progress_share_online_agrees_with_the_cross_fitted_study_and_recovers_a_planted_loss():
+    """drift.Sums' progress share r (candidate (a'): each pair projected as it arrives on the descent of the pairs
+    before it, nothing kept) against studies/progress_deficit.py's cross-fitted one (every pair on the mean of all the
+    others, every gradient kept): a candidate whose gradients are 0.7x the BF16 ones loses exactly 30% in both; a
+    planted loss of 20% along the mean gradient plus noise orthogonal to nothing comes back within 3 standard errors
+    in both, and the two agree within the larger standard error; noise alone gives r within 3 standard errors of 0.
+    Restored from its state_dict, the statistic is the same."""
+    import torch
+    sys.path.insert(0, str(Path(__file__).parents[1] / "studies"))
+    import progress_deficit as study
+    from opd.health import drift
+    g = torch.Generator().manual_seed(2)
+    mu = torch.randn(500, generator=g) + 1.0
+    ref = [mu + 2 * torch.randn(500, generator=g) for _ in range(32)]
+
+    def both(cand):
+        online = drift.Sums()
+        for r, c in zip(ref, cand):
+            online.add(r, c)
+        return online, online.stats(16), study.projections(ref, cand, 16)
+
+    _, exact, crossed = both([0.7 * r for r in ref])
+    assert exact["r"] == pytest.approx(0.3, abs=1e-6) and crossed["adam_r"] == pytest.approx(0.3, abs=1e-6)
+    online, planted, crossed = both([r - 0.2 * mu + 0.5 * torch.randn(500, generator=g) for r in ref])
+    # the loss planted in units of the mean BF16 step's progress along itself: 0.2 |mu|^2_W / |mu|^2_W = 0.2 in the
+    # raw space; in Adam's space close to it (the scale is nearly the same for every coordinate here)
+    assert abs(planted["r"] - 0.2) < 3 * planted["r_se"] and abs(crossed["adam_r"] - 0.2) < 3 * crossed["adam_r_se"]
+    assert abs(planted["r"] - crossed["adam_r"]) < 3 * max(planted["r_se"], crossed["adam_r_se"])
+    assert drift.Sums.from_state(online.state_dict(), 500).stats(16) == planted
+    _, noise, _ = both([r + 0.5 * torch.randn(500, generator=g) for r in ref])
+    assert abs(noise["r"]) < 3 * noise["r_se"] and noise["projected"] == 31
+
+
 def test_paired_trial_measures_the_gap_in_units_of_the_recipes_seed_gap():
     """studies/paired_trial.py: the candidate of seed 0 against BF16 seed 0, over the mean gap of the other BF16 seeds
     to seed 0, on held-out reverse KL and entropy (z the larger); the cut comes from the other pairs only."""

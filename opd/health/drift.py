@@ -11,6 +11,18 @@ common random numbers), g_i with the reference rollouts, c_i with the candidate'
 in the raw gradient and in AdamW's coordinates (each coordinate over the root of its mean square over both
 rollouts' gradients, the scale Adam divides by). `decide` turns z and its standard error into ADMIT / UNCERTAIN /
 REJECT against one unitless cut. Memory: five float64 vectors the size of the student (40 bytes a parameter).
+
+**The progress share** (candidate (a'), session 39): most of the bias vector moves nothing quality measures (a
+displacement orthogonal to the descent changes the loss at second order), so the same pairs are also projected on
+the descent itself. Each pair i >= 2 is projected, as it arrives, on the mean BF16 gradient of the pairs before it
+(h, in Adam's coordinates with the scale of those pairs: independent of pair i, so unbiased, and no vector kept):
+
+    p_i = h . g_i / s      the progress a BF16 step makes along the descent (Adam's step is -lr g / s)
+    q_i = h . d_i / s      what the candidate's rollouts change in it
+    r   = -mean(q) / mean(p)   the share of a BF16 step's progress the candidate loses (negative: it gains)
+
+with its standard error from the q_i's spread. On the built-in pairs' full_rkl configurations it separated the
+degraded ones (r >= 0.35) from the fine (r <= 0.23) where z did not (studies/progress_deficit.py; docs/admission.md).
 """
 import math
 
@@ -28,9 +40,15 @@ class Sums:
 
     def __init__(self, successive: bool = False):
         self.M, self.sums, self.successive = 0, None, successive
+        self.projections: list[tuple[float, float]] = []  # (p_i, q_i) of pairs 2..M (module docstring)
 
     def add(self, g: torch.Tensor, c: torch.Tensor) -> None:
         g, d = g.double(), c.double() - g.double()
+        if self.M:  # the progress share: this pair on the descent of the pairs before it
+            h = self.sums[0] / ((self.sums[1] + self.sums[2]) / (2 * self.M)).sqrt().add_(1e-8)
+            h /= self.M
+            self.projections.append((torch.dot(h, g).item(), torch.dot(h, d).item()))
+            del h
         if self.sums is None:
             self.sums = [torch.zeros_like(g) for _ in range(7 if self.successive else 5)]
         for total, x in zip(self.sums, (g, g * g, (g + d) ** 2, d, d * d)):
@@ -44,7 +62,8 @@ class Sums:
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (canary training resumes its measurement exactly)."""
-        return {"M": self.M, "sums": list(self.sums) if self.sums is not None else []}
+        return {"M": self.M, "sums": list(self.sums) if self.sums is not None else [],
+                "projections": [list(x) for x in self.projections]}
 
     @classmethod
     def from_state(cls, saved, size: int, successive: bool = False) -> "Sums | None":
@@ -57,8 +76,13 @@ class Sums:
                                                          and t.shape == (size,) and bool(torch.isfinite(t).all())
                                                          for t in sums):
             return None
+        projections = saved.get("projections", [])  # (checkpoints before session 39 have none: they restart it)
+        if not isinstance(projections, list) or not all(
+                isinstance(x, list) and len(x) == 2 and all(isinstance(v, float) and math.isfinite(v) for v in x)
+                for x in projections) or len(projections) > max(M - 1, 0):
+            return None
         out = cls(successive)
-        out.M, out.sums = M, (sums or None)
+        out.M, out.sums, out.projections = M, (sums or None), [tuple(x) for x in projections]
         return out
 
     def stats(self, steps: int) -> dict:
@@ -77,7 +101,20 @@ class Sums:
             out |= {f"{name}_bias": bias, f"{name}_noise": noise, f"{name}_coupling": math.sqrt(max(var_d, 0.0)),
                     f"{name}_bias_se": math.sqrt(max(var_d, 0.0) / M),
                     f"{name}_z": math.sqrt(steps / 2) * bias / max(noise, 1e-30)}
-        return out
+        return out | self.progress()
+
+    def progress(self) -> dict:
+        """The progress share r (module docstring) with its standard error, from the pairs after the first; {} with
+        fewer than 2 projected pairs."""
+        n = len(self.projections)
+        if n < 2:
+            return {}
+        p = sum(x for x, _ in self.projections) / n
+        q = [y for _, y in self.projections]
+        mean_q = sum(q) / n
+        se = math.sqrt(sum((y - mean_q) ** 2 for y in q) / (n - 1) / n)
+        return {"progress": p, "progress_deficit": -mean_q, "r": -mean_q / max(abs(p), 1e-30),
+                "r_se": se / max(abs(p), 1e-30), "projected": n}
 
 
 def stats(ref: list[torch.Tensor], cand: list[torch.Tensor], steps: int) -> dict:
