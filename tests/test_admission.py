@@ -805,8 +805,10 @@ def test_self_calibrated_admission_decides_from_the_models_own_gradient_noise(pa
     from opd.admission.check import check_self
     floor = check_self(config(pair, plan="forward=bf16 kv=bf16"), batches=3, cut=4.0)
     assert floor["decision"] == "ADMIT" and floor["z"] == 0 and floor["cost_steps"] == 6
+    assert floor["numbers"]["r"] == 0 and floor["numbers"]["projected"] == 2  # the progress share: pairs 2..M
     harmful = check_self(config(pair, plan="forward=bf16 kv=fp8_e5m2 noise=0.3"), batches=3, cut=4.0)
-    assert harmful["z"] > 0 and harmful["numbers"]["adam_noise"] > 0 and len(harmful["reasons"]) >= 2
+    assert harmful["z"] > 0 and harmful["numbers"]["adam_noise"] > 0 and len(harmful["reasons"]) >= 3
+    assert harmful["numbers"]["r"] != 0 and any("progress share" in r for r in harmful["reasons"])
     z, se = harmful["z"], harmful["z_se"]
     assert harmful["decision"] == ("ADMIT" if z + se <= 4 else "REJECT" if z - se > 4 else "UNCERTAIN")
     assert check_self(config(pair, plan="forward=bf16 kv=fp8_e5m2 noise=0.3"), batches=3, cut=0.0)["decision"] \

@@ -219,6 +219,10 @@ def check_self(cfg: TrainConfig, batches: int = 8, cut: float | None = None, pro
                f"{batches} batches of this run's prompts (common random numbers)",
                f"over the run's {T} steps that bias drifts z = {z:.2f} +- {se:.2f} times the spread two BF16 seeds "
                f"of this recipe reach; the cut is {cut:g} (studies/gradient_bias.py, docs/admission.md)"]
+    if "r" in numbers:  # the progress share (drift.py): reported beside z, not yet deciding (docs/admission.md)
+        reasons.append(f"along the BF16 descent its rollouts change a step's progress by {-numbers['r']:+.1%} +- "
+                       f"{numbers['r_se']:.1%} (the progress share r = {numbers['r']:.3g}; on the built-in pairs' "
+                       f"full_rkl studies the degraded configurations lost 35% or more, the fine ones at most 23%)")
     if out["decision"] == "UNCERTAIN":
         more = out.get("batches_to_decide")
         reasons.append("the measurement straddles the cut" + (f": about {more} batches (--batches) would decide"
