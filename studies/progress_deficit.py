@@ -39,9 +39,11 @@ from gradient_bias import groups, read_lines, signature  # noqa: E402
 
 from opd.admission.bias import measure  # noqa: E402
 from opd.models.devices import restored_threads  # noqa: E402
-from opd.study.sweep import stored_config  # noqa: E402
+from opd.study.sweep import read_results, stored_config  # noqa: E402
+from opd.study.tolerance import label, latest  # noqa: E402
 
 STATS = ("adam_r", "adam_zp", "raw_r", "raw_zp", "adam_u", "raw_u", "adam_absr", "raw_absr")
+# (a line without a statistic, an Online one's raw_*, is left out of that statistic's report)
 
 
 class Pairs:
@@ -56,6 +58,40 @@ class Pairs:
 
     def stats(self, steps: int) -> dict:
         return projections(self.g, self.c, steps)
+
+
+class Online:
+    """drift.Sums' online progress share in two float32 vectors (8 bytes a parameter, for a student that does not fit
+    Pairs or Sums in memory): each pair on the mean BF16 gradient of the pairs before it, in Adam's coordinates with
+    their scale. Tested against Sums (tests/test_study.py)."""
+
+    def __init__(self):
+        self.total, self.sq, self.M, self.proj = None, None, 0, []
+
+    def add(self, g: torch.Tensor, c: torch.Tensor) -> None:
+        g, c = g.float(), c.float()
+        if self.M:
+            h = self.sq.div(2 * self.M).sqrt_().add_(1e-8).reciprocal_().mul_(self.total).div_(self.M)
+            pg, pc = torch.dot(h.double(), g.double()).item(), torch.dot(h.double(), c.double()).item()
+            self.proj.append((pg, pc - pg))
+            del h
+        if self.total is None:
+            self.total, self.sq = torch.zeros_like(g), torch.zeros_like(g)
+        self.total += g
+        self.sq.addcmul_(g, g).addcmul_(c, c)
+        self.M += 1
+
+    def stats(self, steps: int) -> dict:
+        n = len(self.proj)
+        p = sum(x for x, _ in self.proj) / n
+        q = [y for _, y in self.proj]
+        mq = sum(q) / n
+        se = math.sqrt(sum((y - mq) ** 2 for y in q) / (n - 1) / n)
+        sd_p = math.sqrt(sum((x - p) ** 2 for x, _ in self.proj) / (n - 1))
+        return {"M": self.M, "T": steps, "online": True, "adam_progress": p, "adam_deficit": -mq,
+                "adam_deficit_se": se, "adam_progress_sd": sd_p, "adam_r": -mq / max(abs(p), 1e-30),
+                "adam_r_se": se / max(abs(p), 1e-30), "adam_zp": math.sqrt(steps / 2) * -mq / max(sd_p, 1e-30),
+                "adam_zp_se": math.sqrt(steps / 2) * se / max(sd_p, 1e-30), "adam_cos": math.nan}
 
 
 def projections(g: list[torch.Tensor], c: list[torch.Tensor], steps: int) -> dict:
@@ -152,6 +188,11 @@ def main() -> None:
     parser.add_argument("--sync-only", action="store_true", help="no staleness configurations")
     parser.add_argument("--warm", type=int, default=0, help="measure synchronous configurations at the student after "
                         "this many BF16 steps of their recipe (its learning rate: no reuse across rates)")
+    parser.add_argument("--study", action="append", default=[], metavar="NAME=FILE",
+                        help="a stored grid's results (studies/data/FILE) as one more study, e.g. "
+                        "'real qwen2.5-coder lr 1e-5=qwen1e5_results.jsonl' (the close pair's grid)")
+    parser.add_argument("--online", action="store_true", help="the two-vector online statistic (Online), Adam's "
+                        "units only: for a student whose M gradients do not fit in memory")
     parser.add_argument("--only", default="", help="comma-separated source=level (and study=NAME) filters")
     parser.add_argument("--report", default="", help="only print the accuracies of these files' lines")
     parser.add_argument("--trials", default="", help="with --report: paired_trial.py lines (comma-separated files) "
@@ -169,7 +210,12 @@ def main() -> None:
         result = report(lines)
         print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
         return
-    todo = groups(bench.stored_rows(), tuple(args.pairs.split(",")))
+    rows = bench.stored_rows()
+    for item in args.study:
+        name, file = item.split("=", 1)
+        rows += [r | {"study": name, "new": True}
+                 for r in label(latest(read_results(bench.DATA / file))) if r["degraded"] is not None]
+    todo = groups(rows, tuple(args.pairs.split(",")))
     if args.estimators:
         todo = [g for g in todo if g["estimator"] in args.estimators.split(",")]
     if args.sync_only or args.warm:
@@ -196,7 +242,8 @@ def main() -> None:
                 # (the staleness travels apart: measure() warms a synchronous run; one thread takes no async)
                 bf16, cand = (replace(stored_config(g[k]), threads=args.threads, schedule="sync")
                               for k in ("bf16", "cand"))
-                numbers = measure(bf16, cand, g["staleness"], args.batches, sums=Pairs(), warm=args.warm) | (
+                numbers = measure(bf16, cand, g["staleness"], args.batches, sums=Online() if args.online else Pairs(),
+                                  warm=args.warm) | (
                     {"warm": args.warm} if args.warm else {})
             line = {k: v for k, v in g.items() if k not in ("bf16", "cand")} | numbers | {
                 "seconds": time.perf_counter() - start}

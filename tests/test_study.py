@@ -465,6 +465,13 @@ def test_progress_share_online_agrees_with_the_cross_fitted_study_and_recovers_a
     assert abs(planted["r"] - 0.2) < 3 * planted["r_se"] and abs(crossed["adam_r"] - 0.2) < 3 * crossed["adam_r_se"]
     assert abs(planted["r"] - crossed["adam_r"]) < 3 * max(planted["r_se"], crossed["adam_r_se"])
     assert drift.Sums.from_state(online.state_dict(), 500).stats(16) == planted
+    light, again = study.Online(), drift.Sums()  # the study's two-vector float32 version: the same statistic
+    for i, r in enumerate(ref):
+        c = r - 0.2 * mu + 0.5 * torch.randn(500, generator=torch.Generator().manual_seed(i))
+        light.add(r, c)
+        again.add(r, c)
+    assert light.stats(16)["adam_r"] == pytest.approx(again.stats(16)["r"], rel=1e-4)
+    assert light.stats(16)["adam_r_se"] == pytest.approx(again.stats(16)["r_se"], rel=1e-3)
     _, noise, _ = both([r + 0.5 * torch.randn(500, generator=g) for r in ref])
     assert abs(noise["r"]) < 3 * noise["r_se"] and noise["projected"] == 31
 
