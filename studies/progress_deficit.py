@@ -60,6 +60,11 @@ class Pairs:
         return projections(self.g, self.c, steps)
 
 
+def dot64(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 24) -> float:
+    """a . b summed in float64, a chunk at a time (no float64 copy of a 500M-parameter vector)."""
+    return sum(torch.dot(a[i:i + chunk].double(), b[i:i + chunk].double()).item() for i in range(0, a.numel(), chunk))
+
+
 class Online:
     """drift.Sums' online progress share in two float32 vectors (8 bytes a parameter, for a student that does not fit
     Pairs or Sums in memory): each pair on the mean BF16 gradient of the pairs before it, in Adam's coordinates with
@@ -72,7 +77,7 @@ class Online:
         g, c = g.float(), c.float()
         if self.M:
             h = self.sq.div(2 * self.M).sqrt_().add_(1e-8).reciprocal_().mul_(self.total).div_(self.M)
-            pg, pc = torch.dot(h.double(), g.double()).item(), torch.dot(h.double(), c.double()).item()
+            pg, pc = dot64(h, g), dot64(h, c)
             self.proj.append((pg, pc - pg))
             del h
         if self.total is None:
