@@ -42,7 +42,7 @@ from opd.models.devices import restored_threads  # noqa: E402
 from opd.study.sweep import read_results, stored_config  # noqa: E402
 from opd.study.tolerance import label, latest  # noqa: E402
 
-STATS = ("adam_r", "adam_zp", "raw_r", "raw_zp", "adam_u", "raw_u", "adam_absr", "raw_absr")
+STATS = ("adam_r", "adam_zp", "raw_r", "raw_zp", "adam_u", "raw_u", "adam_absr", "raw_absr", "z_adam_z")
 # (a line without a statistic, an Online one's raw_*, is left out of that statistic's report)
 
 
@@ -57,7 +57,11 @@ class Pairs:
         self.c.append(c.float().clone())
 
     def stats(self, steps: int) -> dict:
-        return projections(self.g, self.c, steps)
+        """The projections, and candidate (a)'s z on the same pairs (drift.stats: its bias, noise and z)."""
+        from opd.health import drift
+        z = {f"z_{k}": v for k, v in drift.stats(self.g, self.c, steps).items() if k.split("_")[0] in ("raw", "adam")
+             and k.split("_")[1] != "r"}
+        return projections(self.g, self.c, steps) | z
 
 
 def dot64(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 24) -> float:
