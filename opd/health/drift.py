@@ -21,8 +21,11 @@ the descent itself. Each pair i >= 2 is projected, as it arrives, on the mean BF
     q_i = h . d_i / s      what the candidate's rollouts change in it
     r   = -mean(q) / mean(p)   the share of a BF16 step's progress the candidate loses (negative: it gains)
 
-with its standard error from the q_i's spread. On the built-in pairs' full_rkl configurations it separated the
-degraded ones (r >= 0.35) from the fine (r <= 0.23) where z did not (studies/progress_deficit.py; docs/admission.md).
+with its standard error from the q_i's spread. Reported beside z, not deciding: on the built-in pairs' full_rkl
+configurations every degraded one has r >= 0.35 and every fine one r <= 0.23, but held out z decides those runs as
+well, the sampled estimators worse, and on the far real pair neither sees the degradations of its lr 3e-5 runs
+(studies/progress_deficit.py; docs/admission.md, "The progress share r"). Its cost: one more float64 vector while a
+pair is added.
 """
 import math
 
@@ -45,8 +48,8 @@ class Sums:
     def add(self, g: torch.Tensor, c: torch.Tensor) -> None:
         g, d = g.double(), c.double() - g.double()
         if self.M:  # the progress share: this pair on the descent of the pairs before it
-            h = self.sums[0] / ((self.sums[1] + self.sums[2]) / (2 * self.M)).sqrt().add_(1e-8)
-            h /= self.M
+            h = torch.add(self.sums[1], self.sums[2])  # one vector more while it lives: in place from here on
+            h.div_(2 * self.M).sqrt_().add_(1e-8).reciprocal_().mul_(self.sums[0]).div_(self.M)
             self.projections.append((torch.dot(h, g).item(), torch.dot(h, d).item()))
             del h
         if self.sums is None:
