@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import admission as bench  # noqa: E402 (the stored, labelled runs)
-from gradient_bias import groups, read_lines, signature  # noqa: E402
+from gradient_bias import groups, read_lines, recipe, signature  # noqa: E402
+from paired_trial import held_out  # noqa: E402
 
 from opd.admission.bias import measure  # noqa: E402
 from opd.models.devices import restored_threads  # noqa: E402
@@ -139,10 +140,6 @@ def projections(g: list[torch.Tensor], c: list[torch.Tensor], steps: int) -> dic
     return out
 
 
-def recipe(key: str) -> str:
-    return "|".join(key.split("|")[:3])
-
-
 def spreads(trials: list[dict], step: str = "4") -> dict:
     """Per recipe, s: the BF16 seeds' mean |held-out reverse KL - the twin's| at `step` over the twin's change from
     step 0 (paired_trial.py's lines; the twin is seed 0): how far this recipe's own seeds part, relative to how far
@@ -159,22 +156,20 @@ def spreads(trials: list[dict], step: str = "4") -> dict:
     return out
 
 
-def report(lines: list[dict], by_estimator: bool = False) -> dict:
+def report(lines: list[dict]) -> dict:
     """Leave one pair out per statistic (the cut with the most right decisions on the other pairs, an admitted run
     that degraded counting twice), then per recipe of the held-out pair; beside the trivial rules."""
     for x in lines:  # two-sided: a candidate that moves further along the descent than BF16 is biased too
         x |= {f"{m}_absr": abs(x[f"{m}_r"]) for m in ("adam", "raw") if f"{m}_r" in x}
     result = {}
-    score = lambda c, rs: sum((r["s"] > c) == r["degraded"] for r in rs) - sum(  # noqa: E731
-        r["s"] <= c and r["degraded"] for r in rs)
     for stat in STATS:
         runs = [{"pair": x["pair"], "recipe": recipe(x["key"]), "degraded": d, "s": x[stat]}
                 for x in lines if stat in x for d in x["degraded"]]
         for pair in sorted({r["pair"] for r in runs}):
-            train, test = [r for r in runs if r["pair"] != pair], [r for r in runs if r["pair"] == pair]
-            if not train:
+            test = [r for r in runs if r["pair"] == pair]
+            if len(test) == len(runs):
                 continue
-            cut = max(sorted({r["s"] for r in train} | {0.0}), key=lambda c: score(c, train))
+            cut = held_out(runs, pair, "s")["cut"]  # paired_trial's leave-one-pair-out cut
             for name in ["all"] + sorted({r["recipe"] for r in test}):
                 mine = test if name == "all" else [r for r in test if r["recipe"] == name]
                 n, bad = len(mine), sum(r["degraded"] for r in mine)
