@@ -7,6 +7,7 @@ import pytest
 
 from opd.health.rules import decide, decide_numbers, distance, estimator_class
 from opd.io.errors import OpdError
+from opd.models.checkpoint import load_checkpoint
 from opd.training.losses import LossConfig
 from opd.numerics.plan import Plan
 from opd.admission.check import propose_plan
@@ -816,6 +817,25 @@ def test_self_calibrated_admission_decides_from_the_models_own_gradient_noise(pa
     stale = check_self(config(pair, plan="forward=bf16 kv=bf16", schedule="async", threads=2,
                               async_=dict(max_staleness=2)), batches=3, cut=4.0)
     assert stale["staleness"] == 2 and stale["cost_steps"] == 8 and stale["z"] >= 0
+
+
+def test_gradient_sums_that_do_not_fit_the_machine_are_refused_before_any_work(pair, tmp_path, monkeypatch):
+    """`opd admit --self` and canary training keep float32 sums the student's size (drift.Sums.bytes_needed); where
+    the machine has less memory left, both stop with one line before a gradient is taken or a file written (the
+    kernel would otherwise kill the process minutes in). With the memory there, the same calls run."""
+    from opd.admission.check import check_self
+    from opd.health import drift
+    from opd.training.trainer import train
+    monkeypatch.setattr(drift, "available_memory", lambda: 1 << 10)
+    with pytest.raises(OpdError, match=r"opd admit --self\) needs about .* GiB more .* GiB available"):
+        check_self(config(pair, plan="forward=bf16 kv=fp8_e4m3"), batches=3, cut=4.0)
+    with pytest.raises(OpdError, match=r"canary training's gradient statistic needs about"):
+        train(config(pair, canary=dict(plan="kv=fp8_e4m3")), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "config.yaml").exists()
+    size = sum(p.numel() for p in load_checkpoint(pair[0])[0].parameters())
+    monkeypatch.setattr(drift, "available_memory", lambda: drift.Sums.bytes_needed(size) + 3 * 4 * size)
+    assert check_self(config(pair, plan="forward=bf16 kv=fp8_e4m3"), batches=2, cut=4.0)["decision"] in (
+        "ADMIT", "UNCERTAIN", "REJECT")
 
 
 def test_paired_trial_decides_from_the_recipes_own_seed_gaps(pair):

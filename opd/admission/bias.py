@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from opd.health.drift import Sums
+from opd.health.drift import Sums, require_memory
 from opd.io.errors import require
 from opd.numerics.plan import Plan
 from opd.training.learner import Scoring, collate, flat_gradient, score_batch
@@ -49,6 +49,12 @@ def batch_gradient(run, batch, engine_logprobs=None) -> torch.Tensor:
 def warmed_run(cfg, steps: int):
     """setup(cfg) (synchronous) after `steps` BF16 training steps of its recipe; -> (run, the initial weights)."""
     run = setup(replace(cfg, schedule="sync"))
+    try:
+        require_memory(run.student, False, "the gradient-bias measurement (opd admit --self)",
+                       "free memory, run it on a machine with more, or use opd admit --trial K, which keeps no sums")
+    except BaseException:
+        run.rollouts.close()
+        raise
     initial = {k: v.detach().clone() for k, v in run.student.state_dict().items()}
     run.rollouts.start(run.student.state_dict(), 0, {})
     for _ in range(steps):

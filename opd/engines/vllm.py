@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from opd.models.checkpoint import hf_state_dict
+from opd.models.devices import available_memory
 from opd.io.errors import OpdError, first_line, require
 from opd.numerics.kv_cache import vllm_format
 from opd.numerics.plan import Plan
@@ -171,17 +172,6 @@ class EngineSize:
         per_token = 2 * per_layer * self.kv_heads * self.head_dim
         blocks = self.max_seqs * -(-self.context // BLOCK) + 1
         return math.ceil(blocks * BLOCK * per_token)  # a sub-byte format's per-value size is a fraction
-
-
-def available_memory() -> int:
-    """Bytes of memory this machine can still give (MemAvailable), or a large number when it cannot tell."""
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 50
 
 
 class VllmEngine:

@@ -10,7 +10,8 @@ common random numbers), g_i with the reference rollouts, c_i with the candidate'
 
 in the raw gradient and in AdamW's coordinates (each coordinate over the root of its mean square over both
 rollouts' gradients, the scale Adam divides by). `decide` turns z and its standard error into ADMIT / UNCERTAIN /
-REJECT against one unitless cut. Memory: five float64 vectors the size of the student (40 bytes a parameter).
+REJECT against one unitless cut. Memory: five float32 vectors the size of the student on the CPU (20 bytes a
+parameter; `Sums`).
 
 **The progress share** (candidate (a'), session 39): most of the bias vector moves nothing quality measures (a
 displacement orthogonal to the descent changes the loss at second order), so the same pairs are also projected on
@@ -24,43 +25,67 @@ the descent itself. Each pair i >= 2 is projected, as it arrives, on the mean BF
 with its standard error from the q_i's spread. Reported beside z, not deciding: on the built-in pairs' full_rkl
 configurations every degraded one has r >= 0.35 and every fine one r <= 0.23, but held out z decides those runs as
 well, the sampled estimators worse, and on the far real pair neither sees the degradations of its lr 3e-5 runs
-(studies/progress_deficit.py; docs/admission.md, "The progress share r"). Its cost: one more float64 vector while a
+(studies/progress_deficit.py; docs/admission.md, "The progress share r"). Its cost: a chunk's temporaries while a
 pair is added.
 """
 import math
 
 import torch
 
+from opd.io.errors import require
+from opd.models.devices import available_memory
+
 
 class Sums:
-    """Per-coordinate running sums of g, g^2, c^2, d, d^2 (float64): every statistic is a sum over coordinates of
-    these, so M gradients of a 100M-parameter student need five vectors, not 2M.
+    """Per-coordinate running sums of g, g^2, c^2, d, d^2: every statistic is a sum over coordinates of these, so M
+    gradients of a student need five vectors, not 2M.
+
+    Memory: the sums are float32 on the CPU (a sum of M terms loses nothing float32 holds here; every sum over
+    coordinates is taken in float64), 20 bytes a parameter, wherever the gradients live (a GPU's memory holds none of
+    them); add() and stats() work a chunk of coordinates at a time, so no float64 vector of the student's size is ever
+    made (before session 40: float64 sums and whole-vector temporaries, ~70 bytes a parameter at the peak, which an
+    0.5B student did not fit in 24 GiB). `bytes_needed` is what a caller checks before it starts.
 
     successive: the pairs come from a running training run (canary.py), whose weights move between pairs, so var(g)
     over the pairs would count the drift of the mean gradient along the run as noise; the noise is then taken from
     successive differences, |g_i - g_{i-1}|^2 / 2 (what one step's drift adds is small beside a batch's noise), which
     costs two more vectors (the last g and the sum)."""
+    CHUNK = 1 << 22  # coordinates a step of add() and stats() works on (float64 temporaries of 32 MB each)
 
     def __init__(self, successive: bool = False):
         self.M, self.sums, self.successive = 0, None, successive
         self.projections: list[tuple[float, float]] = []  # (p_i, q_i) of pairs 2..M (module docstring)
 
+    @staticmethod
+    def bytes_needed(size: int, successive: bool = False) -> int:
+        """The sums' memory for gradients of `size` coordinates (float32 vectors on the CPU)."""
+        return (7 if successive else 5) * 4 * size
+
     def add(self, g: torch.Tensor, c: torch.Tensor) -> None:
-        g, d = g.double(), c.double() - g.double()
-        if self.M:  # the progress share: this pair on the descent of the pairs before it
-            h = torch.add(self.sums[1], self.sums[2])  # one vector more while it lives: in place from here on
-            h.div_(2 * self.M).sqrt_().add_(1e-8).reciprocal_().mul_(self.sums[0]).div_(self.M)
-            self.projections.append((torch.dot(h, g).item(), torch.dot(h, d).item()))
-            del h
         if self.sums is None:
-            self.sums = [torch.zeros_like(g) for _ in range(7 if self.successive else 5)]
-        for total, x in zip(self.sums, (g, g * g, (g + d) ** 2, d, d * d)):
-            total += x
-        if self.successive:
-            last, total = self.sums[5], self.sums[6]
-            if self.M:
-                total += (g - last) ** 2
-            last.copy_(g)
+            self.sums = [torch.zeros(g.numel(), dtype=torch.float32) for _ in range(7 if self.successive else 5)]
+        p = q = 0.0
+        for start in range(0, g.numel(), self.CHUNK):
+            part = slice(start, start + self.CHUNK)
+            gc = g[part].to("cpu", torch.float64)
+            dc = c[part].to("cpu", torch.float64) - gc
+            sg, sgg, scc, sd, sdd = (x[part] for x in self.sums[:5])
+            if self.M:  # the progress share: this pair on the descent of the pairs before it (module docstring)
+                h = (sgg.double() + scc).div_(2 * self.M).sqrt_().add_(1e-8).reciprocal_().mul_(sg).div_(self.M)
+                p += torch.dot(h, gc).item()
+                q += torch.dot(h, dc).item()
+            sg += gc
+            sgg += gc * gc
+            scc += (gc + dc) ** 2
+            sd += dc
+            sdd += dc * dc
+            if self.successive:
+                last, total = self.sums[5][part], self.sums[6][part]
+                if self.M:
+                    total += (gc - last) ** 2
+                last.copy_(gc)
+        if self.M:
+            self.projections.append((p, q))
         self.M += 1
 
     def state_dict(self) -> dict:
@@ -70,12 +95,14 @@ class Sums:
 
     @classmethod
     def from_state(cls, saved, size: int, successive: bool = False) -> "Sums | None":
-        """state_dict()'s output for gradients of `size` coordinates, or None where it is not one."""
+        """state_dict()'s output for gradients of `size` coordinates, or None where it is not one (a checkpoint from
+        before session 40 holds float64 sums: read as float32)."""
         sums = saved.get("sums") if isinstance(saved, dict) else None
         M = saved.get("M") if isinstance(saved, dict) else None
         n = 7 if successive else 5
         if not isinstance(M, int) or isinstance(M, bool) or M < 0 or not isinstance(sums, list) or \
-                len(sums) != (n if M else 0) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.float64
+                len(sums) != (n if M else 0) or not all(isinstance(t, torch.Tensor)
+                                                         and t.dtype in (torch.float32, torch.float64)
                                                          and t.shape == (size,) and bool(torch.isfinite(t).all())
                                                          for t in sums):
             return None
@@ -85,21 +112,31 @@ class Sums:
                 for x in projections) or len(projections) > max(M - 1, 0):
             return None
         out = cls(successive)
-        out.M, out.sums, out.projections = M, (sums or None), [tuple(x) for x in projections]
+        out.M, out.projections = M, [tuple(x) for x in projections]
+        out.sums = [t.to("cpu", torch.float32) for t in sums] or None
         return out
 
     def stats(self, steps: int) -> dict:
         """bias, noise and z (module docstring), raw and in AdamW's coordinates."""
-        M, (sg, sgg, scc, sd, sdd) = self.M, self.sums[:5]
-        # Adam's denominator, pooled over both rollouts' gradients (a coordinate only the candidate's rollouts reach,
-        # an embedding row of a token BF16 never sampled, is not divided by ~0) plus AdamW's eps
-        scale = ((sgg + scc) / (2 * M)).sqrt() + 1e-8
+        M = self.M
+        # per space: sum over coordinates of var(d) * w, of the noise * w, of |mean d|^2 * w (float64, a chunk at a time)
+        acc = {name: [0.0, 0.0, 0.0] for name in ("raw", "adam")}
+        for start in range(0, self.sums[0].numel(), self.CHUNK):
+            part = slice(start, start + self.CHUNK)
+            sg, sgg, scc, sd, sdd = (x[part].double() for x in self.sums[:5])
+            # Adam's denominator, pooled over both rollouts' gradients (a coordinate only the candidate's rollouts
+            # reach, an embedding row of a token BF16 never sampled, is not divided by ~0) plus AdamW's eps
+            scale = ((sgg + scc) / (2 * M)).sqrt() + 1e-8
+            noise = self.sums[6][part].double() if self.successive else sgg - sg * sg / M
+            terms = (sdd - sd * sd / M, noise, (sd / M).pow(2))
+            for name, w in {"raw": None, "adam": scale.pow(-2)}.items():
+                for k, x in enumerate(terms):
+                    acc[name][k] += (x if w is None else x * w).sum().item()
         out = {"M": M, "T": steps}
-        for name, w in {"raw": torch.ones_like(scale), "adam": scale.pow(-2)}.items():
-            var_d = ((sdd - sd * sd / M) * w).sum().item() / (M - 1)
-            noise2 = ((self.sums[6] if self.successive else sgg - sg * sg / M) * w).sum().item() / (
-                (2 if self.successive else 1) * (M - 1))
-            bias2 = ((sd / M).pow(2) * w).sum().item() - var_d / M
+        for name, (var_d, noise2, mean_d2) in acc.items():
+            var_d /= M - 1
+            noise2 /= (2 if self.successive else 1) * (M - 1)
+            bias2 = mean_d2 - var_d / M
             bias, noise = math.sqrt(max(bias2, 0.0)), math.sqrt(max(noise2, 0.0))
             out |= {f"{name}_bias": bias, f"{name}_noise": noise, f"{name}_coupling": math.sqrt(max(var_d, 0.0)),
                     f"{name}_bias_se": math.sqrt(max(var_d, 0.0) / M),
@@ -118,6 +155,19 @@ class Sums:
         se = math.sqrt(sum((y - mean_q) ** 2 for y in q) / (n - 1) / n)
         return {"progress": p, "progress_deficit": -mean_q, "r": -mean_q / max(abs(p), 1e-30),
                 "r_se": se / max(abs(p), 1e-30), "projected": n}
+
+
+def require_memory(student: torch.nn.Module, successive: bool, what: str, fix: str) -> None:
+    """Refuse, before any work, a measurement whose sums (and, for a student on the CPU, the pair of float32 gradients
+    and the one being flattened) do not fit the memory this machine has left: the kernel would otherwise kill the
+    process minutes in, with no message."""
+    size = sum(p.numel() for p in student.parameters())
+    on_cpu = next(student.parameters()).device.type == "cpu"
+    need = Sums.bytes_needed(size, successive) + (3 * 4 * size if on_cpu else 0)
+    free = available_memory()
+    require(need <= free, f"{what} needs about {need / 2 ** 30:.1f} GiB more for a student of {size / 1e6:.0f}M "
+            f"parameters ({7 if successive else 5} float32 sums{' and its gradients' if on_cpu else ''}), and this "
+            f"machine has {free / 2 ** 30:.1f} GiB available", fix)
 
 
 def stats(ref: list[torch.Tensor], cand: list[torch.Tensor], steps: int) -> dict:

@@ -142,3 +142,14 @@ def restored_threads():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine can still give (MemAvailable), or a large number when it cannot tell."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 50

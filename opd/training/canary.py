@@ -38,8 +38,8 @@ the next prompt batch on); a fall back to the in-process engine.
 
 Cost: a shadow step samples one more batch and takes one more backward pass (the shadow batch's), about one step's
 work, until the decision (min_batches to max_batches shadow steps), then one every watch_every steps after a promotion.
-Memory: the statistic's seven float64 vectors (56 bytes a parameter: its noise comes from successive pairs,
-drift.Sums) and two float32 gradients.
+Memory: the statistic's seven float32 vectors on the CPU (28 bytes a parameter: its noise comes from successive
+pairs, drift.Sums) and two float32 gradients; a run they do not fit is refused before it starts.
 
 A checkpoint keeps the phase (trainer_state.json), the statistic's sums and the shadow engine's KV scales (the trainer
 state file): a resumed run continues exactly. The shadow changes nothing that trains: a run whose candidate is never
@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 from opd.config.runlog import write_atomic
-from opd.health.drift import CUT, Sums, decide
+from opd.health.drift import CUT, Sums, decide, require_memory
 from opd.health.metrics import RolloutHealth, rollout_health
 from opd.health.rules import FLOOR_PLAN, decide as admission, estimator_class
 from opd.health.thresholds import load_thresholds
@@ -89,6 +89,9 @@ class Canary:
                       str(self.reference): (run.cfg.plan or "fp32") if isinstance(run.cfg.plan, str) else
                       str(self.reference)}  # the plans as the config wrote them
         self.cut = self.settings.cut or CUT
+        require_memory(run.student, True, "canary training's gradient statistic",
+                       "free memory, run on a machine with more, or train without a canary (opd admit --trial K "
+                       "judges a candidate without these sums)")
         self.sums, self.shadow, self.saved_scales = Sums(successive=True), None, {}
         self.shadow_grad = self.trained_grad = None
         self.stale = self.settings.max_staleness  # the candidate's schedule: async at this staleness (0: sync)
