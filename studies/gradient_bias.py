@@ -175,6 +175,33 @@ def report(lines: list[dict], kappas: dict | None = None, k: float = 1.0) -> dic
     return result
 
 
+def record(lines: list[dict], calibration: tuple = ("llama", "qwen3"), k: float = 1.0) -> dict:
+    """The shipped rule's record where it was not fitted (drift.RECORD, which `opd admit --self` prints as its error
+    rate): each calibration pair decided with the cut fitted on the other calibration pairs, every other pair's study
+    (a pair at one learning rate) with the cut fitted on all of them (drift.CUT's fit); three ways in Adam's space
+    (ADMIT if z + k se <= cut, REJECT if z - k se > cut). -> {"built-in" or study: {runs, admitted,
+    admitted_degraded, rejected, rejected_fine}}, the calibration pairs summed as "built-in"."""
+    runs = [{"pair": x["pair"], "study": x["study"], "degraded": d, "z": x["adam_z"],
+             "se": math.sqrt(x["T"] / 2) * x["adam_bias_se"] / max(x["adam_noise"], 1e-30)}
+            for x in lines for d in x["degraded"]]
+    score = lambda c, rs: sum((r["z"] > c) == r["degraded"] for r in rs) - sum(  # noqa: E731 (report's score)
+        r["z"] <= c and r["degraded"] for r in rs)
+    out = {}
+    for key in sorted({r["pair"] if r["pair"] in calibration else r["study"] for r in runs}):
+        test = [r for r in runs if (r["pair"] if r["pair"] in calibration else r["study"]) == key]
+        train = [r for r in runs if r["pair"] in calibration and r["pair"] != key]
+        cut = max(sorted({r["z"] for r in train} | {0.0}), key=lambda c: score(c, train))
+        admitted = [r for r in test if r["z"] + k * r["se"] <= cut]
+        rejected = [r for r in test if r["z"] - k * r["se"] > cut]
+        entry = out.setdefault("built-in" if key in calibration else key, dict.fromkeys(
+            ("runs", "admitted", "admitted_degraded", "rejected", "rejected_fine"), 0))
+        for name, n in (("runs", len(test)), ("admitted", len(admitted)),
+                        ("admitted_degraded", sum(r["degraded"] for r in admitted)), ("rejected", len(rejected)),
+                        ("rejected_fine", sum(not r["degraded"] for r in rejected))):
+            entry[name] += n
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="", help="append one line per configuration here (resumes)")
@@ -186,11 +213,16 @@ def main() -> None:
     parser.add_argument("--report", default="",
                         help="only print the accuracies of these files' lines (comma-separated)")
     parser.add_argument("--quick", action="store_true", help="one configuration, M = 4, nothing written")
+    parser.add_argument("--record", action="store_true", help="with --report: print the shipped rule's record "
+                        "where it was not fitted (drift.RECORD) instead")
     parser.add_argument("--kappa", default="", help="measure each recipe's kappa (curvature()) into this file "
                         "(resumes), or, with --report, read them from it")
     args = parser.parse_args()
     kappa_file = Path(args.kappa) if args.kappa else None
     kappas = {x["recipe"]: x for x in read_lines(kappa_file)} if kappa_file else {}
+    if args.report and args.record:
+        print(json.dumps(record([x for f in args.report.split(",") for x in read_lines(Path(f))]), indent=1))
+        return
     if args.report:
         result = report([x for f in args.report.split(",") for x in read_lines(Path(f))], kappas)
         print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))

@@ -804,9 +804,14 @@ def test_self_calibrated_admission_decides_from_the_models_own_gradient_noise(pa
     a harmful plan is measured against the same recipe's BF16 noise and decided three ways by its standard error;
     a stale candidate warms the student up first; the cost is 2 x batches gradients (+ the staleness)."""
     from opd.admission.check import check_self
+    from opd.health import drift
     floor = check_self(config(pair, plan="forward=bf16 kv=bf16"), batches=3, cut=4.0)
     assert floor["decision"] == "ADMIT" and floor["z"] == 0 and floor["cost_steps"] == 6
     assert floor["numbers"]["r"] == 0 and floor["numbers"]["projected"] == 2  # the progress share: pairs 2..M
+    assert floor["error_rate"] == {"measurement": 0.0, "record": {}}  # the record is the shipped cut's only
+    shipped = check_self(config(pair, plan="forward=bf16 kv=bf16"), batches=2)
+    assert shipped["error_rate"]["record"] == drift.RECORD and "ADMIT was wrong (the run degraded) for 3 of 93 on " \
+        "the built-in pairs" in shipped["reasons"][-1]
     harmful = check_self(config(pair, plan="forward=bf16 kv=fp8_e5m2 noise=0.3"), batches=3, cut=4.0)
     assert harmful["z"] > 0 and harmful["numbers"]["adam_noise"] > 0 and len(harmful["reasons"]) >= 3
     assert harmful["numbers"]["r"] != 0 and any("progress share" in r for r in harmful["reasons"])

@@ -355,6 +355,25 @@ def test_recipe_summary_compares_each_run_with_the_sync_bf16_run_of_its_own_invo
     assert s["sync_fp8kv"]["trained"] == 0 and s["sync_fp8kv"]["admission"] == ["REJECT"]
 
 
+def test_the_error_rate_opd_admit_self_states_is_its_record_on_the_stored_runs():
+    """drift.RECORD (what `opd admit --self` prints as the rule's error rate) is recomputed from the stored
+    measurements by studies/gradient_bias.py's record(): each built-in pair decided by the cut fitted on the other,
+    the smollm2 pair's studies by the built-in pairs' cut, which must be the shipped drift.CUT (to the rounding it is
+    shipped at); and the measurement's own chance of the wrong side is a normal tail (0 where se is 0)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "studies"))
+    import gradient_bias as study
+    from opd.health import drift
+    data = Path(__file__).parents[1] / "studies/data"
+    lines = [x for name in ("gradient_bias_toys.jsonl", "gradient_bias_smollm2.jsonl")
+             for x in study.read_lines(data / name)]
+    assert study.record(lines) == {k: {n: v for n, v in x.items() if n != "what"} for k, x in drift.RECORD.items()}
+    toys = [x for x in lines if x["pair"] != "smollm2"]
+    assert study.report(toys)["adam_cut"] == pytest.approx(drift.CUT, abs=0.005)
+    assert drift.chance_other_side(3.0, 1.0, 2.0) == pytest.approx(0.1587, abs=1e-4)
+    assert drift.chance_other_side(1.0, 1.0, 2.0) == drift.chance_other_side(3.0, 1.0, 2.0)
+    assert drift.chance_other_side(0.0, 0.0, 2.0) == 0.0
+
+
 def test_gradient_bias_is_zero_for_the_bf16_rollouts_and_recovers_a_planted_bias(pair):
     """opd/admission/bias.py (issue 57, candidate (a); studies/gradient_bias.py): with common random numbers a
     candidate whose rollouts are the BF16 ones gives d_i = 0 exactly, so bias 0 and z 0; a stale candidate's

@@ -184,6 +184,28 @@ def stats(ref: list[torch.Tensor], cand: list[torch.Tensor], steps: int) -> dict
 # in docs/admission.md, "Self-calibrated". Unitless: the same number on any model and recipe.
 CUT = 2.88
 SIGMAS = 1.0  # ADMIT needs z + SIGMAS * se <= CUT, REJECT z - SIGMAS * se > CUT; between them UNCERTAIN
+# The rule's record where it was not fitted, three ways at CUT and SIGMAS (the error rate `opd admit --self`
+# states): `python studies/gradient_bias.py --report studies/data/gradient_bias_toys.jsonl,studies/data/
+# gradient_bias_smollm2.jsonl --record` (tests/test_study.py recomputes it from those files). Each built-in pair is
+# decided by the cut fitted on the other; the smollm2 pair's studies by the built-in pairs' cut (this CUT).
+RECORD = {
+    "built-in": {"what": "the built-in pairs", "runs": 208, "admitted": 93, "admitted_degraded": 3, "rejected": 35,
+                 "rejected_fine": 6},
+    "real smollm2": {"what": "the smollm2 pair at lr 1e-4", "runs": 17, "admitted": 13, "admitted_degraded": 0,
+                     "rejected": 2, "rejected_fine": 2},
+    "real smollm2 lr 3e-5": {"what": "the smollm2 pair at lr 3e-5", "runs": 23, "admitted": 21,
+                             "admitted_degraded": 8, "rejected": 0, "rejected_fine": 0},
+}
+
+
+def chance_other_side(z: float, se: float, cut: float) -> float:
+    """The chance that the measurement's noise put z on the other side of the cut from where the true value lies (z
+    taken as normal with standard deviation se): the measurement's own error rate, apart from the rule's record."""
+    if se <= 0:
+        return 0.0
+    return 0.5 * math.erfc(abs(z - cut) / se / math.sqrt(2))
+
+
 
 
 def decide(numbers: dict, cut: float, sigmas: float = SIGMAS, mode: str = "adam",
