@@ -57,7 +57,7 @@ def train(cfg, run_dir: str | Path, resume: bool = False, overwrite: bool = Fals
 
 def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0.0, propose: bool = True,
           warmup: int | str = "auto", self_calibrated: bool = False, batches: int = 8, trial: int = 0,
-          trial_seeds: int = 2) -> dict:
+          trial_seeds: int = 2, spill: str | Path = "") -> dict:
     """The admission check of cfg's rollout set-up, as `opd admit --json`: a dict with "decision" (ADMIT, UNCERTAIN:
     run it only under the runtime guard, or REJECT), "reasons", the probe's numbers and, when not admitted, a
     "proposal" (a plan that passes, or what to change). rollouts: the probe's batch of the run's own prompts;
@@ -76,7 +76,9 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
     sensitive layers in BF16 that passes the same measurement, at most 3 more measurements).
     trial K > 0: decide instead from a paired trial, K steps of the run's own recipe for the candidate, its BF16 twin
     (same seed) and trial_seeds more BF16 seeds, on fixed held-out contexts (opd/admission/trial.py: the recipe's
-    learning rate and horizon are in the measurement; its cut is provisional)."""
+    learning rate and horizon are in the measurement; its cut is provisional).
+    spill: with self_calibrated, a folder where the statistic's sums live as files instead of memory (20 bytes a
+    parameter: a student whose sums do not fit; the measurement refuses, in one line, sums that fit neither)."""
     _not_in_a_starting_worker("opd.admit")
     from opd.io.errors import require
     require(_number(limit) and limit >= 0, f"limit must be a number >= 0, got {limit!r}", "0 uses the calibrated limit")
@@ -93,13 +95,16 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
         require(isinstance(value, int) and not isinstance(value, bool) and low <= value <= high,
                 f"{name} must be an integer in [{low}, {high}], got {value!r}", "trial 4 with 2 seeds or so")
     require(not (trial and self_calibrated), "a paired trial and the gradient bias are two checks", "choose one")
+    require(isinstance(spill, (str, Path)), f"spill must be a folder's path, got {spill!r}", "\"\" keeps the sums in "
+            "memory")
+    require(not spill or self_calibrated, "spill is for the gradient-bias check's sums", "use it with self_calibrated")
     if trial:
         from opd.admission.trial import check_trial
         return check_trial(_checked(cfg), trial, trial_seeds, propose=propose,
                            progress=lambda text: print(f"opd admit: {text}", file=sys.stderr, flush=True))
     if self_calibrated:
         from opd.admission.check import check_self
-        return check_self(_checked(cfg), batches, propose=propose)
+        return check_self(_checked(cfg), batches, propose=propose, spill=spill or None)
     from opd.admission.check import check
     return check(_checked(cfg), rollouts, thresholds, limit, propose, warmup)
 

@@ -17,7 +17,10 @@ rollouts' gradients, the scale Adam divides by). It costs 2M gradients (about 2M
 rollouts and backward passes) and trains nothing. studies/gradient_bias.py measures it on the stored studies.
 """
 import copy
+import tempfile
+from contextlib import nullcontext
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -46,12 +49,14 @@ def batch_gradient(run, batch, engine_logprobs=None) -> torch.Tensor:
     return out
 
 
-def warmed_run(cfg, steps: int):
-    """setup(cfg) (synchronous) after `steps` BF16 training steps of its recipe; -> (run, the initial weights)."""
+def warmed_run(cfg, steps: int, spill: str | Path | None = None):
+    """setup(cfg) (synchronous) after `steps` BF16 training steps of its recipe; -> (run, the initial weights).
+    Refused first where the statistic's sums do not fit (in memory, or with `spill` on that folder's disk)."""
     run = setup(replace(cfg, schedule="sync"))
     try:
         require_memory(run.student, False, "the gradient-bias measurement (opd admit --self)",
-                       "free memory, run it on a machine with more, or use opd admit --trial K, which keeps no sums")
+                       "free memory, keep the sums on disk (--spill DIR), or use opd admit --trial K, which keeps "
+                       "none", spill)
     except BaseException:
         run.rollouts.close()
         raise
@@ -77,15 +82,17 @@ def candidate_rollouts(run, plan: Plan, weights: dict | None = None) -> SyncRoll
     return rollouts
 
 
-def measure(bf16_cfg, cand_cfg, staleness: int, batches: int, sums=None, warm: int = 0) -> dict:
+def measure(bf16_cfg, cand_cfg, staleness: int, batches: int, sums=None, warm: int = 0,
+            spill: str | Path | None = None) -> dict:
     """The candidate's stats on the recipe's initial student (after `staleness` BF16 steps for a stale candidate,
     whose rollouts the initial student samples under the candidate's plan). A candidate that differs from the BF16
     config only in its plan and schedule is sampled by a second engine of the same set-up; any other difference
     (weight noise of another seed, another engine, ...) loads a set-up of its own. `sums`: what collects the pairs
     (default a drift.Sums; anything with add(g, c) and stats(steps)). warm: for a synchronous candidate, measure at
-    the student after `warm` BF16 steps of the recipe instead of the initial one."""
+    the student after `warm` BF16 steps of the recipe instead of the initial one. spill: a folder where the default
+    sums live as files (a student whose sums do not fit in memory: drift.Sums), removed after."""
     require(not (warm and staleness), "a warm measurement is for synchronous candidates", "use warm=0 with staleness")
-    run, initial = warmed_run(bf16_cfg, staleness or warm)
+    run, initial = warmed_run(bf16_cfg, staleness or warm, spill if sums is None else None)
     older = initial if staleness else None
     same_setup = replace(cand_cfg, plan=bf16_cfg.plan, schedule=bf16_cfg.schedule, steps=bf16_cfg.steps,
                          async_=bf16_cfg.async_) == bf16_cfg
@@ -98,10 +105,14 @@ def measure(bf16_cfg, cand_cfg, staleness: int, batches: int, sums=None, warm: i
             cand_run.student.load_state_dict(run.student.state_dict())
             cand_run.rollouts.start(cand_run.student.state_dict(), 0, {})
             other = candidate_rollouts(cand_run, cand_run.plan, older) if older is not None else cand_run.rollouts
-        sums = Sums() if sums is None else sums
-        for i in [1000 + j for j in range(batches)]:  # prompt batches the warm-up did not train on
-            sums.add(gradient(run, i), gradient(cand_run or run, i, other))
+        with tempfile.TemporaryDirectory(dir=spill, prefix="opd-sums-") if spill and sums is None \
+                else nullcontext() as folder:
+            sums = Sums(spill=folder) if sums is None else sums
+            for i in [1000 + j for j in range(batches)]:  # prompt batches the warm-up did not train on
+                sums.add(gradient(run, i), gradient(cand_run or run, i, other))
+            numbers = sums.stats(bf16_cfg.steps)
+            del sums  # (its mapped files go with the folder)
     finally:
         for rollouts in {id(r): r for r in (run.rollouts, other, cand_run and cand_run.rollouts) if r}.values():
             rollouts.close()
-    return sums.stats(bf16_cfg.steps)
+    return numbers

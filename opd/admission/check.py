@@ -198,19 +198,21 @@ def in_vllm_terms(plan: Plan) -> dict:
         return {"vllm_refused": str(e)}
 
 
-def check_self(cfg: TrainConfig, batches: int = 8, cut: float | None = None, propose: bool = True) -> dict:
+def check_self(cfg: TrainConfig, batches: int = 8, cut: float | None = None, propose: bool = True,
+               spill: str | Path | None = None) -> dict:
     """`opd admit --self`: decide from the user's own model and recipe (bias.py). The candidate (the config's plan
     and staleness) against BF16 synchronous rollouts of the same config, with common random numbers, on `batches`
     batches of the run's own prompts: its gradient bias in units of the recipe's own BF16 batch noise, carried over
     the run's steps (z), against drift.CUT, with the measurement's standard error (UNCERTAIN where it straddles
-    the cut, with the batches that would decide). propose: on REJECT, search for what passes (`propose_passing`)."""
+    the cut, with the batches that would decide). propose: on REJECT, search for what passes (`propose_passing`).
+    spill: a folder for the statistic's sums as files (a student whose sums do not fit in memory)."""
     start = time.perf_counter()
     require_installed(cfg.engine.name)
     cut = drift.CUT if cut is None else cut
     stale = staleness(cfg)
     floor = replace(cfg, plan=FLOOR_PLAN, schedule="sync", guard=GuardConfig())
     with restored_threads():
-        numbers = bias.measure(floor, replace(cfg, guard=GuardConfig()), stale, batches)
+        numbers = bias.measure(floor, replace(cfg, guard=GuardConfig()), stale, batches, spill=spill)
     out = drift.decide(numbers, cut)
     z, se, T = out["z"], out["z_se"], out["steps"]
     what = f"plan {cfg.plan or 'fp32'}" + (f" at staleness {stale}" if stale else "")
@@ -232,11 +234,12 @@ def check_self(cfg: TrainConfig, batches: int = 8, cut: float | None = None, pro
     reasons.append(f"error rate: this measurement's noise puts z on the wrong side of the cut with chance "
                    f"{chance:.0%}" + (_record_text(record) if record else " (the rule's record is for the shipped "
                                                                            "cut only)"))
-    out |= {"mode": "self", "error_rate": {"measurement": chance, "record": record}, "plan": str(cfg.plan), "estimator_class": estimator_class(cfg.loss), "staleness": stale,
-            "numbers": numbers, "reasons": reasons, "cost_steps": 2 * batches + stale}
+    out |= {"mode": "self", "error_rate": {"measurement": chance, "record": record}, "plan": str(cfg.plan),
+            "estimator_class": estimator_class(cfg.loss), "staleness": stale, "numbers": numbers, "reasons": reasons, "cost_steps": 2 * batches + stale}
     if out["decision"] == "REJECT" and propose:
         out["proposal"] = propose_passing(cfg, stale,
-                                          lambda cand, k: drift.decide(bias.measure(floor, cand, k, batches), cut))
+                                          lambda cand, k: drift.decide(bias.measure(floor, cand, k, batches,
+                                                                                spill=spill), cut))
     return out | {"seconds": time.perf_counter() - start}
 
 

@@ -141,6 +141,9 @@ def admit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trial-seeds", type=int_in(1, 17), default=2, help="with --trial: BF16 seeds beside the twin")
     p.add_argument("--batches", type=int_in(2, 4097), default=8,
                    help="with --self: batches of the run's prompts measured (cost: 2 x batches gradients)")
+    p.add_argument("--spill", default="", metavar="DIR",
+                   help="with --self: keep the statistic's sums (20 bytes a parameter) in files in this folder "
+                        "instead of memory, for a student whose sums do not fit")
     p.add_argument("--warmup", type=warmup_steps, default="auto",
                    help="probe the student after this many steps of the run's recipe with BF16 rollouts (a student "
                         "whose first steps move it far, as a pruned one); 0: the initial student; auto (default): the "
@@ -162,7 +165,7 @@ def warmup_steps(text: str) -> int | str:
 @command(admit_arguments)
 def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit: float, rollouts: int,
               as_json: bool, propose: bool, warmup: int | str, self_calibrated: bool, batches: int, trial: int,
-              trial_seeds: int) -> int:
+              trial_seeds: int, spill: str) -> int:
     """Before training: is this rollout configuration safe for OPD? ADMIT (exit 0), REJECT (exit 1) or UNCERTAIN (exit
     3: run it only under the runtime guard), with reasons."""
     from opd import admit
@@ -170,7 +173,9 @@ def cmd_admit(config: Path | None, overrides: list[str], thresholds: str, limit:
     cfg = load_config(config, overrides or [])
     require(limit >= 0, f"--limit must be >= 0, got {limit}", "0 uses the calibrated limit")
     require(not (trial and self_calibrated), "--trial and --self are two checks", "choose one")
-    result = admit(cfg, rollouts, thresholds, limit, propose, warmup, self_calibrated, batches, trial, trial_seeds)
+    require(not spill or self_calibrated, "--spill is for --self's sums", "add --self, or leave --spill out")
+    result = admit(cfg, rollouts, thresholds, limit, propose, warmup, self_calibrated, batches, trial, trial_seeds,
+                   spill)
     if as_json:
         print(json.dumps(result, indent=2))
     elif self_calibrated or trial:

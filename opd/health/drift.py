@@ -29,6 +29,8 @@ well, the sampled estimators worse, and on the far real pair neither sees the de
 pair is added.
 """
 import math
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -52,9 +54,19 @@ class Sums:
     costs two more vectors (the last g and the sum)."""
     CHUNK = 1 << 22  # coordinates a step of add() and stats() works on (float64 temporaries of 32 MB each)
 
-    def __init__(self, successive: bool = False):
-        self.M, self.sums, self.successive = 0, None, successive
+    def __init__(self, successive: bool = False, spill: str | Path | None = None):
+        self.M, self.sums, self.successive, self.spill = 0, None, successive, spill
         self.projections: list[tuple[float, float]] = []  # (p_i, q_i) of pairs 2..M (module docstring)
+
+    def _zeros(self, size: int, k: int) -> torch.Tensor:
+        """A float32 vector of zeros: in memory, or with `spill` a file in that folder mapped into memory (the
+        kernel writes its pages out and drops them under pressure: a student whose sums do not fit in memory)."""
+        if self.spill is None:
+            return torch.zeros(size, dtype=torch.float32)
+        path = Path(self.spill) / f"sums{k}.f32"
+        with open(path, "wb") as f:
+            f.truncate(4 * size)  # sparse: zeros that take no disk until written
+        return torch.from_file(str(path), shared=True, size=size, dtype=torch.float32)
 
     @staticmethod
     def bytes_needed(size: int, successive: bool = False) -> int:
@@ -63,7 +75,7 @@ class Sums:
 
     def add(self, g: torch.Tensor, c: torch.Tensor) -> None:
         if self.sums is None:
-            self.sums = [torch.zeros(g.numel(), dtype=torch.float32) for _ in range(7 if self.successive else 5)]
+            self.sums = [self._zeros(g.numel(), k) for k in range(7 if self.successive else 5)]
         p = q = 0.0
         for start in range(0, g.numel(), self.CHUNK):
             part = slice(start, start + self.CHUNK)
@@ -157,17 +169,27 @@ class Sums:
                 "r_se": se / max(abs(p), 1e-30), "projected": n}
 
 
-def require_memory(student: torch.nn.Module, successive: bool, what: str, fix: str) -> None:
+def require_memory(student: torch.nn.Module, successive: bool, what: str, fix: str,
+                   spill: str | Path | None = None) -> None:
     """Refuse, before any work, a measurement whose sums (and, for a student on the CPU, the pair of float32 gradients
     and the one being flattened) do not fit the memory this machine has left: the kernel would otherwise kill the
-    process minutes in, with no message."""
+    process minutes in, with no message. With `spill` (a folder: the sums in files there) the sums need its disk
+    instead."""
     size = sum(p.numel() for p in student.parameters())
     on_cpu = next(student.parameters()).device.type == "cpu"
-    need = Sums.bytes_needed(size, successive) + (3 * 4 * size if on_cpu else 0)
+    sums = Sums.bytes_needed(size, successive)
+    need = (0 if spill else sums) + (3 * 4 * size if on_cpu else 0)
     free = available_memory()
+    parts = [] if spill else [f"{7 if successive else 5} float32 sums"]
+    parts += ["its gradients"] if on_cpu else []
     require(need <= free, f"{what} needs about {need / 2 ** 30:.1f} GiB more for a student of {size / 1e6:.0f}M "
-            f"parameters ({7 if successive else 5} float32 sums{' and its gradients' if on_cpu else ''}), and this "
-            f"machine has {free / 2 ** 30:.1f} GiB available", fix)
+            f"parameters ({' and '.join(parts)}), and this machine has {free / 2 ** 30:.1f} GiB available", fix)
+    if spill:
+        folder = Path(spill)
+        require(folder.is_dir(), f"--spill {spill}: not a folder", "name an existing folder on a local disk")
+        disk = shutil.disk_usage(folder).free
+        require(sums <= disk, f"--spill {spill}: the sums need {sums / 2 ** 30:.1f} GiB of disk and it has "
+                f"{disk / 2 ** 30:.1f} GiB free", "name a folder on a disk with room")
 
 
 def stats(ref: list[torch.Tensor], cand: list[torch.Tensor], steps: int) -> dict:
