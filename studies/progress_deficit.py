@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -102,6 +103,24 @@ class Online:
                 "adam_deficit_se": se, "adam_progress_sd": sd_p, "adam_r": -mq / max(abs(p), 1e-30),
                 "adam_r_se": se / max(abs(p), 1e-30), "adam_zp": math.sqrt(steps / 2) * -mq / max(sd_p, 1e-30),
                 "adam_zp_se": math.sqrt(steps / 2) * se / max(sd_p, 1e-30), "adam_cos": math.nan}
+
+
+class Spilled:
+    """drift.Sums itself, its sums in files in `folder` (`opd admit --self --spill`): candidate (a)'s exact z and the
+    progress share r in one pass, for a student whose sums do not fit in memory (the close pair's 0.5B student)."""
+
+    def __init__(self, folder: str):
+        from opd.health.drift import Sums
+        self.sums = Sums(spill=folder)
+
+    def add(self, g: torch.Tensor, c: torch.Tensor) -> None:
+        self.sums.add(g, c)
+
+    def stats(self, steps: int) -> dict:
+        online = Online()  # the same projections, in the lines' names (adam_r, adam_zp, ...)
+        online.M, online.proj = self.sums.M, list(self.sums.projections)
+        z = {f"z_{k}": v for k, v in self.sums.stats(steps).items() if k.split("_")[0] in ("raw", "adam")}
+        return online.stats(steps) | z
 
 
 def projections(g: list[torch.Tensor], c: list[torch.Tensor], steps: int) -> dict:
@@ -197,6 +216,8 @@ def main() -> None:
                         "'real qwen2.5-coder lr 1e-5=qwen1e5_results.jsonl' (the close pair's grid)")
     parser.add_argument("--online", action="store_true", help="the two-vector online statistic (Online), Adam's "
                         "units only: for a student whose M gradients do not fit in memory")
+    parser.add_argument("--spill", default="", metavar="DIR", help="drift.Sums with its sums in files in DIR "
+                        "(Spilled): z and r exactly, for a student whose sums do not fit in memory")
     parser.add_argument("--only", default="", help="comma-separated source=level (and study=NAME) filters")
     parser.add_argument("--report", default="", help="only print the accuracies of these files' lines")
     parser.add_argument("--trials", default="", help="with --report: paired_trial.py lines (comma-separated files) "
@@ -246,14 +267,16 @@ def main() -> None:
                 # (the staleness travels apart: measure() warms a synchronous run; one thread takes no async)
                 bf16, cand = (replace(stored_config(g[k]), threads=args.threads, schedule="sync")
                               for k in ("bf16", "cand"))
-                numbers = measure(bf16, cand, g["staleness"], args.batches, sums=Online() if args.online else Pairs(),
-                                  warm=args.warm) | (
-                    {"warm": args.warm} if args.warm else {})
+                with tempfile.TemporaryDirectory(dir=args.spill or None, prefix="opd-sums-") as folder:
+                    sums = Spilled(folder) if args.spill else Online() if args.online else Pairs()
+                    numbers = measure(bf16, cand, g["staleness"], args.batches, sums=sums, warm=args.warm) | (
+                        {"warm": args.warm} if args.warm else {})
+                    del sums
             line = {k: v for k, v in g.items() if k not in ("bf16", "cand")} | numbers | {
                 "seconds": time.perf_counter() - start}
             by_signature.setdefault(signature(g), line)
             print(f"[{n + 1}/{len(todo)}] {g['key']}: r adam {numbers['adam_r']:.3g} +- {numbers['adam_r_se']:.2g}, "
-                  f"zp adam {numbers['adam_zp']:.3g}, cos {numbers['adam_cos']:.3f}, degraded "
+                  f"zp adam {numbers['adam_zp']:.3g}, z adam {numbers.get('z_adam_z', math.nan):.3g}, degraded "
                   f"{sum(g['degraded'])}/{g['runs']} ({line['seconds']:.0f} s)", flush=True)
             with out.open("a") as f:
                 f.write(json.dumps(line) + "\n")

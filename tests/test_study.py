@@ -549,6 +549,13 @@ def test_progress_share_online_agrees_with_the_cross_fitted_study_and_recovers_a
         again.add(r, c)
     assert light.stats(16)["adam_r"] == pytest.approx(again.stats(16)["r"], rel=1e-4)
     assert light.stats(16)["adam_r_se"] == pytest.approx(again.stats(16)["r_se"], rel=1e-3)
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:  # --spill: drift.Sums in files, z and r in the lines' names
+        spilled = study.Spilled(folder)
+        for i, r in enumerate(ref):
+            spilled.add(r, r - 0.2 * mu + 0.5 * torch.randn(500, generator=torch.Generator().manual_seed(i)))
+        got, want = spilled.stats(16), again.stats(16)
+    assert got["adam_r"] == want["r"] and got["z_adam_z"] == want["adam_z"] and got["z_raw_bias"] == want["raw_bias"]
     _, noise, _ = both([r + 0.5 * torch.randn(500, generator=g) for r in ref])
     assert abs(noise["r"]) < 3 * noise["r_se"] and noise["projected"] == 31
 

@@ -49,14 +49,16 @@ def batch_gradient(run, batch, engine_logprobs=None) -> torch.Tensor:
     return out
 
 
-def warmed_run(cfg, steps: int, spill: str | Path | None = None):
+def warmed_run(cfg, steps: int, spill: str | Path | None = None, sums: bool = True):
     """setup(cfg) (synchronous) after `steps` BF16 training steps of its recipe; -> (run, the initial weights).
-    Refused first where the statistic's sums do not fit (in memory, or with `spill` on that folder's disk)."""
+    sums: refused first where drift.Sums' sums do not fit (in memory, or with `spill` on that folder's disk); False
+    for a caller that collects the pairs its own way."""
     run = setup(replace(cfg, schedule="sync"))
     try:
-        require_memory(run.student, False, "the gradient-bias measurement (opd admit --self)",
-                       "free memory, keep the sums on disk (--spill DIR), or use opd admit --trial K, which keeps "
-                       "none", spill)
+        if sums:
+            require_memory(run.student, False, "the gradient-bias measurement (opd admit --self)",
+                           "free memory, keep the sums on disk (--spill DIR), or use opd admit --trial K, which "
+                           "keeps none", spill)
     except BaseException:
         run.rollouts.close()
         raise
@@ -92,7 +94,7 @@ def measure(bf16_cfg, cand_cfg, staleness: int, batches: int, sums=None, warm: i
     the student after `warm` BF16 steps of the recipe instead of the initial one. spill: a folder where the default
     sums live as files (a student whose sums do not fit in memory: drift.Sums), removed after."""
     require(not (warm and staleness), "a warm measurement is for synchronous candidates", "use warm=0 with staleness")
-    run, initial = warmed_run(bf16_cfg, staleness or warm, spill if sums is None else None)
+    run, initial = warmed_run(bf16_cfg, staleness or warm, spill, sums is None)
     older = initial if staleness else None
     same_setup = replace(cand_cfg, plan=bf16_cfg.plan, schedule=bf16_cfg.schedule, steps=bf16_cfg.steps,
                          async_=bf16_cfg.async_) == bf16_cfg
