@@ -369,6 +369,9 @@ def test_the_error_rate_opd_admit_self_states_is_its_record_on_the_stored_runs()
     assert study.record(lines) == {k: {n: v for n, v in x.items() if n != "what"} for k, x in drift.RECORD.items()}
     toys = [x for x in lines if x["pair"] != "smollm2"]
     assert study.report(toys)["adam_cut"] == pytest.approx(drift.CUT, abs=0.005)
+    met = study.goals(lines)  # issue 57's goals, three ways: the built-in pairs' accuracies are docs/admission.md's
+    assert met["goal_accuracy_llama"] == pytest.approx(85 / 104) and met["goal_met_real"] == 0.0
+    assert met["goal_cost_share"] == pytest.approx((16 + 8) / 1000)  # M = 8, up to staleness 8 stored
     assert drift.chance_other_side(3.0, 1.0, 2.0) == pytest.approx(0.1587, abs=1e-4)
     assert drift.chance_other_side(1.0, 1.0, 2.0) == drift.chance_other_side(3.0, 1.0, 2.0)
     assert drift.chance_other_side(0.0, 0.0, 2.0) == 0.0
