@@ -262,6 +262,27 @@ def report(lines: list[dict], ratios: dict | None = None) -> dict:
     return result
 
 
+def record(lines: list[dict], ratios: dict, k: int = 4) -> dict:
+    """The product's rule at K as `opd admit --trial` decides (trial.TRIAL_RECORD, which it prints as its error rate):
+    z averaged over the stored evaluations among eval_steps(K), the shipped cut three ways, the mismatch gate where a
+    run has a ratio (gate_ratios); per pair -> {runs, admitted, admitted_degraded, rejected, rejected_fine}."""
+    rows, _ = mean_z(lines, k)
+    out = {}
+    for r in rows:
+        verdict = decide(r["z_mean"], r["noise_seeds"], TRIAL_CUT)["decision"]
+        gate = ratios.get(r["key"])
+        if gate is not None and mismatch(gate[0], 1.0)["reject"]:
+            verdict = "REJECT"
+        x = out.setdefault(r["pair"], dict.fromkeys(("runs", "admitted", "admitted_degraded", "rejected",
+                                                     "rejected_fine"), 0))
+        x["runs"] += 1
+        x["admitted"] += verdict == "ADMIT"
+        x["admitted_degraded"] += verdict == "ADMIT" and r["degraded"]
+        x["rejected"] += verdict == "REJECT"
+        x["rejected_fine"] += verdict == "REJECT" and not r["degraded"]
+    return out
+
+
 def read_lines(path: Path | None) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path and path.is_file() else []
 
@@ -278,7 +299,13 @@ def main() -> None:
     parser.add_argument("--contexts", choices=("sampled", "fixed"), default="fixed",
                         help="held-out evaluation on fixed contexts (as `opd admit --trial`) or sampled anew")
     parser.add_argument("--quick", action="store_true", help="one recipe's BF16 seeds and one candidate, 2 steps")
+    parser.add_argument("--record", action="store_true", help="with --report (comma-separated files): the product's "
+                        "rule at K = 4 per pair, as trial.TRIAL_RECORD")
     args = parser.parse_args()
+    if args.report and args.record:
+        lines = [x for f in args.report.split(",") for x in read_lines(Path(f))]
+        print(json.dumps(record(lines, gate_ratios(lines, bench.stored_rows())), indent=1))
+        return
     if args.report:
         lines = read_lines(Path(args.report))
         result = report(lines, gate_ratios(lines, bench.stored_rows())) | report_pooled(lines)

@@ -863,6 +863,8 @@ def test_paired_trial_decides_from_the_recipes_own_seed_gaps(pair):
     # the measured cost: the whole trial in the twin's training steps (evaluations and loads included: more than 6)
     assert floor["cost_step_equivalents"] == pytest.approx(floor["seconds"] / floor["step_seconds"])
     assert floor["cost_step_equivalents"] > 6 and any("of a 1,000-step run" in r for r in floor["reasons"])
+    assert floor["error_rate"] == {"measurement": 0.0, "record": {}}  # z 0 +- 0; the record is K = 4's at cut 3
+    assert any(r.startswith("error rate: ") and "K = 4 only" in r for r in floor["reasons"])
     from opd import make_config  # the llama pair, the first study's sampled_mu recipe, 100% weight noise
     harmful = check_trial(make_config(family="llama", task="chain", steps=24, batch_size=16, threads=1,
                                       plan="forward=bf16 kv=bf16 noise=1.0", optim=dict(lr=1e-4, warmup_steps=5),

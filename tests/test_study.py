@@ -372,6 +372,14 @@ def test_the_error_rate_opd_admit_self_states_is_its_record_on_the_stored_runs()
     met = study.goals(lines)  # issue 57's goals, three ways: the built-in pairs' accuracies are docs/admission.md's
     assert met["goal_accuracy_llama"] == pytest.approx(85 / 104) and met["goal_met_real"] == 0.0
     assert met["goal_cost_share"] == pytest.approx((16 + 8) / 1000)  # M = 8, up to staleness 8 stored
+    import paired_trial
+    from opd.admission.trial import TRIAL_RECORD  # --trial's, at K = 4: the same from its stored trials
+    trials = [x for name in ("paired_trial_toys_fixed.jsonl", "paired_trial_smollm2.jsonl")
+              for x in paired_trial.read_lines(data / name)]
+    per_pair = paired_trial.record(trials, paired_trial.gate_ratios(trials, paired_trial.bench.stored_rows()))
+    toys = {n: per_pair["llama"][n] + per_pair["qwen3"][n] for n in per_pair["llama"]}
+    assert {"built-in": toys, "smollm2": per_pair["smollm2"]} == {
+        k: {n: v for n, v in x.items() if n != "what"} for k, x in TRIAL_RECORD.items()}
     assert drift.chance_other_side(3.0, 1.0, 2.0) == pytest.approx(0.1587, abs=1e-4)
     assert drift.chance_other_side(1.0, 1.0, 2.0) == drift.chance_other_side(3.0, 1.0, 2.0)
     assert drift.chance_other_side(0.0, 0.0, 2.0) == 0.0

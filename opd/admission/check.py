@@ -232,7 +232,7 @@ def check_self(cfg: TrainConfig, batches: int = 8, cut: float | None = None, pro
     chance = drift.chance_other_side(z, se, cut)
     record = drift.RECORD if cut == drift.CUT else {}
     reasons.append(f"error rate: this measurement's noise puts z on the wrong side of the cut with chance "
-                   f"{chance:.0%}" + (_record_text(record) if record else " (the rule's record is for the shipped "
+                   f"{chance:.0%}" + (drift.record_text(record) if record else " (the rule's record is for the shipped "
                                                                            "cut only)"))
     out |= {"mode": "self", "error_rate": {"measurement": chance, "record": record}, "plan": str(cfg.plan),
             "estimator_class": estimator_class(cfg.loss), "staleness": stale, "numbers": numbers, "reasons": reasons, "cost_steps": 2 * batches + stale}
@@ -241,15 +241,6 @@ def check_self(cfg: TrainConfig, batches: int = 8, cut: float | None = None, pro
                                           lambda cand, k: drift.decide(bias.measure(floor, cand, k, batches,
                                                                                 spill=spill), cut))
     return out | {"seconds": time.perf_counter() - start}
-
-
-def _record_text(record: dict) -> str:
-    """drift.RECORD in words: how often the shipped rule's ADMIT and REJECT were wrong where it was not fitted."""
-    parts = lambda n, of: ", ".join(f"{x[n]} of {x[of]} on {x['what']}" for x in record.values()  # noqa: E731
-                                    if x[of])  # (a study where it never decided so is left out)
-    return (f"; the rule's record on stored runs it was not fitted on: ADMIT was wrong (the run degraded) for "
-            f"{parts('admitted_degraded', 'admitted')}; REJECT was wrong (the run trained fine) for "
-            f"{parts('rejected_fine', 'rejected')} (docs/admission.md)")
 
 
 def propose_passing(cfg: TrainConfig, stale: int, judge, tries: int = 3,

@@ -45,6 +45,7 @@ from pathlib import Path
 from opd.config.run import GuardConfig, TrainConfig
 from opd.config.runlog import read_metrics
 from opd.config.sections import CanaryConfig
+from opd.health.drift import chance_other_side, record_text
 from opd.health.rules import FLOOR_PLAN, estimator_class, staleness
 from opd.io.errors import require
 from opd.models.devices import restored_threads
@@ -52,6 +53,16 @@ from opd.training.trainer import train
 
 TRIAL_CUT = 3.0  # provisional (module docstring)
 NSR_RATIO = 30.0  # the candidate's rollout nsr over its BF16 twin's past which the trial rejects (module docstring)
+# The rule's record at K = 4 (cut, gate, three ways), what `--trial` states as its error rate beside the measurement's
+# own: `python studies/paired_trial.py --report studies/data/paired_trial_toys_fixed.jsonl,studies/data/
+# paired_trial_smollm2.jsonl --record` (tests/test_study.py recomputes it). The built-in pairs' runs chose the cut and
+# the gate; the smollm2 pair's (full_rkl at lr 1e-4 and 3e-5) fitted nothing.
+TRIAL_RECORD = {
+    "built-in": {"what": "the built-in pairs (where the cut was chosen)", "runs": 148, "admitted": 86,
+                 "admitted_degraded": 2, "rejected": 39, "rejected_fine": 10},
+    "smollm2": {"what": "the smollm2 pair (never fitted)", "runs": 42, "admitted": 13, "admitted_degraded": 3,
+                "rejected": 4, "rejected_fine": 4},
+}
 QUANTITIES = ("rkl", "entropy")
 NOISE_RSE = math.sqrt(math.pi / 2 - 1)  # relative standard error of one |N(0, s2)| as an estimate of its mean
 
@@ -204,6 +215,11 @@ def check_trial(cfg: TrainConfig, steps: int = 4, seeds: int = 2, cut: float | N
                        f"{gate['twin_nsr']:.3g}" + (f": more than {NSR_RATIO:g}x, REJECT whatever z says (a "
                                                     "mismatch that large may harm after the trial's steps)"
                                                     if gate["reject"] else f" (at most {NSR_RATIO:g}x passes)"))
+    chance = chance_other_side(numbers["z"], verdict["z_se"], cut)
+    record = TRIAL_RECORD if cut == TRIAL_CUT and steps == 4 else {}
+    reasons.append(f"error rate: this measurement's noise puts z on the wrong side of the cut with chance {chance:.0%}"
+                   + (record_text(record) if record else " (the rule's record is for the shipped cut at K = 4 only: "
+                      "docs/admission.md, \"The paired trial\")"))
     if verdict["decision"] == "UNCERTAIN":
         more = verdict.get("seeds_to_decide")
         reasons.append("the measurement straddles the cut" + (f": about {more} BF16 seeds (--trial-seeds) would "
@@ -216,7 +232,7 @@ def check_trial(cfg: TrainConfig, steps: int = 4, seeds: int = 2, cut: float | N
                        f"each, the twin's): {equivalent / 1000:.1%} of a 1,000-step run, "
                        f"{equivalent / max(1, cfg.steps):.1%} of this run's {cfg.steps}")
     return verdict | numbers | ({"proposal": proposal} if proposal else {}) | {
-        "mode": "trial", "plan": str(cfg.plan), "estimator_class": estimator_class(cfg.loss), "staleness": stale,
+        "mode": "trial", "error_rate": {"measurement": chance, "record": record}, "plan": str(cfg.plan), "estimator_class": estimator_class(cfg.loss), "staleness": stale,
         "cut": cut, "steps": steps, "held_out": after, "reasons": reasons, "cost_steps": trial_steps,
         "cost_share": trial_steps / max(1, cfg.steps), "run_seconds": seconds, "step_seconds": step_s.get("twin"),
         "cost_step_equivalents": total / step_s["twin"] if step_s.get("twin") else None, "seconds": total}

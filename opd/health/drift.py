@@ -169,6 +169,15 @@ class Sums:
                 "r_se": se / max(abs(p), 1e-30), "projected": n}
 
 
+def record_text(record: dict) -> str:
+    """A rule's record (RECORD, trial.TRIAL_RECORD) in words: how often its ADMIT and REJECT were wrong."""
+    parts = lambda n, of: ", ".join(f"{x[n]} of {x[of]} on {x['what']}" for x in record.values()  # noqa: E731
+                                    if x[of])  # (a study where it never decided so is left out)
+    return (f"; the rule's record on stored runs: ADMIT was wrong (the run degraded) for "
+            f"{parts('admitted_degraded', 'admitted')}; REJECT was wrong (the run trained fine) for "
+            f"{parts('rejected_fine', 'rejected')} (docs/admission.md)")
+
+
 def require_memory(student: torch.nn.Module, successive: bool, what: str, fix: str,
                    spill: str | Path | None = None) -> None:
     """Refuse, before any work, a measurement whose sums (and, for a student on the CPU, the pair of float32 gradients
@@ -211,11 +220,11 @@ SIGMAS = 1.0  # ADMIT needs z + SIGMAS * se <= CUT, REJECT z - SIGMAS * se > CUT
 # gradient_bias_smollm2.jsonl --record` (tests/test_study.py recomputes it from those files). Each built-in pair is
 # decided by the cut fitted on the other; the smollm2 pair's studies by the built-in pairs' cut (this CUT).
 RECORD = {
-    "built-in": {"what": "the built-in pairs", "runs": 208, "admitted": 93, "admitted_degraded": 3, "rejected": 35,
-                 "rejected_fine": 6},
-    "real smollm2": {"what": "the smollm2 pair at lr 1e-4", "runs": 17, "admitted": 13, "admitted_degraded": 0,
-                     "rejected": 2, "rejected_fine": 2},
-    "real smollm2 lr 3e-5": {"what": "the smollm2 pair at lr 3e-5", "runs": 23, "admitted": 21,
+    "built-in": {"what": "the built-in pairs (each by the other's cut)", "runs": 208, "admitted": 93,
+                 "admitted_degraded": 3, "rejected": 35, "rejected_fine": 6},
+    "real smollm2": {"what": "the smollm2 pair at lr 1e-4 (never fitted)", "runs": 17, "admitted": 13,
+                     "admitted_degraded": 0, "rejected": 2, "rejected_fine": 2},
+    "real smollm2 lr 3e-5": {"what": "the smollm2 pair at lr 3e-5 (never fitted)", "runs": 23, "admitted": 21,
                              "admitted_degraded": 8, "rejected": 0, "rejected_fine": 0},
 }
 
