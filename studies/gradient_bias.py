@@ -120,7 +120,11 @@ def groups(rows: list[dict], pairs: tuple) -> list[dict]:
 
 
 def read_lines(path: Path | None) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path and path.is_file() else []
+    """A file's lines; progress_deficit.py's lines measured with drift.Sums (`--spill`: candidate (a)'s numbers
+    under z_ names) read as this study's."""
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path and path.is_file() else []
+    return [x | {k[2:]: v for k, v in x.items() if k.startswith(("z_raw_", "z_adam_"))} if "z_adam_z" in x else x
+            for x in lines]
 
 
 def recipe(key: str) -> str:

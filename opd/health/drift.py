@@ -217,8 +217,9 @@ CUT = 2.88
 SIGMAS = 1.0  # ADMIT needs z + SIGMAS * se <= CUT, REJECT z - SIGMAS * se > CUT; between them UNCERTAIN
 # The rule's record where it was not fitted, three ways at CUT and SIGMAS (the error rate `opd admit --self`
 # states): `python studies/gradient_bias.py --report studies/data/gradient_bias_toys.jsonl,studies/data/
-# gradient_bias_smollm2.jsonl --record` (tests/test_study.py recomputes it from those files). Each built-in pair is
-# decided by the cut fitted on the other; the smollm2 pair's studies by the built-in pairs' cut (this CUT).
+# gradient_bias_smollm2.jsonl,studies/data/progress_qwen_spill.jsonl --record` (tests/test_study.py recomputes it from
+# those files). Each built-in pair is decided by the cut fitted on the other; the real pairs' studies by the built-in
+# pairs' cut (this CUT).
 RECORD = {
     "built-in": {"what": "the built-in pairs (each by the other's cut)", "runs": 208, "admitted": 93,
                  "admitted_degraded": 3, "rejected": 35, "rejected_fine": 6},
@@ -226,6 +227,8 @@ RECORD = {
                      "admitted_degraded": 0, "rejected": 2, "rejected_fine": 2},
     "real smollm2 lr 3e-5": {"what": "the smollm2 pair at lr 3e-5 (never fitted)", "runs": 23, "admitted": 21,
                              "admitted_degraded": 8, "rejected": 0, "rejected_fine": 0},
+    "real qwen2.5-coder lr 1e-5": {"what": "the Qwen2.5-Coder pair at lr 1e-5 (never fitted)", "runs": 3,
+                                   "admitted": 3, "admitted_degraded": 0, "rejected": 0, "rejected_fine": 0},
 }
 
 
