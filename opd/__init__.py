@@ -98,8 +98,9 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
     require(isinstance(spill, (str, Path)), f"spill must be a folder's path, got {spill!r}", "\"\" keeps the sums in "
             "memory")
     require(not spill or self_calibrated, "spill is for the gradient-bias check's sums", "use it with self_calibrated")
-    require(not spill or Path(spill).is_dir(), f"--spill {spill}: not a folder", "name an existing folder on a local "
-            "disk")
+    if spill:
+        from opd.health.drift import check_spill
+        check_spill(spill)  # before the models load
     if trial:
         from opd.admission.trial import check_trial
         return check_trial(_checked(cfg), trial, trial_seeds, propose=propose,

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import admission as bench  # noqa: E402 (the stored, labelled runs)
+from paired_trial import fit_cut  # noqa: E402 (the studies' cut)
 
 from opd.admission.bias import batch_gradient, measure  # noqa: E402
 from opd.training.learner import collate  # noqa: E402
@@ -149,16 +150,13 @@ def report(lines: list[dict], kappas: dict | None = None, k: float = 1.0) -> dic
     runs = [{"pair": x["pair"], "degraded": d, "z": x[f"{mode}_z"], "se": x[f"{mode}_z_se"], "mode": mode}
             for x in lines for d in x["degraded"] for mode in modes if f"{mode}_z" in x]
     result = {}
-    # right decisions, an admitted run that degraded counting twice
-    score = lambda c, rs: sum((r["z"] > c) == r["degraded"] for r in rs) - sum(  # noqa: E731
-        r["z"] <= c and r["degraded"] for r in rs)
     for mode in modes:
         mine = [r for r in runs if r["mode"] == mode]
         for pair in sorted({r["pair"] for r in mine}):
             train, test = [r for r in mine if r["pair"] != pair], [r for r in mine if r["pair"] == pair]
             if not train:
                 continue
-            cut = max(sorted({r["z"] for r in train} | {0.0}), key=lambda c: score(c, train))
+            cut = fit_cut(train, "z")
             n, bad = len(test), sum(r["degraded"] for r in test)
             acc = sum((r["z"] > cut) == r["degraded"] for r in test) / n
             adm_deg = sum(r["z"] <= cut and r["degraded"] for r in test) / n
@@ -173,7 +171,7 @@ def report(lines: list[dict], kappas: dict | None = None, k: float = 1.0) -> dic
             result[f"{mode}_accuracy_{pair}"] = acc
             result[f"{mode}_threeway_{pair}"] = right
         if mine:  # the cut `opd admit --self` ships: fitted on every pair's runs
-            cut = max(sorted({r["z"] for r in mine} | {0.0}), key=lambda c: score(c, mine))
+            cut = fit_cut(mine, "z")
             print(f"{mode:4} fitted on all {len(mine)} runs: cut {cut:.3g}")
             result[f"{mode}_cut"] = cut
     return result
@@ -189,13 +187,11 @@ def record(lines: list[dict], calibration: tuple = ("llama", "qwen3"), k: float 
     runs = [{"pair": x["pair"], "study": x["study"], "degraded": d, "z": x["adam_z"],
              "se": math.sqrt(x["T"] / 2) * x["adam_bias_se"] / max(x["adam_noise"], 1e-30)}
             for x in lines for d in x["degraded"]]
-    score = lambda c, rs: sum((r["z"] > c) == r["degraded"] for r in rs) - sum(  # noqa: E731 (report's score)
-        r["z"] <= c and r["degraded"] for r in rs)
     out = {}
     for key in sorted({r["pair"] if r["pair"] in calibration else r["study"] for r in runs}):
         test = [r for r in runs if (r["pair"] if r["pair"] in calibration else r["study"]) == key]
         train = [r for r in runs if r["pair"] in calibration and r["pair"] != key]
-        cut = max(sorted({r["z"] for r in train} | {0.0}), key=lambda c: score(c, train))
+        cut = fit_cut(train, "z")
         admitted = [r for r in test if r["z"] + k * r["se"] <= cut]
         rejected = [r for r in test if r["z"] - k * r["se"] > cut]
         entry = out.setdefault("built-in" if key in calibration and not apart else key, dict.fromkeys(

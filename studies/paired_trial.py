@@ -130,11 +130,17 @@ def z_scores(lines: list[dict], step: str) -> list[dict]:
     return out
 
 
+def fit_cut(runs: list[dict], stat: str) -> float:
+    """The studies' cut on `stat` (degraded if stat > cut): the one with the most right decisions on these runs, an
+    admitted run that degraded counting twice, the lowest of the best."""
+    score = lambda c: sum((r[stat] > c) == r["degraded"] for r in runs) - sum(  # noqa: E731
+        r[stat] <= c and r["degraded"] for r in runs)
+    return max(sorted({r[stat] for r in runs} | {0.0}), key=score)
+
+
 def held_out(runs: list[dict], pair: str, stat: str) -> dict:
     train_, test = [r for r in runs if r["pair"] != pair], [r for r in runs if r["pair"] == pair]
-    score = lambda c, rs: sum((r[stat] > c) == r["degraded"] for r in rs) - sum(  # noqa: E731
-        r[stat] <= c and r["degraded"] for r in rs)
-    cut = max(sorted({r[stat] for r in train_} | {0.0}), key=lambda c: score(c, train_))
+    cut = fit_cut(train_, stat)
     n, bad = len(test), sum(r["degraded"] for r in test)
     return {"n": n, "cut": cut, "accuracy": sum((r[stat] > cut) == r["degraded"] for r in test) / n,
             "admitted_degraded": sum(r[stat] <= cut and r["degraded"] for r in test) / n,
@@ -192,9 +198,7 @@ def report_pooled(lines: list[dict]) -> dict:
         toys = [r for r in rows if r["pair"] in ("llama", "qwen3")]
         if not toys or not rows:
             continue
-        score = lambda c, rs: sum((r["z_pooled"] > c) == r["degraded"] for r in rs) - sum(  # noqa: E731
-            r["z_pooled"] <= c and r["degraded"] for r in rs)
-        cut = max(sorted({r["z_pooled"] for r in toys} | {0.0}), key=lambda c: score(c, toys))
+        cut = fit_cut(toys, "z_pooled")
         for pair in sorted({r["pair"] for r in rows}):
             if any(r["pair"] != pair for r in rows):
                 h = held_out([r | {"z": r["z_pooled"]} for r in rows], pair, "z")
@@ -213,6 +217,15 @@ def report_pooled(lines: list[dict]) -> dict:
             result[f"pooled_toycut_k{k}_{recipe.split('|')[0].replace(' ', '_')}"] = sum(
                 (r["z_pooled"] > cut) == r["degraded"] for r in mine) / n
     return result
+
+
+def product_verdict(r: dict, ratios: dict | None = None) -> str:
+    """`opd admit --trial`'s decision for a stored run (mean_z's row): its z against the shipped cut three ways, then
+    the mismatch gate where `ratios` (gate_ratios) has the run."""
+    gate = (ratios or {}).get(r["key"])
+    if gate is not None and mismatch(gate[0], 1.0)["reject"]:
+        return "REJECT"
+    return decide(r["z_mean"], r["noise_seeds"], TRIAL_CUT)["decision"]
 
 
 def report(lines: list[dict], ratios: dict | None = None) -> dict:
@@ -235,7 +248,7 @@ def report(lines: list[dict], ratios: dict | None = None) -> dict:
                 result[f"accuracy_k{step}_{stat}_{pair}"] = h["accuracy"]
         for pair in sorted({r["pair"] for r in averaged}):  # the product's rule: its shipped cut, three ways
             mine = [r for r in averaged if r["pair"] == pair]
-            verdicts = [decide(r["z_mean"], r["noise_seeds"], TRIAL_CUT)["decision"] for r in mine]
+            verdicts = [product_verdict(r) for r in mine]
             n, bad = len(mine), sum(r["degraded"] for r in mine)
             right = sum((v == "ADMIT") != r["degraded"] for v, r in zip(verdicts, mine)) / n
             unsafe = sum(v == "ADMIT" and r["degraded"] for v, r in zip(verdicts, mine)) / n
@@ -248,12 +261,12 @@ def report(lines: list[dict], ratios: dict | None = None) -> dict:
                   f"the decided {among:.3f}) | never-admit "
                   f"{bad / n:.3f}, always-admit {1 - bad / n:.3f}")
             result[f"trial_k{step}_{pair}"] = right
-            gated = [(v, r, (ratios or {}).get(r["key"])) for v, r in zip(verdicts, mine)]
-            if ratios and all(g is not None for _, _, g in gated):
-                verdicts = ["REJECT" if mismatch(g[0], 1.0)["reject"] else v for v, _, g in gated]
+            gated = [(ratios or {}).get(r["key"]) for r in mine]
+            if ratios and all(g is not None for g in gated):
+                verdicts = [product_verdict(r, ratios) for r in mine]
                 right = sum((v == "ADMIT") != r["degraded"] for v, r in zip(verdicts, mine)) / n
                 unsafe = sum(v == "ADMIT" and r["degraded"] for v, r in zip(verdicts, mine)) / n
-                where = sorted({g[1] for _, _, g in gated})
+                where = sorted({g[1] for g in gated})
                 print(f"K={step} opd admit --trial with its mismatch gate (nsr > {NSR_RATIO:g}x the twin's: REJECT; "
                       f"the ratio from {' and '.join(where)}) {pair:8} ({n:3} runs): accuracy {right:.3f}, admitted "
                       f"and degraded {unsafe:.3f}, UNCERTAIN {verdicts.count('UNCERTAIN') / n:.3f} | never-admit "
@@ -269,10 +282,7 @@ def record(lines: list[dict], ratios: dict, k: int = 4) -> dict:
     rows, _ = mean_z(lines, k)
     out = {}
     for r in rows:
-        verdict = decide(r["z_mean"], r["noise_seeds"], TRIAL_CUT)["decision"]
-        gate = ratios.get(r["key"])
-        if gate is not None and mismatch(gate[0], 1.0)["reject"]:
-            verdict = "REJECT"
+        verdict = product_verdict(r, ratios)
         x = out.setdefault(r["pair"], dict.fromkeys(("runs", "admitted", "admitted_degraded", "rejected",
                                                      "rejected_fine"), 0))
         x["runs"] += 1

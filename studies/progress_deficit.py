@@ -29,6 +29,7 @@ import math
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -93,16 +94,22 @@ class Online:
         self.M += 1
 
     def stats(self, steps: int) -> dict:
-        n = len(self.proj)
-        p = sum(x for x, _ in self.proj) / n
-        q = [y for _, y in self.proj]
-        mq = sum(q) / n
-        se = math.sqrt(sum((y - mq) ** 2 for y in q) / (n - 1) / n)
-        sd_p = math.sqrt(sum((x - p) ** 2 for x, _ in self.proj) / (n - 1))
-        return {"M": self.M, "T": steps, "online": True, "adam_progress": p, "adam_deficit": -mq,
-                "adam_deficit_se": se, "adam_progress_sd": sd_p, "adam_r": -mq / max(abs(p), 1e-30),
-                "adam_r_se": se / max(abs(p), 1e-30), "adam_zp": math.sqrt(steps / 2) * -mq / max(sd_p, 1e-30),
-                "adam_zp_se": math.sqrt(steps / 2) * se / max(sd_p, 1e-30), "adam_cos": math.nan}
+        return projected(self.proj, self.M, steps)
+
+
+def projected(proj: list[tuple[float, float]], M: int, steps: int) -> dict:
+    """The online statistic's numbers (Online, Spilled) from its projections (p_i, q_i) of M pairs, in the lines'
+    names."""
+    n = len(proj)
+    p = sum(x for x, _ in proj) / n
+    q = [y for _, y in proj]
+    mq = sum(q) / n
+    se = math.sqrt(sum((y - mq) ** 2 for y in q) / (n - 1) / n)
+    sd_p = math.sqrt(sum((x - p) ** 2 for x, _ in proj) / (n - 1))
+    return {"M": M, "T": steps, "online": True, "adam_progress": p, "adam_deficit": -mq,
+            "adam_deficit_se": se, "adam_progress_sd": sd_p, "adam_r": -mq / max(abs(p), 1e-30),
+            "adam_r_se": se / max(abs(p), 1e-30), "adam_zp": math.sqrt(steps / 2) * -mq / max(sd_p, 1e-30),
+            "adam_zp_se": math.sqrt(steps / 2) * se / max(sd_p, 1e-30), "adam_cos": math.nan}
 
 
 class Spilled:
@@ -117,10 +124,8 @@ class Spilled:
         self.sums.add(g, c)
 
     def stats(self, steps: int) -> dict:
-        online = Online()  # the same projections, in the lines' names (adam_r, adam_zp, ...)
-        online.M, online.proj = self.sums.M, list(self.sums.projections)
         z = {f"z_{k}": v for k, v in self.sums.stats(steps).items() if k.split("_")[0] in ("raw", "adam")}
-        return online.stats(steps) | z
+        return projected(self.sums.projections, self.sums.M, steps) | z
 
 
 def projections(g: list[torch.Tensor], c: list[torch.Tensor], steps: int) -> dict:
@@ -267,7 +272,8 @@ def main() -> None:
                 # (the staleness travels apart: measure() warms a synchronous run; one thread takes no async)
                 bf16, cand = (replace(stored_config(g[k]), threads=args.threads, schedule="sync")
                               for k in ("bf16", "cand"))
-                with tempfile.TemporaryDirectory(dir=args.spill or None, prefix="opd-sums-") as folder:
+                with tempfile.TemporaryDirectory(dir=args.spill, prefix="opd-sums-") if args.spill \
+                        else nullcontext() as folder:
                     sums = Spilled(folder) if args.spill else Online() if args.online else Pairs()
                     numbers = measure(bf16, cand, g["staleness"], args.batches, sums=sums, warm=args.warm) | (
                         {"warm": args.warm} if args.warm else {})

@@ -113,7 +113,7 @@ def measure(bf16_cfg, cand_cfg, staleness: int, batches: int, sums=None, warm: i
             for i in [1000 + j for j in range(batches)]:  # prompt batches the warm-up did not train on
                 sums.add(gradient(run, i), gradient(cand_run or run, i, other))
             numbers = sums.stats(bf16_cfg.steps)
-            del sums  # (its mapped files go with the folder)
+            del sums  # unmap the files before their folder is removed (their disk is freed only then)
     finally:
         for rollouts in {id(r): r for r in (run.rollouts, other, cand_run and cand_run.rollouts) if r}.values():
             rollouts.close()

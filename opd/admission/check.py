@@ -232,10 +232,11 @@ def check_self(cfg: TrainConfig, batches: int = 8, cut: float | None = None, pro
     chance = drift.chance_other_side(z, se, cut)
     record = drift.RECORD if cut == drift.CUT else {}
     reasons.append(f"error rate: this measurement's noise puts z on the wrong side of the cut with chance "
-                   f"{chance:.0%}" + (drift.record_text(record) if record else " (the rule's record is for the shipped "
-                                                                           "cut only)"))
+                   f"{chance:.0%}" + (drift.record_text(record) if record else
+                                      " (the rule's record is for the shipped cut only)"))
     out |= {"mode": "self", "error_rate": {"measurement": chance, "record": record}, "plan": str(cfg.plan),
-            "estimator_class": estimator_class(cfg.loss), "staleness": stale, "numbers": numbers, "reasons": reasons, "cost_steps": 2 * batches + stale}
+            "estimator_class": estimator_class(cfg.loss), "staleness": stale, "numbers": numbers, "reasons": reasons,
+            "cost_steps": 2 * batches + stale}
     if out["decision"] == "REJECT" and propose:
         out["proposal"] = propose_passing(cfg, stale,
                                           lambda cand, k: drift.decide(bias.measure(floor, cand, k, batches,

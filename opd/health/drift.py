@@ -79,8 +79,8 @@ class Sums:
         p = q = 0.0
         for start in range(0, g.numel(), self.CHUNK):
             part = slice(start, start + self.CHUNK)
-            gc = g[part].to("cpu", torch.float64)
-            dc = c[part].to("cpu", torch.float64) - gc
+            gc, cc = (x[part].to("cpu", torch.float64) for x in (g, c))
+            dc = cc - gc
             sg, sgg, scc, sd, sdd = (x[part] for x in self.sums[:5])
             if self.M:  # the progress share: this pair on the descent of the pairs before it (module docstring)
                 h = (sgg.double() + scc).div_(2 * self.M).sqrt_().add_(1e-8).reciprocal_().mul_(sg).div_(self.M)
@@ -88,7 +88,7 @@ class Sums:
                 q += torch.dot(h, dc).item()
             sg += gc
             sgg += gc * gc
-            scc += (gc + dc) ** 2
+            scc += cc * cc
             sd += dc
             sdd += dc * dc
             if self.successive:
@@ -178,6 +178,11 @@ def record_text(record: dict) -> str:
             f"{parts('rejected_fine', 'rejected')} (docs/admission.md)")
 
 
+def check_spill(spill: str | Path) -> None:
+    """A folder for Sums' files (`--spill`): refused in one line where it is not one."""
+    require(Path(spill).is_dir(), f"--spill {spill}: not a folder", "name an existing folder on a local disk")
+
+
 def require_memory(student: torch.nn.Module, successive: bool, what: str, fix: str,
                    spill: str | Path | None = None) -> None:
     """Refuse, before any work, a measurement whose sums (and, for a student on the CPU, the pair of float32 gradients
@@ -194,9 +199,8 @@ def require_memory(student: torch.nn.Module, successive: bool, what: str, fix: s
     require(need <= free, f"{what} needs about {need / 2 ** 30:.1f} GiB more for a student of {size / 1e6:.0f}M "
             f"parameters ({' and '.join(parts)}), and this machine has {free / 2 ** 30:.1f} GiB available", fix)
     if spill:
-        folder = Path(spill)
-        require(folder.is_dir(), f"--spill {spill}: not a folder", "name an existing folder on a local disk")
-        disk = shutil.disk_usage(folder).free
+        check_spill(spill)
+        disk = shutil.disk_usage(spill).free
         require(sums <= disk, f"--spill {spill}: the sums need {sums / 2 ** 30:.1f} GiB of disk and it has "
                 f"{disk / 2 ** 30:.1f} GiB free", "name a folder on a disk with room")
 
@@ -238,8 +242,6 @@ def chance_other_side(z: float, se: float, cut: float) -> float:
     if se <= 0:
         return 0.0
     return 0.5 * math.erfc(abs(z - cut) / se / math.sqrt(2))
-
-
 
 
 def decide(numbers: dict, cut: float, sigmas: float = SIGMAS, mode: str = "adam",
