@@ -13,7 +13,7 @@ from opd.config.runlog import read_metrics
 from opd.io.errors import OpdError
 from opd.study.sensitivity import layer_map, spread
 from opd.study.sweep import expand, load_grid, read_results, run_sweep
-from opd.study.tolerance import band, knees, label, report, table
+from opd.study.tolerance import band, knees, label, label_ceiling, label_odds, report, table
 from opd.training.setup import probe_setup
 
 from helpers import assert_one_line_error, config, opd
@@ -227,6 +227,34 @@ def test_a_collapsed_student_is_degraded_whatever_its_reverse_kl():
     assert [r["collapsed"] for r in label(bf16 + seeds, by="run")[3:]] == [True, False]
     assert all(r["collapsed"] is None for r in label(STUDY))  # no BF16 entropy: nothing to compare with
     assert "yes (collapsed)" in table(bf16 + runs)
+
+
+def test_label_odds_equal_labelling_redrawn_runs_one_by_one():
+    """label_odds' vectorized redraw against the slow exact path: runs redrawn around their configuration's mean with
+    the BF16 seeds' spread, each set labelled by label() itself, the share labelled degraded counted (600 sets: the
+    two agree within four binomial standard errors); configurations far from the limit are firm, a collapsed one
+    keeps its label, and the ceiling counts each configuration's runs with its likelier label's chance."""
+    import numpy as np
+    runs = STUDY[:3] + [synthetic("kv", "near", 0.345, 0.01, seed=s) for s in (0, 1)] + [
+        synthetic("kv", "far", 0.60, 0.01), synthetic("kv", "low", 0.29, 0.01)]
+    odds = {k[3]: e for k, e in label_odds(runs, draws=20000).items()}
+    assert odds["far"]["p_bf16"] == 1.0 and odds["low"]["p_bf16"] < 1e-3 and odds["near"]["degraded"]
+    rng, sd, n = np.random.default_rng(1), float(np.std([0.30, 0.32, 0.31], ddof=1)), 600
+    means = {"bf16": 0.31, "near": 0.345}
+    hits = 0
+    for _ in range(n):
+        drawn = [r | {"after": r["after"] | {"eval/rkl": means[r["source"] if r["source"] == "bf16" else r["level"]]
+                                                          + sd * rng.standard_normal()}} for r in runs[:5]]
+        hits += [r["degraded"] for r in label(drawn)][3]
+    p = odds["near"]["p_bf16"]
+    assert 0.05 < p < 0.95 and abs(hits / n - p) < 4 * math.sqrt(p * (1 - p) / n)
+    pooled = math.sqrt((0.01 ** 2 + np.var([0.345, 0.345], ddof=1)) / 2)  # the BF16 seeds and "near"'s two
+    assert math.isclose(pooled, sd / math.sqrt(2)) and odds["near"]["p_pooled"] != p
+    collapsed = [r | {"after": r["after"] | {"eval/entropy": e}} for r, e in zip(runs[:3], (0.8, 0.9, 1.0))] + [
+        synthetic("kv", "low", 0.29, 0.01) | {"after": {"eval/rkl": 0.29, "eval/entropy": 0.01}}]
+    assert next(iter(label_odds(collapsed).values()))["p_pooled"] == 1.0
+    assert label_ceiling([{"runs": 2, "p": 0.5}, {"runs": 2, "p": 0.0}, {"runs": 1, "p": 0.95}], "p") == \
+        (pytest.approx((1 + 2 + 0.95) / 5), 0.4)
 
 
 def test_knees_per_source_and_no_knee():

@@ -88,6 +88,56 @@ def label(rows: list[dict], by: str = "config") -> list[dict]:
     return out
 
 
+def label_odds(rows: list[dict], draws: int = 4000, seed: int = 0, config_seeds: int = 0,
+               bf16_seeds: int = 0) -> dict[tuple, dict]:
+    """How firm each configuration's label is: the chance that running its seeds and the BF16 seeds again, as many of
+    each, would label it degraded. Each run's final reverse KL is redrawn as normal around its configuration's mean
+    (the observed mean taken for the true one) and label()'s rule applied to the draws. Two spreads, since a few seeds
+    estimate it poorly: the BF16 seeds' own (`p_bf16`), and the pooled spread within every configuration of two or
+    more seeds, BF16 included (`p_pooled`: mismatched runs may spread wider than the BF16 ones). A collapsed
+    configuration keeps its label (p = 1). `config_seeds` / `bf16_seeds`: redraw every configuration with that many seeds /
+    the BF16 band with that many (0: as many as stored), what more seeds would buy. -> {(family, estimator, source, level): {"runs", "degraded", "p_bf16",
+    "p_pooled"}} over the groups with at least two BF16 seeds; BF16 configurations left out."""
+    import numpy as np
+    rng, out = np.random.default_rng(seed), {}
+    for (family, estimator), group in groups(rows).items():
+        seeds: dict[tuple, list[float]] = {}
+        for row in group:
+            seeds.setdefault(configuration(row), []).append(row["after"][QUALITY])
+        base = seeds.get(("bf16", "0"), [])
+        multi = [v for v in seeds.values() if len(v) > 1]
+        if len(base) < 2:
+            continue
+        spreads = {"p_bf16": float(np.std(base, ddof=1)),
+                   "p_pooled": float(np.sqrt(np.mean([np.var(v, ddof=1) for v in multi])))}
+        labelled = {configuration(r): r for r in label(group)}
+        entries = {c: {"runs": len(v), "degraded": bool(labelled[c]["degraded"])} for c, v in seeds.items()
+                   if c != ("bf16", "0")}
+        for name, sd in spreads.items():
+            b = np.mean(base) + sd * rng.standard_normal((draws, bf16_seeds or len(base)))
+            hi, lo = b.max(axis=1), b.min(axis=1)
+            limit = hi + np.maximum(hi - lo, 0.05 * b.mean(axis=1))
+            for c, entry in entries.items():
+                if labelled[c]["collapsed"]:
+                    entry[name] = 1.0
+                    continue
+                mean = np.mean(seeds[c]) + sd / math.sqrt(config_seeds or len(seeds[c])) * rng.standard_normal(draws)
+                entry[name] = float(np.mean(mean > limit))
+        out |= {(family, estimator) + c: e for c, e in entries.items()}
+    return out
+
+
+def label_ceiling(entries: list[dict], p: str = "p_pooled") -> tuple[float, float]:
+    """-> (the accuracy no rule can expect to beat on these runs' labels were they run again: each configuration's
+    runs counted right with the likelier label's chance, max(p, 1 - p); the share of runs whose configuration is a
+    coin flip, 0.1 < p < 0.9) over label_odds() entries."""
+    n = sum(e["runs"] for e in entries)
+    if not n:
+        return math.nan, math.nan
+    return (sum(e["runs"] * max(e[p], 1 - e[p]) for e in entries) / n,
+            sum(e["runs"] for e in entries if 0.1 < e[p] < 0.9) / n)
+
+
 def entropy_floor(rows: list[dict]) -> float | None:
     """The lowest held-out sample entropy among the BF16 seeds (None unless every one recorded it)."""
     base = [r["after"].get(ENTROPY) for r in rows if r["source"] == "bf16"]
