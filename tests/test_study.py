@@ -336,6 +336,33 @@ def test_transfer_benchmark_reads_the_stored_studies():
     assert "| kv=fp8_e4m3 |" in out.stdout and "smollm2:student fp8_e4m3" in out.stdout
 
 
+def test_token_criteria_are_relative_to_the_recipes_bf16_probe_and_reproduce_the_stored_accuracies():
+    """studies/token_criteria.py (issue 57, candidate (c)): a candidate whose probe equals its recipe's BF16 probes
+    reads 1 (ratios) or 0 (excesses); BF16, stale and probe-less runs are left out; and on the stored runs (full_rkl)
+    the accuracies admission.md reports: drift share separates both toy pairs held out, nothing beats always-admit on
+    the far pair at lr 3e-5."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "studies"))
+    import token_criteria as tc
+    probe = {"kl_k1": -0.02, "abs_dlogp_mean": 0.05, "frac_outside": 0.01, "ess_frac": 0.97, "nsr": 0.1}
+    base = {"study": "s", "family": "llama", "estimator": "full_rkl", "staleness": 0, "degraded": False}
+    runs = [base | {"id": "b", "source": "bf16", "probe": probe},
+            base | {"id": "same", "source": "kv", "probe": probe},
+            base | {"id": "more", "source": "kv", "degraded": True,
+                    "probe": probe | {"kl_k1": 0.08, "abs_dlogp_mean": 0.1, "frac_outside": 0.05, "ess_frac": 0.9}},
+            base | {"id": "stale", "source": "staleness", "staleness": 2, "probe": probe},
+            base | {"id": "old", "source": "kv", "probe": {k: v for k, v in probe.items() if k != "nsr"}}]
+    table = {r["id"]: r for r in tc.criteria(runs)}
+    assert set(table) == {"same", "more"}
+    assert [table["same"][k] for k in ("drift", "magnitude", "nsr", "clipped", "ess_loss")] == [1, 1, 1, 0, 0]
+    assert table["same"]["drift_share"] == pytest.approx(0.4)
+    assert [table["more"][k] for k in ("drift", "magnitude")] == [pytest.approx(4), pytest.approx(2)]
+    assert table["more"]["clipped"] == pytest.approx(0.04) and table["more"]["ess_loss"] == pytest.approx(0.07)
+    result = tc.report(tc.criteria(tc.rows()), "full_rkl")
+    assert result["drift_share_llama"] == result["drift_share_qwen3"] == 1.0
+    assert result["drift_share_real_smollm2_lr_3e-5"] == pytest.approx(12 / 21)
+    assert max(result[f"{s}_real_smollm2_lr_3e-5"] for s in tc.STATS) == pytest.approx(13 / 21)  # = always-admit
+
+
 def test_recipe_counts_time_and_steps_before_the_first_evaluation_that_meets_the_target(tmp_path):
     """benchmarks/recipe.py: time to target sums the steps' wall time before the first evaluation that reaches it,
     steps to target is that evaluation's step; never reached -> inf."""
