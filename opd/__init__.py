@@ -64,7 +64,7 @@ def admit(cfg, rollouts: int = 16, thresholds: str | Path = "", limit: float = 0
     thresholds: a file from `opd calibrate` ("" = the shipped one: with warmup, the one calibrated at that warm-up
     where it ships); limit > 0 replaces the calibrated nsr limit; warmup K > 0 probes the student after K steps of the
     run's own recipe with BF16 rollouts (check.warm_weights; for a student whose first steps move it far, as a pruned
-    one: docs/admission.md, "Across models"), 0 the initial student. "auto" (the default): with the shipped
+    one: docs/admission-results.md, "Across models"), 0 the initial student. "auto" (the default): with the shipped
     thresholds, the initial student, and when that probe is not admitted, its student is far from its teacher
     (probe reverse KL > admission.FAR_STUDENT_RKL) and its estimator class escalates (admission.ESCALATE_CLASSES:
     the full-distribution losses), the student after admission.AUTO_WARMUP BF16 steps with the

@@ -339,7 +339,7 @@ def test_transfer_benchmark_reads_the_stored_studies():
 def test_token_criteria_are_relative_to_the_recipes_bf16_probe_and_reproduce_the_stored_accuracies():
     """studies/token_criteria.py (issue 57, candidate (c)): a candidate whose probe equals its recipe's BF16 probes
     reads 1 (ratios) or 0 (excesses); BF16, stale and probe-less runs are left out; and on the stored runs (full_rkl)
-    the accuracies admission.md reports: drift share separates both toy pairs held out, nothing beats always-admit on
+    the accuracies admission-results.md reports: drift share separates both toy pairs held out, nothing beats always-admit on
     the far pair at lr 3e-5."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "studies"))
     import token_criteria as tc
@@ -424,7 +424,7 @@ def test_the_error_rate_opd_admit_self_states_is_its_record_on_the_stored_runs()
     assert study.record(lines) == {k: {n: v for n, v in x.items() if n != "what"} for k, x in drift.RECORD.items()}
     toys = [x for x in lines if x["pair"] in ("llama", "qwen3")]
     assert study.report(toys)["adam_cut"] == pytest.approx(drift.CUT, abs=0.005)
-    met = study.goals(lines)  # issue 57's goals, three ways: the built-in pairs' accuracies are docs/admission.md's
+    met = study.goals(lines)  # issue 57's goals, three ways: the built-in pairs' accuracies are docs/admission-results.md's
     assert met["goal_accuracy_llama"] == pytest.approx(85 / 104) and met["goal_met_real"] == 0.0
     assert met["goal_cost_share"] == pytest.approx((16 + 8) / 1000)  # M = 8, up to staleness 8 stored
     import paired_trial

@@ -55,7 +55,7 @@ def check(cfg: TrainConfig, rollouts: int = 16, thresholds: str | Path = "", lim
     warm["reasons"].insert(0, f"the initial student's probe said {result['decision']} (nsr {result['nsr']:.3g}), but "
                               f"its student is far from its teacher (probe reverse KL {result['probe']['rkl']:.2f} > "
                               f"{FAR_STUDENT_RKL:g} nats/token), where such probes overstated runs' mismatch 4-12x "
-                              f"(docs/admission.md, \"Across models\"): decided on the student after {AUTO_WARMUP} "
+                              f"(docs/admission-results.md, \"Across models\"): decided on the student after {AUTO_WARMUP} "
                               "BF16 steps of the run's recipe (--warmup 0 keeps the initial student's verdict)")
     return warm | {"initial_probe": initial | {"rkl": result["probe"]["rkl"]},
                    "seconds": result["seconds"] + warm["seconds"]}
@@ -108,14 +108,14 @@ def decide_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 
         if cls not in ESCALATE_CLASSES:
             out["reasons"].append(f"the student is far from its teacher (probe reverse KL {numbers['rkl']:.2f} "
                                   f"nats/token), but for the '{cls}' estimators a probe after the first steps admitted "
-                                  "runs that degraded on the smollm2 pair and rescued none (docs/admission.md, "
+                                  "runs that degraded on the smollm2 pair and rescued none (docs/admission-results.md, "
                                   "\"Across models\"): the initial student's verdict stands")
         elif escalate:
             return out | {"far_student": True, "seconds": time.perf_counter() - start}
         else:
             out["reasons"].append(f"the student is far from its teacher (probe reverse KL {numbers['rkl']:.2f} "
                                   "nats/token): its first steps will move it, and a probe of the initial student "
-                                  "overstated such full_rkl runs' mismatch 4-12x (docs/admission.md, \"Across "
+                                  "overstated such full_rkl runs' mismatch 4-12x (docs/admission-results.md, \"Across "
                                   "models\"): probe with --warmup 4")
     calibrated_at = (thresholds or {}).get("probe_warmup", 0)
     if thresholds and calibrated_at != warmup:
@@ -152,7 +152,7 @@ def decide_plan(setup: ProbeSetup, plan: Plan, thresholds: dict, limit: float = 
         out["reasons"].append("to decide from this model and recipe instead (its learning rate and horizon, which no "
                               "probe of the rollouts sees): opd admit --trial 4, 4 steps each of the candidate, its "
                               f"BF16 twin and 2 more BF16 seeds (16 steps, {16 / max(1, steps):.1%} of this run's "
-                              f"{steps}; its measured standing: docs/admission.md, \"The paired trial\")")
+                              f"{steps}; its measured standing: docs/admission-results.md, \"The paired trial\")")
     out["seconds"] = time.perf_counter() - start
     return out
 
@@ -220,8 +220,8 @@ def check_self(cfg: TrainConfig, batches: int = 8, cut: float | None = None, pro
                f"coupling noise taken out) against a BF16 batch-to-batch noise of {numbers['adam_noise']:.3g}, on "
                f"{batches} batches of this run's prompts (common random numbers)",
                f"over the run's {T} steps that bias drifts z = {z:.2f} +- {se:.2f} times the spread two BF16 seeds "
-               f"of this recipe reach; the cut is {cut:g} (studies/gradient_bias.py, docs/admission.md)"]
-    if "r" in numbers:  # the progress share (drift.py): reported beside z, not yet deciding (docs/admission.md)
+               f"of this recipe reach; the cut is {cut:g} (studies/gradient_bias.py, docs/admission-results.md)"]
+    if "r" in numbers:  # the progress share (drift.py): reported beside z, not yet deciding (docs/admission-results.md)
         reasons.append(f"along the BF16 descent its rollouts change a step's progress by {-numbers['r']:+.1%} +- "
                        f"{numbers['r_se']:.1%} (the progress share r = {numbers['r']:.3g}; on the built-in pairs' "
                        f"full_rkl studies the degraded configurations lost 35% or more, the fine ones at most 23%)")

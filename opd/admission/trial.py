@@ -14,7 +14,7 @@ horizon included: what a probe of the rollouts never sees); the evaluation's z i
 trial's z is the mean over its evaluations (a gap that holds counts more than one that flickers once; on the toys'
 fixed-context trials, each cut fitted on the other pair, the mean over steps 2 and 4 decided 0.865 / 0.905 of the
 runs right where z at step 4 alone decided 0.811 / 0.568, and over 2, 4, 6: 0.824 / 0.905 against 0.757 / 0.905;
-docs/admission.md). The measurement's own error is the noise estimate's: the
+docs/admission-results.md). The measurement's own error is the noise estimate's: the
 mean of n absolute differences of normal variables has a relative standard error of sqrt(pi/2 - 1)/sqrt(n) (0.53
 with 2 seeds), and z inherits it (the evaluations' noise estimates share their seeds, so averaging them does not
 shrink it). REJECT where z minus its standard error exceeds the cut, ADMIT where z plus it stays under, UNCERTAIN
@@ -22,17 +22,17 @@ between (with the seeds that would decide).
 
 The cut is provisional: fitted on one built-in pair's fixed-context trials and applied to the other (the mean z over
 steps 2, 4, 6), the best cuts were 2.79 and 2.95; TRIAL_CUT rounds them. It is to be refitted on the real pairs'
-trials (docs/admission.md, "The paired trial").
+trials (docs/admission-results.md, "The paired trial").
 
 Beside z, the trial's own training steps measure the rollouts' mismatch: the candidate's mean `opd/nsr` (the engine's
 log-probs against the trainer's, next to the OPD signal) over its steps, against the BF16 twin's on the same prompts
 and draws. A candidate whose nsr is more than NSR_RATIO times its twin's is rejected whatever z says (a
 non-finite nsr, broken rollouts, too): some mismatch harms a run only after the trial's K steps. Unitless, on the
-user's model, like z. Chosen on the built-in pairs (docs/admission.md, "The paired trial"): with the stored runs'
+user's model, like z. Chosen on the built-in pairs (docs/admission-results.md, "The paired trial"): with the stored runs'
 probe nsr over their BF16 floor as the stand-in, fitted on one pair and applied to the other at K = 4, the best
 cuts were 29.6 and 43.3; added to the product's rule (cut 3, three ways) at K = 4 it took the admitted-and-degraded
 share from 2.7% to 0 (llama) and 8.1% to 2.7% (qwen3), right 0.811 / 0.784 against 0.811 / 0.757 (at K = 2 and 6
-it cost llama one run each: docs/admission.md). On the smollm2 pair at lr 1e-4 two runs
+it cost llama one run each: docs/admission-results.md). On the smollm2 pair at lr 1e-4 two runs
 above 30x (INT4 weights 40x, 10% weight noise 44x) trained fine, and at lr 3e-5 every run above it degraded: the
 gate errs on the safe side there.
 """

@@ -25,7 +25,7 @@ the descent itself. Each pair i >= 2 is projected, as it arrives, on the mean BF
 with its standard error from the q_i's spread. Reported beside z, not deciding: on the built-in pairs' full_rkl
 configurations every degraded one has r >= 0.35 and every fine one r <= 0.23, but held out z decides those runs as
 well, the sampled estimators worse, and on the far real pair neither sees the degradations of its lr 3e-5 runs
-(studies/progress_deficit.py; docs/admission.md, "The progress share r"). Its cost: a chunk's temporaries while a
+(studies/progress_deficit.py; docs/admission-results.md, "The progress share r"). Its cost: a chunk's temporaries while a
 pair is added.
 """
 import math
@@ -175,7 +175,7 @@ def record_text(record: dict) -> str:
                                     if x[of])  # (a study where it never decided so is left out)
     return (f"; the rule's record on stored runs: ADMIT was wrong (the run degraded) for "
             f"{parts('admitted_degraded', 'admitted')}; REJECT was wrong (the run trained fine) for "
-            f"{parts('rejected_fine', 'rejected')} (docs/admission.md)")
+            f"{parts('rejected_fine', 'rejected')} (docs/admission-results.md)")
 
 
 def check_spill(spill: str | Path) -> None:

@@ -9,7 +9,7 @@ mismatch that an ordinary BF16 engine already has, reported beside the candidate
 **The decision statistic is the noise-to-signal ratio** `nsr = mean |q - mu| / mean |T - q|`: the rollout mismatch
 next to the OPD learning signal it perturbs (the sampled-token advantage). The same KL hurts a student that is
 already close to its teacher (small signal) more than one far from it. Held out one mismatch source at a time on the
-stored studies (studies/admission.py, docs/admission.md), nsr decided better than kl_k3, kl_exact, abs_dlogp,
+stored studies (studies/admission.py, docs/admission-results.md), nsr decided better than kl_k3, kl_exact, abs_dlogp,
 ESS, gradient-space ratios, per-kind (KV / weights) cuts and nsr divided by the student's distance to its teacher
 (`rkl`, the probe's mean exact KL(q || T) per token, which the probe reports beside it; dev/LOG.md has the numbers).
 The runtime guard compares the trainer's live `opd/nsr` and `is/ess_frac` (the same numbers on each training
@@ -80,7 +80,7 @@ FAR_STUDENT_RKL = 1.0
 AUTO_WARMUP = 4
 # The estimator classes auto escalates. On the smollm2 pair (61 runs at lr 1e-4 and 3e-5), the warm probe turned 13
 # rejected full_rkl runs that trained fine into ADMITs and 3 degraded ones; for the sampled estimators it turned 5
-# degraded runs into ADMITs and rescued none (docs/admission.md, "Across models"): they keep the initial verdict.
+# degraded runs into ADMITs and rescued none (docs/admission-results.md, "Across models"): they keep the initial verdict.
 ESCALATE_CLASSES = ("full",)
 
 
