@@ -57,6 +57,9 @@ STUDIES = [
     # the same grid at lr 3e-5 (real_grid_lr3e5.yaml): at lr 1e-4 the runs were past their best by step 16
     ("real smollm2 lr 3e-5", ("real3e5_results.jsonl",), None),
 ]
+# studies whose labels issue 57's studies read but that do not feed the shipped nsr thresholds (STUDIES do):
+# the close pair's grid (studies/data/qwen_grid_lr1e5.yaml)
+MORE_STUDIES = {"real qwen2.5-coder lr 1e-5": ("qwen1e5_results.jsonl",)}
 TOY_FAMILIES = ("llama", "qwen3")  # the built-in pairs; every other family is a real pretrained pair
 
 
@@ -76,6 +79,15 @@ def stored_rows(data: Path = DATA) -> list[dict]:
         mine = [r for f in files for r in read_results(data / f) if sources is None or r["source"] in sources]
         new = {r["id"] for r in read_results(data / NEW)}
         rows += [r | {"study": study, "new": r["id"] in new} for r in label(latest(mine)) if r["degraded"] is not None]
+    return rows
+
+
+def all_labelled_rows(data: Path = DATA) -> list[dict]:
+    """stored_rows() and MORE_STUDIES' runs, each labelled against its own BF16 seeds, with its study."""
+    rows = stored_rows(data)
+    for study, files in MORE_STUDIES.items():
+        mine = latest([r for f in files for r in read_results(data / f)])
+        rows += [r | {"study": study} for r in label(mine) if r["degraded"] is not None]
     return rows
 
 

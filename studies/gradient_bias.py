@@ -34,8 +34,8 @@ from opd.admission.bias import batch_gradient, measure  # noqa: E402
 from opd.training.learner import collate  # noqa: E402
 from opd.training.setup import setup  # noqa: E402
 from opd.models.devices import restored_threads  # noqa: E402
-from opd.study.sweep import read_results, stored_config  # noqa: E402
-from opd.study.tolerance import label_ceiling, label_odds, latest  # noqa: E402
+from opd.study.sweep import stored_config  # noqa: E402
+from opd.study.tolerance import label_ceiling, label_odds  # noqa: E402
 
 PAIRS = ("llama", "qwen3", "smollm2")
 
@@ -210,19 +210,13 @@ GOALS = {"built-in": (0.9, 0.02), "real": (0.9, 0.0)}  # issue 57: accuracy at l
 BATCHES, RUN_STEPS = 8, 1000  # the check's default M, and the run its cost is counted against
 
 
-# the studies whose labels the measurements carry that admission.py does not read (its STUDIES feed the shipped nsr
-# thresholds): the close pair's grid (studies/data/qwen_grid_lr1e5.yaml)
-LABEL_STUDIES = {"real qwen2.5-coder lr 1e-5": ("qwen1e5_results.jsonl",)}
-
-
 MORE_SEEDS = (3, 5)  # the seeds a configuration and BF16 seeds the ceiling is priced at beside the stored ones
 
 
 def odds(**more) -> dict[tuple, dict]:
     """label_odds() of every stored study: {(study, pair, estimator, source, level): entry} (`more`: label_odds'
     config_seeds and bf16_seeds)."""
-    rows = bench.stored_rows() + [r | {"study": study} for study, files in LABEL_STUDIES.items()
-                                  for f in files for r in latest(read_results(bench.DATA / f))]
+    rows = bench.all_labelled_rows()
     return {(study,) + key: entry for study in sorted({r["study"] for r in rows})
             for key, entry in label_odds([r for r in rows if r["study"] == study], **more).items()}
 
@@ -258,7 +252,7 @@ def goals(lines: list[dict], label_odds_: dict[tuple, dict] | None = None,
                   f"({sum(e['runs'] for e in entries)} of {n} runs have odds)")
             out[f"ceiling_{name.replace(' ', '_')}"] = min(both[0][0], both[1][0])
             if more_seeds is not None:
-                more = [more_seeds[k] | {"runs": label_odds_[k]["runs"]} for k in mine if k in more_seeds]
+                more = [more_seeds[k] for k in mine if k in more_seeds]
                 print(f"      with {MORE_SEEDS[0]} seeds a configuration and {MORE_SEEDS[1]} BF16 seeds: "
                       f"{label_ceiling(more, 'p_bf16')[0]:.3f} / {label_ceiling(more, 'p_pooled')[0]:.3f}")
     stale = max((x["staleness"] for x in lines), default=0)

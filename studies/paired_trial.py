@@ -139,8 +139,13 @@ def fit_cut(runs: list[dict], stat: str) -> float:
 
 
 def held_out(runs: list[dict], pair: str, stat: str) -> dict:
-    train_, test = [r for r in runs if r["pair"] != pair], [r for r in runs if r["pair"] == pair]
-    cut = fit_cut(train_, stat)
+    return decided([r for r in runs if r["pair"] != pair], [r for r in runs if r["pair"] == pair], stat)
+
+
+def decided(train: list[dict], test: list[dict], stat: str) -> dict:
+    """`test` decided by the cut fit_cut fits on `train`: accuracy and admitted-and-degraded share beside the
+    trivial rules on the same runs."""
+    cut = fit_cut(train, stat)
     n, bad = len(test), sum(r["degraded"] for r in test)
     return {"n": n, "cut": cut, "accuracy": sum((r[stat] > cut) == r["degraded"] for r in test) / n,
             "admitted_degraded": sum(r[stat] <= cut and r["degraded"] for r in test) / n,

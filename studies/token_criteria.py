@@ -14,7 +14,7 @@ its numerics alone; staleness is judged by the drift budget):
 - `ess_loss`: BF16's effective sample size fraction less the candidate's;
 - `nsr`: the admission check's statistic over BF16's, for comparison.
 
-Each is decided as `degraded if stat > c`, c fitted on the other pairs' runs (paired_trial.fit_cut: the most right
+Each is decided as `degraded if stat > c`, c fitted on the other pairs' runs (paired_trial.decided: the most right
 decisions, an admitted run that degraded counting twice), one pair held out at a time (the far pair's two learning
 rates together, then each apart with the same cut), every accuracy beside never-admit and always-admit on the same
 runs. The close pair's runs are labelled by their own grid (studies/data/qwen1e5_results.jsonl).
@@ -28,23 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import admission as bench  # noqa: E402 (the stored, labelled runs)
-from paired_trial import fit_cut  # noqa: E402 (the studies' cut)
+from paired_trial import decided  # noqa: E402 (the studies' cut, fitted and applied)
 
-from opd.study.sweep import read_results  # noqa: E402
-from opd.study.tolerance import label, latest  # noqa: E402
-
-# the studies admission.py does not read (its STUDIES feed the shipped nsr thresholds)
-MORE = {"real qwen2.5-coder lr 1e-5": ("qwen1e5_results.jsonl",)}
 STATS = ("drift", "magnitude", "drift_share", "clipped", "ess_loss", "nsr")
-
-
-def rows() -> list[dict]:
-    """Every stored labelled run, the close pair's grid included, with its study."""
-    out = bench.stored_rows()
-    for study, files in MORE.items():
-        mine = latest([r for f in files for r in read_results(bench.DATA / f)])
-        out += [r | {"study": study} for r in label(mine) if r["degraded"] is not None]
-    return out
 
 
 def criteria(runs: list[dict]) -> list[dict]:
@@ -75,14 +61,6 @@ def criteria(runs: list[dict]) -> list[dict]:
     return out
 
 
-def decide(train: list[dict], test: list[dict], stat: str) -> dict:
-    cut = fit_cut(train, stat)
-    n, bad = len(test), sum(r["degraded"] for r in test)
-    return {"n": n, "cut": cut, "accuracy": sum((r[stat] > cut) == r["degraded"] for r in test) / n,
-            "admitted_degraded": sum(r[stat] <= cut and r["degraded"] for r in test) / n,
-            "never_admit": bad / n, "always_admit": 1 - bad / n}
-
-
 def report(table: list[dict], estimators: str = "") -> dict:
     """Each statistic, each pair held out (and each of its studies apart with the same cut); -> RESULT entries."""
     if estimators:
@@ -95,7 +73,7 @@ def report(table: list[dict], estimators: str = "") -> dict:
             studies = sorted({r["study"] for r in mine})
             apart = [(s if pair in s else f"{pair} {s}", [r for r in mine if r["study"] == s]) for s in studies]
             for name, test in [(pair, mine)] + (apart if len(studies) > 1 else []):
-                d = decide(train, test, stat)
+                d = decided(train, test, stat)
                 print(f"{stat:11} held out {name:26} ({d['n']:3} runs) {stat} > {d['cut']:9.4g}: accuracy "
                       f"{d['accuracy']:.3f}, admitted and degraded {d['admitted_degraded']:.3f} | never-admit "
                       f"{d['never_admit']:.3f}, always-admit {d['always_admit']:.3f}")
@@ -108,7 +86,7 @@ def main() -> None:
     parser.add_argument("--estimators", default="", help="only these estimators (comma-separated; default all)")
     parser.add_argument("--dump", default="", help="also write each run's statistics here (JSON lines)")
     args = parser.parse_args()
-    table = criteria(rows())
+    table = criteria(bench.all_labelled_rows())
     if args.dump:
         Path(args.dump).write_text("".join(json.dumps(r) + "\n" for r in table))
     result = report(table, args.estimators)

@@ -94,8 +94,8 @@ def test_drift_budgets_are_per_model_and_do_not_reach_a_far_model():
 def test_a_model_far_from_every_calibration_model_is_not_admitted():
     """Calibrated on toys (floor nsr 1e-3), a model whose BF16 floor is more than FAR away is UNCERTAIN where the toys'
     limit (or its own floor) would admit it: the toy pairs' limits admitted 8 degraded real-pair runs from warm probes
-    before this (docs/admission-results.md). REJECT stays REJECT, a model within FAR is decided as before, a user-set limit
-    is the user's call, and the distance is to the models the class's own runs trained."""
+    before this (docs/admission-results.md). REJECT stays REJECT, a model within FAR is decided as before, a user-set
+    limit is the user's call, and the distance is to the models the class's own runs trained."""
     rows = [_row("full", v, bad, floor=1e-3) | {"family": "toy"} for v, bad in ((1e-3, False), (5e-3, False),
                                                                                (3e-2, True))]
     thresholds = calibrate(rows)
@@ -617,8 +617,8 @@ def test_the_ceiling_equals_a_brute_force_over_every_rule():
 
 
 def test_admission_benchmark_quick_mode():
-    """The stored studies decided with thresholds calibrated without the held-out runs: the numbers docs/admission-results.md
-    quotes (accuracy >= 0.9 leaving sources out is not reached; 1.7% of the runs are admitted and degraded, the
+    """The stored studies decided with thresholds calibrated without the held-out runs: the numbers
+    docs/admission-results.md quotes (accuracy >= 0.9 leaving sources out is not reached; 1.7% of the runs are admitted and degraded, the
     goal's 2% met since sampled_mu's real group was re-run on 2026-12-05; staleness held out is UNCERTAIN for
     full_rkl since 2026-12-05), the real pair (lr 1e-4 and lr 3e-5) decided by the toy pairs' thresholds, probing
     the initial students and the students after 4 BF16 steps, and
@@ -661,8 +661,8 @@ def test_staleness_training_benchmark_quick_mode():
     """The stored staleness runs at lr 1e-3 (studies/staleness_training.py), decided with the shipped thresholds
     (in sample since issue 22; the drift budget admits all of them, and with configuration-level labels, since
     2026-12-04, every configuration trained fine: the two seeds that alone were past the band are one of three):
-    the counts docs/admission-results.md quotes. The runs whose old guard windows were over the limit trained fine, and the
-    guard's own metric (the numerics' opd/nsr) stayed at the BF16 floor in all of them."""
+    the counts docs/admission-results.md quotes. The runs whose old guard windows were over the limit trained fine, and
+    the guard's own metric (the numerics' opd/nsr) stayed at the BF16 floor in all of them."""
     import subprocess
     import sys
     from opd.study.sweep import read_results

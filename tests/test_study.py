@@ -339,8 +339,8 @@ def test_transfer_benchmark_reads_the_stored_studies():
 def test_token_criteria_are_relative_to_the_recipes_bf16_probe_and_reproduce_the_stored_accuracies():
     """studies/token_criteria.py (issue 57, candidate (c)): a candidate whose probe equals its recipe's BF16 probes
     reads 1 (ratios) or 0 (excesses); BF16, stale and probe-less runs are left out; and on the stored runs (full_rkl)
-    the accuracies admission-results.md reports: drift share separates both toy pairs held out, nothing beats always-admit on
-    the far pair at lr 3e-5."""
+    the accuracies admission-results.md reports: drift share separates both toy pairs held out, nothing beats
+    always-admit on the far pair at lr 3e-5."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "studies"))
     import token_criteria as tc
     probe = {"kl_k1": -0.02, "abs_dlogp_mean": 0.05, "frac_outside": 0.01, "ess_frac": 0.97, "nsr": 0.1}
@@ -357,7 +357,7 @@ def test_token_criteria_are_relative_to_the_recipes_bf16_probe_and_reproduce_the
     assert table["same"]["drift_share"] == pytest.approx(0.4)
     assert [table["more"][k] for k in ("drift", "magnitude")] == [pytest.approx(4), pytest.approx(2)]
     assert table["more"]["clipped"] == pytest.approx(0.04) and table["more"]["ess_loss"] == pytest.approx(0.07)
-    result = tc.report(tc.criteria(tc.rows()), "full_rkl")
+    result = tc.report(tc.criteria(tc.bench.all_labelled_rows()), "full_rkl")
     assert result["drift_share_llama"] == result["drift_share_qwen3"] == 1.0
     assert result["drift_share_real_smollm2_lr_3e-5"] == pytest.approx(12 / 21)
     assert max(result[f"{s}_real_smollm2_lr_3e-5"] for s in tc.STATS) == pytest.approx(13 / 21)  # = always-admit
@@ -424,7 +424,8 @@ def test_the_error_rate_opd_admit_self_states_is_its_record_on_the_stored_runs()
     assert study.record(lines) == {k: {n: v for n, v in x.items() if n != "what"} for k, x in drift.RECORD.items()}
     toys = [x for x in lines if x["pair"] in ("llama", "qwen3")]
     assert study.report(toys)["adam_cut"] == pytest.approx(drift.CUT, abs=0.005)
-    met = study.goals(lines)  # issue 57's goals, three ways: the built-in pairs' accuracies are docs/admission-results.md's
+    # issue 57's goals, three ways: the built-in pairs' accuracies are docs/admission-results.md's
+    met = study.goals(lines)
     assert met["goal_accuracy_llama"] == pytest.approx(85 / 104) and met["goal_met_real"] == 0.0
     assert met["goal_cost_share"] == pytest.approx((16 + 8) / 1000)  # M = 8, up to staleness 8 stored
     import paired_trial

@@ -55,8 +55,9 @@ def check(cfg: TrainConfig, rollouts: int = 16, thresholds: str | Path = "", lim
     warm["reasons"].insert(0, f"the initial student's probe said {result['decision']} (nsr {result['nsr']:.3g}), but "
                               f"its student is far from its teacher (probe reverse KL {result['probe']['rkl']:.2f} > "
                               f"{FAR_STUDENT_RKL:g} nats/token), where such probes overstated runs' mismatch 4-12x "
-                              f"(docs/admission-results.md, \"Across models\"): decided on the student after {AUTO_WARMUP} "
-                              "BF16 steps of the run's recipe (--warmup 0 keeps the initial student's verdict)")
+                              "(docs/admission-results.md, \"Across models\"): decided on the student after "
+                              f"{AUTO_WARMUP} BF16 steps of the run's recipe (--warmup 0 keeps the initial "
+                              "student's verdict)")
     return warm | {"initial_probe": initial | {"rkl": result["probe"]["rkl"]},
                    "seconds": result["seconds"] + warm["seconds"]}
 

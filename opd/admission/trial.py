@@ -28,8 +28,8 @@ Beside z, the trial's own training steps measure the rollouts' mismatch: the can
 log-probs against the trainer's, next to the OPD signal) over its steps, against the BF16 twin's on the same prompts
 and draws. A candidate whose nsr is more than NSR_RATIO times its twin's is rejected whatever z says (a
 non-finite nsr, broken rollouts, too): some mismatch harms a run only after the trial's K steps. Unitless, on the
-user's model, like z. Chosen on the built-in pairs (docs/admission-results.md, "The paired trial"): with the stored runs'
-probe nsr over their BF16 floor as the stand-in, fitted on one pair and applied to the other at K = 4, the best
+user's model, like z. Chosen on the built-in pairs (docs/admission-results.md, "The paired trial"): with the stored
+runs' probe nsr over their BF16 floor as the stand-in, fitted on one pair and applied to the other at K = 4, the best
 cuts were 29.6 and 43.3; added to the product's rule (cut 3, three ways) at K = 4 it took the admitted-and-degraded
 share from 2.7% to 0 (llama) and 8.1% to 2.7% (qwen3), right 0.811 / 0.784 against 0.811 / 0.757 (at K = 2 and 6
 it cost llama one run each: docs/admission-results.md). On the smollm2 pair at lr 1e-4 two runs

@@ -25,8 +25,8 @@ the descent itself. Each pair i >= 2 is projected, as it arrives, on the mean BF
 with its standard error from the q_i's spread. Reported beside z, not deciding: on the built-in pairs' full_rkl
 configurations every degraded one has r >= 0.35 and every fine one r <= 0.23, but held out z decides those runs as
 well, the sampled estimators worse, and on the far real pair neither sees the degradations of its lr 3e-5 runs
-(studies/progress_deficit.py; docs/admission-results.md, "The progress share r"). Its cost: a chunk's temporaries while a
-pair is added.
+(studies/progress_deficit.py; docs/admission-results.md, "The progress share r"). Its cost: a chunk's temporaries
+while a pair is added.
 """
 import math
 import shutil

@@ -80,7 +80,8 @@ FAR_STUDENT_RKL = 1.0
 AUTO_WARMUP = 4
 # The estimator classes auto escalates. On the smollm2 pair (61 runs at lr 1e-4 and 3e-5), the warm probe turned 13
 # rejected full_rkl runs that trained fine into ADMITs and 3 degraded ones; for the sampled estimators it turned 5
-# degraded runs into ADMITs and rescued none (docs/admission-results.md, "Across models"): they keep the initial verdict.
+# degraded runs into ADMITs and rescued none (docs/admission-results.md, "Across models"): they keep the initial
+# verdict.
 ESCALATE_CLASSES = ("full",)
 
 

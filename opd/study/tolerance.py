@@ -95,9 +95,9 @@ def label_odds(rows: list[dict], draws: int = 4000, seed: int = 0, config_seeds:
     (the observed mean taken for the true one) and label()'s rule applied to the draws. Two spreads, since a few seeds
     estimate it poorly: the BF16 seeds' own (`p_bf16`), and the pooled spread within every configuration of two or
     more seeds, BF16 included (`p_pooled`: mismatched runs may spread wider than the BF16 ones). A collapsed
-    configuration keeps its label (p = 1). `config_seeds` / `bf16_seeds`: redraw every configuration with that many seeds /
-    the BF16 band with that many (0: as many as stored), what more seeds would buy. -> {(family, estimator, source, level): {"runs", "degraded", "p_bf16",
-    "p_pooled"}} over the groups with at least two BF16 seeds; BF16 configurations left out."""
+    configuration keeps its label (p = 1). `config_seeds` / `bf16_seeds`: redraw every configuration / the BF16 band
+    with that many seeds (0: as many as stored), what more seeds would buy. -> {(family, estimator, source, level):
+    {"runs", "degraded", "p_bf16", "p_pooled"}} over the groups with at least two BF16 seeds; BF16 ones left out."""
     import numpy as np
     rng, out = np.random.default_rng(seed), {}
     for (family, estimator), group in groups(rows).items():
@@ -105,9 +105,9 @@ def label_odds(rows: list[dict], draws: int = 4000, seed: int = 0, config_seeds:
         for row in group:
             seeds.setdefault(configuration(row), []).append(row["after"][QUALITY])
         base = seeds.get(("bf16", "0"), [])
-        multi = [v for v in seeds.values() if len(v) > 1]
         if len(base) < 2:
             continue
+        multi = [v for v in seeds.values() if len(v) > 1]
         spreads = {"p_bf16": float(np.std(base, ddof=1)),
                    "p_pooled": float(np.sqrt(np.mean([np.var(v, ddof=1) for v in multi])))}
         labelled = {configuration(r): r for r in label(group)}
