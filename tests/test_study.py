@@ -694,3 +694,45 @@ def test_a_grids_own_evaluations_become_paired_trial_lines(pair, tmp_path):
     [z] = paired_trial.z_scores(lines, "2")
     e = [x["evals"]["2"]["rkl"] for x in lines]
     assert z["z_rkl"] == pytest.approx(abs(e[2] - e[0]) / abs(e[1] - e[0]))
+
+
+def test_close_metric_scores_saved_weights_as_the_runs_own_evaluations_did(pair, tmp_path, capsys):
+    """studies/close_metric.py (issue 55: which held-out quality BF16 OPD improves): on a grid's fixed contexts, the
+    base student scores the run's first evaluation and the run's final checkpoint its last (per-sequence sums pooled
+    = the trainer's context_quality); one on-policy sample per prompt drawn with the grid's eval seed is the fixed
+    contexts themselves (the same sampler, the same stream); the same weights twice differ by exactly 0 on every
+    quality (common random numbers); the teacher's completions are sampled once into their file and reused."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "studies"))
+    import close_metric
+    grid = tiny_grid(pair, [{"source": "bf16", "level": 0, "set": {"plan": ""}}])
+    grid["base"] |= {"steps": 2, "eval": {"every": 0, "examples": 4, "contexts": "fixed", "seed": 7},
+                     "optim": {"lr": 1e-2, "warmup_steps": 1}}
+    [row] = run_sweep(grid, tmp_path / "grid", progress=False)
+    [contexts] = (tmp_path / "grid" / "contexts").iterdir()
+    [run] = (tmp_path / "grid" / "runs").iterdir()
+    out, teacher = tmp_path / "lines.jsonl", tmp_path / "teacher.json"
+    args = ["--results", tmp_path / "grid" / "results.jsonl", "--contexts", contexts, "--samples", "1", "--seed", "7",
+            "--teacher-contexts", teacher, "--out", out,
+            "--weights", "base=student", "again=student", f"run={run / 'checkpoint'}"]
+    assert close_metric.main([str(a) for a in args]) == 0
+    lines = {(x["weights"], x["quality"]): x for x in map(json.loads, out.read_text().splitlines())}
+    assert len(lines) == 12 and teacher.is_file()
+    pooled = close_metric.pooled
+    assert pooled(lines["base", "fixed"]["seqs"]) == pytest.approx(row["before"]["eval/rkl"], rel=1e-5)
+    assert pooled(lines["run", "fixed"]["seqs"]) == pytest.approx(row["after"]["eval/rkl"], rel=1e-5)
+    assert pooled(lines["base", "fixed"]["seqs"], "entropy") == pytest.approx(row["before"]["eval/entropy"], rel=1e-5)
+    assert pooled(lines["base", "sampled"]["seqs"]) == pytest.approx(row["before"]["eval/rkl"], rel=1e-5)
+    assert lines["base", "sampled"]["prompt"] == [0, 1, 2, 3]
+    for quality in ("fixed", "teacher", "greedy", "sampled"):
+        assert lines["again", quality]["seqs"] == lines["base", quality]["seqs"]
+    assert pooled(lines["run", "fixed"]["seqs"]) != pooled(lines["base", "fixed"]["seqs"])  # the run moved
+    report = capsys.readouterr().out
+    assert "fixed    rkl" in report and "again" in report and "(+0.0000 +- 0.0000)" in report
+    first = teacher.read_bytes()
+    assert close_metric.main([str(a) for a in args[:-4] + ["--weights", "base=student"]]) == 0
+    assert teacher.read_bytes() == first
+    again = [json.loads(s) for s in out.read_text().splitlines()][-4:]
+    assert again[1]["quality"] == "teacher" and again[1]["seqs"] == lines["base", "teacher"]["seqs"]
+    assert close_metric.main([str(a) for a in args[:4] + ["--samples", "0"] + args[6:]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("opd: error: --samples must be at least 1")
