@@ -270,6 +270,27 @@ def test_fixed_eval_contexts_are_the_first_evaluations_samples_shared_across_see
         train(config(pair, steps=4, eval=fixed), tmp_path / "lost", resume=True, progress=False)
 
 
+def test_eval_samples_draws_that_many_completions_a_prompt_in_one_stream(pair, tmp_path):
+    """eval.samples k: the sampled evaluation is sampled_quality over each held-out prompt k times in a row (one
+    generator stream, the eval seed), and under contexts fixed the kept contexts are those k x prompts samples."""
+    from opd.training.evaluate import sampled_quality
+    from opd.models.devices import autocast_dtype
+    cfg = config(pair, steps=1, eval=dict(every=0, examples=4, greedy=False, contexts="fixed", seed=7, samples=2))
+    summary = train(cfg, tmp_path / "run", progress=False)
+    run = make_run(cfg)
+    doubled = [ex for ex in run.prompts.held_out for _ in range(2)]
+    want = sampled_quality(run.student, run.teacher.trainer, run.tok, doubled, cfg.new_tokens, 7, run.params,
+                           autocast=autocast_dtype(cfg.compute.dtype), micro_batch_size=cfg.compute.micro_batch_size)
+    assert summary["before"]["eval/sampled_rkl"] == pytest.approx(want["eval/rkl"], rel=1e-6)
+    kept = json.loads((tmp_path / "run" / "eval_contexts.json").read_text())["contexts"]
+    assert [c["prompt_ids"] for c in kept] == [run.tok.encode_prompt(ex.prompt) for ex in doubled]
+    once = train(config(pair, steps=1, eval=dict(every=0, examples=4, greedy=False, seed=7)), tmp_path / "once",
+                 progress=False)
+    assert once["before"]["eval/rkl"] != pytest.approx(summary["before"]["eval/rkl"], rel=1e-6)
+    with pytest.raises(OpdError, match="eval.samples must be positive"):
+        config(pair, eval=dict(samples=0))
+
+
 def test_the_readme_yaml_example_is_a_valid_config(tmp_path):
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     block = readme.split("```yaml\n", 1)[1].split("```", 1)[0]

@@ -182,12 +182,16 @@ class EvalConfig:
     # samples anew (eval/sampled_*)
     contexts: str = "sampled"
     resample_final: bool = True  # under contexts "fixed": the final evaluation also samples anew (eval/sampled_*)
+    # sampled completions per held-out prompt (sampled accuracy: pass@1 over them; reverse KL and entropy pooled over
+    # their tokens; under contexts "fixed", that many contexts a prompt): on a few held-out prompts one sample each
+    # leaves sampling noise the size of a run's effects (docs/tolerance.md, "The close real pair")
+    samples: int = 1
     # the held-out samples' seed; -1: the run's seed + 1 (runs of different seeds sample differently)
     seed: int = field(default=-1, metadata={"auto": -1})
 
     def __post_init__(self):
         check_numbers(self, "eval.")
-        _at_least(self, "eval", ["examples"], 1)
+        _at_least(self, "eval", ["examples", "samples"], 1)
         _at_least(self, "eval", ["every"], 0, "0: only before and after training")
         _at_least(self, "eval", ["batch_size"], 0, "0 chooses it automatically")
         require(0 <= self.fraction < 1, f"config: eval.fraction must be in [0, 1), got {self.fraction}")

@@ -70,8 +70,10 @@ def evaluate(run: Run, cfg: TrainConfig, run_dir: Path | None = None, final: boo
     autocast = autocast_dtype(cfg.compute.dtype)
     seed = cfg.eval.seed if cfg.eval.seed >= 0 else cfg.seed + 1
 
+    drawn = [ex for ex in examples for _ in range(cfg.eval.samples)]  # eval.samples completions a prompt
+
     def sample(keep=None, sums=None) -> dict:
-        return sampled_quality(student, teacher, tok, examples, cfg.new_tokens, seed, run.params, batch_size,
+        return sampled_quality(student, teacher, tok, drawn, cfg.new_tokens, seed, run.params, batch_size,
                                cfg.compute.micro_batch_size, cfg.compute.chunk_tokens, cfg.data.scoring, autocast, keep,
                                sums)
 
@@ -79,7 +81,7 @@ def evaluate(run: Run, cfg: TrainConfig, run_dir: Path | None = None, final: boo
         path, quality = run_dir / "eval_contexts.json", {}
         if path.exists():
             contexts = load_contexts(path)
-            require([r.prompt_ids for r in contexts] == [tok.encode_prompt(ex.prompt) for ex in examples],
+            require([r.prompt_ids for r in contexts] == [tok.encode_prompt(ex.prompt) for ex in drawn],
                     f"{path}: its evaluation contexts are not this run's held-out prompts",
                     "give eval_contexts.json of a run with the same pair, prompts and eval settings")
         else:  # the first evaluation: its samples become the contexts
