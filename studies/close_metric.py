@@ -45,10 +45,11 @@ from opd.training.evaluate import load_contexts, sampled_quality, save_contexts
 from opd.training.learner import Scoring, collate, score_batch
 from opd.training.setup import load_pair, with_pair_defaults
 from opd.training.teacher import LocalTeacher
-from opd.data.prompts import PromptSet
+from opd.data.prompts import PromptFormat, PromptSet, read_prompts
 from opd.study.sweep import read_results, stored_config
 
 BANDS = ((0, 32), (32, 128), (128, 10**9))  # positions of a completion, for locating a change in `fixed`
+QUALITIES = ("fixed", "teacher", "greedy", "sampled")
 
 
 def per_sequence(student, teacher, rollouts, pad_id: int, autocast, temperature: float = 1.0) -> list[dict]:
@@ -71,20 +72,30 @@ def per_sequence(student, teacher, rollouts, pad_id: int, autocast, temperature:
     return out
 
 
-def setup_pair(results: Path):
-    """The grid's pair, held-out prompts and precision, from its first stored result line."""
+def setup_pair(results: Path, which: str = "held_out", count: int = 0):
+    """The grid's pair, prompts and precision, from its first stored result line. which: "held_out" (the grid's
+    evaluation prompts) or "trained" (the first `count` distinct prompts that line's run trained on, in step order:
+    every run of that seed trained on them, whatever its mismatch)."""
     rows = read_results(results)
     require(bool(rows), f"{results}: no result lines", "give a sweep's results.jsonl")
     cfg = with_pair_defaults(stored_config(rows[0]))
     student, teacher, tok, student_dir = load_pair(cfg)
     cfg = resolve_generation(cfg, tok.generation)
     prompts = PromptSet(cfg, tok, min(student.cfg.context, teacher.cfg.context), cfg.new_tokens)
-    return cfg, student, teacher, tok, student_dir, prompts.held_out
+    if which == "held_out":
+        return cfg, student, teacher, tok, student_dir, prompts.held_out
+    require(prompts.train is not None, "--prompts trained needs a grid on a prompt file", "use --prompts held_out")
+    by_ids = {tuple(tok.encode_prompt(ex.prompt)): ex
+              for ex in read_prompts(cfg.data.prompts, PromptFormat(cfg.data.prompt_key, cfg.data.answer_key,
+                                                                    cfg.data.chat), tok)}
+    seen = list(dict.fromkeys(tuple(ids) for step in range(cfg.steps) for ids in prompts.batch(step)))
+    return cfg, student, teacher, tok, student_dir, [by_ids[ids] for ids in seen[:count or len(seen)]]
 
 
 def measure(cfg, teacher_model, tok, examples, weights: dict, contexts: list, teacher_contexts: list, samples: int,
-            seed: int, progress=print) -> list[dict]:
-    """One line per (weights, quality): {"weights", "quality", "prompt" per sequence, "seqs": per_sequence's}."""
+            seed: int, progress=print, qualities=QUALITIES, suffix: str = "") -> list[dict]:
+    """One line per (weights, quality): {"weights", "quality" (+ suffix: "@trained" on the prompts a run trained
+    on), "prompt" per sequence (its index in examples), "seqs": per_sequence's}."""
     teacher, autocast = LocalTeacher(teacher_model), autocast_dtype(cfg.compute.dtype)
     params = SamplingParams(cfg.new_tokens, **cfg.sampling.params())  # the run's (temperature 1, no truncation)
     greedy = replace(params, temperature=0.0)
@@ -96,14 +107,17 @@ def measure(cfg, teacher_model, tok, examples, weights: dict, contexts: list, te
         start = time.perf_counter()
         model = model if isinstance(model, torch.nn.Module) else model()  # a loader: one checkpoint in memory at a time
         runs = {"fixed": contexts, "teacher": teacher_contexts}
-        engine = Engine(model, tok.stop_ids, tok.pad_id, plan, bf16_gemm="auto")
-        runs["greedy"] = engine.generate([tok.encode_prompt(ex.prompt) for ex in examples], greedy, 0)
-        drawn = []
-        sampled_quality(model, teacher, tok, [ex for ex in examples for _ in range(samples)], cfg.new_tokens, seed,
-                        params, 0, 1, cfg.compute.chunk_tokens, "none", autocast, keep=drawn)
-        runs["sampled"] = drawn
+        if "greedy" in qualities:
+            engine = Engine(model, tok.stop_ids, tok.pad_id, plan, bf16_gemm="auto")
+            runs["greedy"] = engine.generate([tok.encode_prompt(ex.prompt) for ex in examples], greedy, 0)
+        if "sampled" in qualities:
+            drawn = []
+            sampled_quality(model, teacher, tok, [ex for ex in examples for _ in range(samples)], cfg.new_tokens,
+                            seed, params, 0, 1, cfg.compute.chunk_tokens, "none", autocast, keep=drawn)
+            runs["sampled"] = drawn
+        runs = {q: runs[q] for q in qualities}
         for quality, rollouts in runs.items():
-            lines.append({"weights": name, "quality": quality, "prompt": prompt_of(rollouts),
+            lines.append({"weights": name, "quality": quality + suffix, "prompt": prompt_of(rollouts),
                           "seqs": per_sequence(model, teacher, rollouts, tok.pad_id, autocast,
                                                params.temperature or 1.0)})
         progress(f"close_metric: {name} measured in {time.perf_counter() - start:.0f} s")
@@ -173,23 +187,34 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=2000, help="the sampling seed (the same for every weights)")
     ap.add_argument("--teacher-contexts", type=Path, help="the teacher's completions: sampled once into this file")
     ap.add_argument("--out", type=Path, help="JSONL lines appended per (weights, quality)")
+    ap.add_argument("--prompts", choices=("held_out", "trained"), default="held_out",
+                    help="trained: the prompts the grid's first run trained on (greedy and sampled qualities only)")
+    ap.add_argument("--examples", type=int, default=32, help="under --prompts trained: how many of them")
+    ap.add_argument("--qualities", default=",".join(QUALITIES), help="a comma list of " + ", ".join(QUALITIES))
     ap.add_argument("--report", type=Path, help="print the report of a file of lines")
     args = ap.parse_args(argv)
     try:
         if args.report:
             print(report([json.loads(s) for s in args.report.read_text().splitlines() if s.strip()]))
             return 0
-        require(args.results and args.contexts and args.weights and args.out and args.teacher_contexts,
-                "--results, --contexts, --weights, --teacher-contexts and --out are needed", "see --help")
+        require(args.results and args.weights and args.out and args.teacher_contexts,
+                "--results, --weights, --teacher-contexts and --out are needed", "see --help")
         require(args.samples >= 1, f"--samples must be at least 1, got {args.samples}", "give 1 or more")
         pairs = [w.split("=", 1) for w in args.weights]
         require(all(len(p) == 2 for p in pairs), f"--weights takes name=folder, got {args.weights}",
                 "e.g. base=student run=runs/x/checkpoint")
+        qualities = tuple(q for q in args.qualities.split(",") if q)
+        require(bool(qualities) and set(qualities) <= set(QUALITIES), f"--qualities: {args.qualities!r}",
+                f"a comma list of {', '.join(QUALITIES)}")
+        require(args.prompts == "held_out" or not {"fixed", "teacher"} & set(qualities),
+                "--prompts trained scores greedy and sampled completions only", "give --qualities greedy,sampled")
         torch.set_num_threads(2)
-        cfg, student, teacher, tok, student_dir, examples = setup_pair(args.results)
-        contexts = load_contexts(args.contexts)
-        if args.teacher_contexts.is_file():
-            teacher_contexts = load_contexts(args.teacher_contexts)
+        cfg, student, teacher, tok, student_dir, examples = setup_pair(args.results, args.prompts, args.examples)
+        require(args.contexts is not None or "fixed" not in qualities, "--contexts is needed for the fixed quality",
+                "give the grid's eval_contexts.json")
+        contexts = load_contexts(args.contexts) if "fixed" in qualities else []
+        if args.teacher_contexts.is_file() or "teacher" not in qualities:
+            teacher_contexts = load_contexts(args.teacher_contexts) if args.teacher_contexts.is_file() else []
         else:
             teacher_contexts = []
             sampled_quality(teacher, LocalTeacher(teacher), tok, examples, cfg.new_tokens, args.seed + 1,
@@ -201,7 +226,7 @@ def main(argv=None):
                    for name, folder in pairs}
         progress = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
         lines = measure(cfg, teacher, tok, examples, weights, contexts, teacher_contexts, args.samples, args.seed,
-                        progress)
+                        progress, qualities, "" if args.prompts == "held_out" else "@" + args.prompts)
         with args.out.open("a") as f:
             for line in lines:
                 f.write(json.dumps(line) + "\n")

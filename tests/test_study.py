@@ -736,3 +736,25 @@ def test_close_metric_scores_saved_weights_as_the_runs_own_evaluations_did(pair,
     assert close_metric.main([str(a) for a in args[:4] + ["--samples", "0"] + args[6:]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("opd: error: --samples must be at least 1")
+
+
+def test_close_metric_on_the_prompts_a_run_trained_on(smollm2, tmp_path):
+    """studies/close_metric.py --prompts trained: the distinct prompts the grid's first run trained on, in step order
+    (PromptSet.batch), as examples; the fixed and teacher qualities, tied to the held-out prompts, are refused."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "studies"))
+    import close_metric
+    from opd.data.prompts import PromptSet
+    from opd.study.sweep import stored_config
+    rows = [json.loads(s) for s in (Path(__file__).parents[1] / "studies/data/real_results.jsonl").read_text()
+            .splitlines()[:1]]
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps(rows[0]) + "\n")
+    cfg, student, teacher, tok, _, examples = close_metric.setup_pair(results, "trained", 5)
+    prompts = PromptSet(cfg, tok, 2048, cfg.new_tokens)
+    want = list(dict.fromkeys(tuple(ids) for step in range(cfg.steps) for ids in prompts.batch(step)))[:5]
+    assert [tuple(tok.encode_prompt(ex.prompt)) for ex in examples] == want and len(set(want)) == 5
+    held = {tuple(tok.encode_prompt(ex.prompt)) for ex in close_metric.setup_pair(results)[5]}
+    assert not held & set(want)
+    code = close_metric.main(["--results", str(results), "--prompts", "trained", "--weights", "base=student",
+                              "--teacher-contexts", str(tmp_path / "t.json"), "--out", str(tmp_path / "o.jsonl")])
+    assert code == 2 and not (tmp_path / "o.jsonl").exists()
