@@ -150,7 +150,9 @@ def report(lines: list[dict]) -> str:
     names = list(dict.fromkeys(line["weights"] for line in lines))
     qualities = list(dict.fromkeys(line["quality"] for line in lines))
     at = {(line["weights"], line["quality"]): line for line in lines}
-    out = [f"weights: {', '.join(names)}; differences from {names[0]}, with the standard error over prompts"]
+    out = [f"weights: {', '.join(names)}; each value pooled over tokens; in brackets the mean over prompts of the "
+           f"per-prompt difference from {names[0]} (every prompt weighing alike: its sign can differ from the pooled "
+           "values') and its standard error"]
     for q in qualities:
         keys = ("rkl", "entropy") + (("ce",) if q == "teacher" else ())
         for key in keys:
