@@ -41,7 +41,7 @@ from opd.engines.sampling import SamplingParams
 from opd.io.errors import OpdError, require
 from opd.models.checkpoint import load_model
 from opd.models.devices import autocast_dtype
-from opd.training.evaluate import load_contexts, sampled_quality, save_contexts
+from opd.training.evaluate import load_contexts, sample_batches, save_contexts
 from opd.training.learner import Scoring, collate, score_batch
 from opd.training.setup import load_pair, with_pair_defaults
 from opd.training.teacher import LocalTeacher
@@ -111,10 +111,9 @@ def measure(cfg, teacher_model, tok, examples, weights: dict, contexts: list, te
             engine = Engine(model, tok.stop_ids, tok.pad_id, plan, bf16_gemm="auto")
             runs["greedy"] = engine.generate([tok.encode_prompt(ex.prompt) for ex in examples], greedy, 0)
         if "sampled" in qualities:
-            drawn = []
-            sampled_quality(model, teacher, tok, [ex for ex in examples for _ in range(samples)], cfg.new_tokens,
-                            seed, params, 0, 1, cfg.compute.chunk_tokens, "none", autocast, keep=drawn)
-            runs["sampled"] = drawn
+            repeated = [ex for ex in examples for _ in range(samples)]  # the trainer's eval.samples order
+            runs["sampled"] = [r for _, batch in sample_batches(model, tok, repeated, params, seed, autocast=autocast)
+                               for r in batch]
         runs = {q: runs[q] for q in qualities}
         for quality, rollouts in runs.items():
             lines.append({"weights": name, "quality": quality + suffix, "prompt": prompt_of(rollouts),
@@ -218,10 +217,10 @@ def main(argv=None):
         if args.teacher_contexts.is_file() or "teacher" not in qualities:
             teacher_contexts = load_contexts(args.teacher_contexts) if args.teacher_contexts.is_file() else []
         else:
-            teacher_contexts = []
-            sampled_quality(teacher, LocalTeacher(teacher), tok, examples, cfg.new_tokens, args.seed + 1,
-                            SamplingParams(cfg.new_tokens, **cfg.sampling.params()), 0, 1, cfg.compute.chunk_tokens, "none",
-                            autocast_dtype(cfg.compute.dtype), keep=teacher_contexts)
+            params = SamplingParams(cfg.new_tokens, **cfg.sampling.params())
+            teacher_contexts = [r for _, batch in sample_batches(teacher, tok, examples, params, args.seed + 1,
+                                                                 autocast=autocast_dtype(cfg.compute.dtype))
+                                for r in batch]
             save_contexts(args.teacher_contexts, teacher_contexts)
         weights = {name: (student if folder == "student" else
                           (lambda f=folder: load_model(f, torch.float32).requires_grad_(False)))

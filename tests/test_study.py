@@ -729,6 +729,15 @@ def test_close_metric_scores_saved_weights_as_the_runs_own_evaluations_did(pair,
     report = capsys.readouterr().out
     assert "fixed    rkl" in report and "again" in report and "(+0.0000 +- 0.0000)" in report
     first = teacher.read_bytes()
+    from opd.engines.sampling import SamplingParams
+    from opd.training.evaluate import load_contexts, sampled_quality
+    from opd.training.teacher import LocalTeacher
+    cfg, _, teacher_model, tok, _, examples = close_metric.setup_pair(tmp_path / "grid" / "results.jsonl")
+    kept = []  # the teacher's completions: its own samples from the --seed + 1 stream, as the trainer samples
+    sampled_quality(teacher_model, LocalTeacher(teacher_model), tok, examples, cfg.new_tokens, 8,
+                    SamplingParams(cfg.new_tokens, **cfg.sampling.params()), keep=kept)
+    assert [(r.prompt_ids, r.completion_ids) for r in load_contexts(teacher)] == \
+        [(r.prompt_ids, r.completion_ids) for r in kept]
     assert close_metric.main([str(a) for a in args[:-4] + ["--weights", "base=student"]]) == 0
     assert teacher.read_bytes() == first
     again = [json.loads(s) for s in out.read_text().splitlines()][-4:]

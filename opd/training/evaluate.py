@@ -79,14 +79,8 @@ def sampled_quality(student: Transformer, teacher, tok: TextTokenizer, examples:
     to the teacher - entropy, and a student collapsed onto a string the teacher finds likely (one token repeated:
     entropy 0) scores a low reverse KL (tolerance.label calls such a run degraded)."""
     scorer, params = get_scorer(scoring), replace(params or SamplingParams(), max_new_tokens=max_new_tokens)
-    plan = "forward=bf16 kv=bf16" if autocast == torch.bfloat16 else ""
-    engine = Engine(student, tok.stop_ids, tok.pad_id, plan, bf16_gemm="auto")
-    generator = torch.Generator(device=engine.device).manual_seed(seed)  # one stream across the batches
-    batch_size = batch_size or chunk_size(student.cfg.vocab_size)
     credit, scored, sums = 0.0, 0, sums if sums is not None else Sums()
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i:i + batch_size]
-        rollouts = engine.generate([tok.encode_prompt(ex.prompt) for ex in chunk], params, generator)
+    for chunk, rollouts in sample_batches(student, tok, examples, params, seed, batch_size, autocast):
         sums.add(student, teacher, rollouts, tok.pad_id, params.temperature or 1.0, micro_batch_size, chunk_tokens,
                  autocast)
         if keep is not None:
@@ -97,6 +91,21 @@ def sampled_quality(student: Transformer, teacher, tok: TextTokenizer, examples:
                 credit += scorer(tok.decode(r.completion_ids), ex.answer)
     quality = {"eval/rkl": sums.rkl / max(1, sums.tokens), "eval/entropy": sums.surprise / max(1, sums.tokens)}
     return quality | ({"eval/sampled_accuracy": credit / scored} if scored else {})
+
+
+@torch.no_grad()
+def sample_batches(student: Transformer, tok: TextTokenizer, examples: list[Example], params: SamplingParams, seed: int,
+                   batch_size: int = 0, autocast: torch.dtype | None = None):
+    """(examples, their samples) `batch_size` prompts at a time (0: chunked.chunk_size), all from one generator
+    stream seeded by `seed`, by the built-in engine at the learner's precision (autocast bf16: a bf16 forward on
+    native bf16 GEMMs where the CPU has them): sampled_quality's samples, unscored."""
+    plan = "forward=bf16 kv=bf16" if autocast == torch.bfloat16 else ""
+    engine = Engine(student, tok.stop_ids, tok.pad_id, plan, bf16_gemm="auto")
+    generator = torch.Generator(device=engine.device).manual_seed(seed)  # one stream across the batches
+    batch_size = batch_size or chunk_size(student.cfg.vocab_size)
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i:i + batch_size]
+        yield chunk, engine.generate([tok.encode_prompt(ex.prompt) for ex in chunk], params, generator)
 
 
 @torch.no_grad()
