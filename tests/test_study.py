@@ -288,6 +288,11 @@ def test_report_writes_plots_from_the_results_alone(tmp_path):
     assert json.loads((tmp_path / "knees.json").read_text())
     with pytest.raises(OpdError, match="no sweep results"):
         report([], tmp_path / "empty")
+    # runs evaluated without greedy decoding (eval.greedy false: the close pair's grid) have no accuracy to print
+    close = read_results(Path(__file__).parents[1] / "studies/data/qwen1e5_results.jsonl")
+    assert all("eval/accuracy" not in r["after"] for r in close)
+    rows = [line for line in report(close, tmp_path / "close").splitlines() if line.startswith("| qwen2.5-coder")]
+    assert len(rows) == len(close) and all(line.endswith("| - | no |") for line in rows)
 
 
 def test_sensitivity_puts_the_mismatch_on_one_layer_at_a_time(pair):

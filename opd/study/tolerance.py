@@ -191,6 +191,11 @@ def knees(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _two(value) -> str:
+    """A number to two places, or "-" where a run did not measure it (eval.greedy off and no sampled scoring)."""
+    return "-" if value is None else f"{value:.2f}"
+
+
 def table(rows: list[dict]) -> str:
     """Markdown: one line per run, grouped, with the BF16 band."""
     lines = ["| family | estimator | source | level | seed | total_kl_k3 | rkl before -> after | accuracy after | "
@@ -200,7 +205,7 @@ def table(rows: list[dict]) -> str:
             flag = "**yes (collapsed)**" if r["collapsed"] else {None: "-", True: "**yes**", False: "no"}[r["degraded"]]
             lines.append(f"| {family} | {estimator} | {r['source']} | {r['level']} | {r['seed']} | "
                          f"{r['mismatch']:.2g} | {r['before'][QUALITY]:.3f} -> {r['after'][QUALITY]:.3f} | "
-                         f"{r['after']['eval/accuracy']:.2f} | {flag} |")
+                         f"{_two(r['after'].get('eval/accuracy'))} | {flag} |")
     return "\n".join(lines)
 
 
