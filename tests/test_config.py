@@ -19,7 +19,7 @@ ADDED_SINCE = {"sampling.shards", "async.backend", "ray.address", "ray.workers",
                "teacher.path",  # the top-level `teacher` path before the teacher section
                "engine.bf16_gemm", "eval.greedy",
                "canary.plan", "canary.every", "canary.min_batches", "canary.max_batches", "canary.cut",
-               "canary.watch_every", "canary.start", "canary.max_staleness", "compute.learner_ranks",
+               "canary.watch_every", "canary.start", "canary.max_staleness", "compute.learner_ranks", "eval.samples",
                "compute.sharded", "canary.sigmas", "eval.contexts", "eval.seed", "eval.resample_final", "ray.learner",
                "ray.learner_cpus", "ray.learner_gpus"}
 
