@@ -214,8 +214,10 @@ def main(argv=None):
         require(args.contexts is not None or "fixed" not in qualities, "--contexts is needed for the fixed quality",
                 "give the grid's eval_contexts.json")
         contexts = load_contexts(args.contexts) if "fixed" in qualities else []
-        if args.teacher_contexts.is_file() or "teacher" not in qualities:
-            teacher_contexts = load_contexts(args.teacher_contexts) if args.teacher_contexts.is_file() else []
+        if "teacher" not in qualities:
+            teacher_contexts = []
+        elif args.teacher_contexts.is_file():
+            teacher_contexts = load_contexts(args.teacher_contexts)
         else:
             params = SamplingParams(cfg.new_tokens, **cfg.sampling.params())
             teacher_contexts = [r for _, batch in sample_batches(teacher, tok, examples, params, args.seed + 1,

@@ -758,12 +758,11 @@ def test_close_metric_on_the_prompts_a_run_trained_on(smollm2, tmp_path):
     sys.path.insert(0, str(Path(__file__).parents[1] / "studies"))
     import close_metric
     from opd.data.prompts import PromptSet
-    from opd.study.sweep import stored_config
     rows = [json.loads(s) for s in (Path(__file__).parents[1] / "studies/data/real_results.jsonl").read_text()
             .splitlines()[:1]]
     results = tmp_path / "results.jsonl"
     results.write_text(json.dumps(rows[0]) + "\n")
-    cfg, student, teacher, tok, _, examples = close_metric.setup_pair(results, "trained", 5)
+    cfg, _, _, tok, _, examples = close_metric.setup_pair(results, "trained", 5)
     prompts = PromptSet(cfg, tok, 2048, cfg.new_tokens)
     want = list(dict.fromkeys(tuple(ids) for step in range(cfg.steps) for ids in prompts.batch(step)))[:5]
     assert [tuple(tok.encode_prompt(ex.prompt)) for ex in examples] == want and len(set(want)) == 5
