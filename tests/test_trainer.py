@@ -369,3 +369,36 @@ def test_the_sharded_learner_on_one_rank_trains_what_the_plain_learner_trains(pa
             assert y[key] == pytest.approx(x[key], rel=1e-5), key
     wa, wb = (load_file(str(tmp_path / r / "checkpoint" / "model.safetensors")) for r in ("plain", "sharded"))
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
+
+
+def test_teacher_eval_contexts_are_the_teachers_samples_scored_as_fixed_contexts(pair, tmp_path):
+    """eval.contexts teacher: the first evaluation samples the TEACHER once on the held-out prompts (the eval seed's
+    stream, as sample_batches draws it with the teacher's model), keeps them (eval_contexts.json), and every evaluation
+    scores the student on them (context_quality on the kept contexts: the oracle); the student's own samples are
+    scored at the first and the final evaluation (eval/sampled_*: the sampled mode's numbers); a run cut at step 2 and
+    resumed evaluates as the straight run did."""
+    from opd.models.devices import autocast_dtype
+    from opd.training.evaluate import context_quality, load_contexts, sample_batches
+    ev = dict(every=2, examples=4, greedy=False, contexts="teacher", seed=7)
+    cfg = config(pair, steps=4, eval=ev)
+    summary = train(cfg, tmp_path / "t", progress=False)
+    run = make_run(cfg)
+    autocast = autocast_dtype(cfg.compute.dtype)
+    drawn = [r for _, batch in sample_batches(run.teacher.trainer.model, run.tok, run.prompts.held_out, run.params, 7,
+                                              autocast=autocast) for r in batch]
+    kept = load_contexts(tmp_path / "t" / "eval_contexts.json")
+    assert [(r.prompt_ids, r.completion_ids) for r in kept] == [(r.prompt_ids, r.completion_ids) for r in drawn]
+    want = context_quality(run.student, run.teacher.trainer, kept, run.tok.pad_id, run.params.temperature or 1.0,
+                           micro_batch_size=cfg.compute.micro_batch_size, autocast=autocast)
+    assert summary["before"]["eval/rkl"] == pytest.approx(want["eval/rkl"], rel=1e-6)
+    assert summary["before"]["eval/entropy"] == pytest.approx(want["eval/entropy"], rel=1e-6)
+    fixed = train(config(pair, steps=4, eval=ev | {"contexts": "fixed"}), tmp_path / "f", progress=False)
+    own = load_contexts(tmp_path / "f" / "eval_contexts.json")  # the student's samples: other contexts
+    assert [r.completion_ids for r in own] != [r.completion_ids for r in kept]
+    assert summary["before"]["eval/sampled_rkl"] == pytest.approx(fixed["before"]["eval/rkl"], rel=1e-9)
+    assert summary["before"]["eval/rkl"] != pytest.approx(fixed["before"]["eval/rkl"], rel=1e-6)
+    assert "eval/sampled_rkl" in summary["after"] and summary["after"]["eval/rkl"] != summary["before"]["eval/rkl"]
+    with pytest.raises(RuntimeError):
+        train(cfg, tmp_path / "split", progress=False, on_step=crash_at(2))
+    train(cfg, tmp_path / "split", resume=True, progress=False)
+    assert comparable(read_metrics(tmp_path / "split")) == comparable(read_metrics(tmp_path / "t"))

@@ -179,15 +179,23 @@ class EvalConfig:
     # "fixed": the first evaluation's samples are kept (eval_contexts.json in the run folder) and every later one
     # scores the same contexts exactly (full-vocabulary KL and entropy at each position): no sampling noise between
     # evaluations, and none between runs that share eval.seed and their first weights; the final evaluation also
-    # samples anew (eval/sampled_*)
+    # samples anew (eval/sampled_*); "teacher": the same, on completions the TEACHER samples once (at the first
+    # evaluation, the eval seed's stream; the student's own samples are still scored at the first and final
+    # evaluations, eval/sampled_*): the student where the teacher goes, a quality every run of a grid scores alike and
+    # that a student's fading first tokens do not move (docs/tolerance.md, "The close real pair")
     contexts: str = "sampled"
-    resample_final: bool = True  # under contexts "fixed": the final evaluation also samples anew (eval/sampled_*)
+    resample_final: bool = True  # under kept contexts (fixed, teacher): the final evaluation samples anew too
     # sampled completions per held-out prompt (sampled accuracy: pass@1 over them; reverse KL and entropy pooled over
-    # their tokens; under contexts "fixed", that many contexts a prompt): on a few held-out prompts one sample each
+    # their tokens; under kept contexts, that many contexts a prompt): on a few held-out prompts one sample each
     # leaves sampling noise the size of a run's effects (docs/tolerance.md, "The close real pair")
     samples: int = 1
     # the held-out samples' seed; -1: the run's seed + 1 (runs of different seeds sample differently)
     seed: int = field(default=-1, metadata={"auto": -1})
+
+    @property
+    def kept(self) -> bool:
+        """The evaluation contexts are sampled once and kept (eval_contexts.json): contexts "fixed" or "teacher"."""
+        return self.contexts != "sampled"
 
     def __post_init__(self):
         check_numbers(self, "eval.")
@@ -195,7 +203,7 @@ class EvalConfig:
         _at_least(self, "eval", ["every"], 0, "0: only before and after training")
         _at_least(self, "eval", ["batch_size"], 0, "0 chooses it automatically")
         require(0 <= self.fraction < 1, f"config: eval.fraction must be in [0, 1), got {self.fraction}")
-        _one_of(self, "eval", "contexts", ("sampled", "fixed"))
+        _one_of(self, "eval", "contexts", ("sampled", "fixed", "teacher"))
 
 
 @dataclass(frozen=True)

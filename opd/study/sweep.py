@@ -154,9 +154,10 @@ def expand(grid: dict, families: list[str] | None = None) -> list[dict]:
 
 
 def contexts_key(cfg) -> str:
-    """Under eval.contexts fixed, the runs whose evaluation contexts are the same: those of one start (the before
-    evaluation's key), of any training seed where eval.seed fixes the sampling. A grid that goes on in another session,
-    on another CPU type, reuses the first runs' contexts from out/contexts/ instead of sampling other ones."""
+    """Under kept eval.contexts (fixed, teacher), the runs whose evaluation contexts are the same: those of one start
+    (the before evaluation's key), of any training seed where eval.seed fixes the sampling. A grid that goes on in
+    another session, on another CPU type, reuses the first runs' contexts from out/contexts/ instead of sampling
+    other ones."""
     return shared_key(cfg, BEFORE_IGNORES + (("seed",) if cfg.eval.seed >= 0 else ()))
 
 
@@ -344,7 +345,7 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
         run_dir = out / "runs" / spec["id"].replace("/", "__")
         before_key = shared_key(cfg, BEFORE_IGNORES)
         stop = None
-        contexts = out / "contexts" / f"{contexts_key(cfg)}.json"  # eval.contexts fixed: sampled once per start
+        contexts = out / "contexts" / f"{contexts_key(cfg)}.json"  # kept eval.contexts: sampled once per start
         try:
             summary = train(cfg, run_dir, overwrite=True, progress=False, before=shared.get("before", before_key),
                             contexts=contexts if contexts.is_file() else None)
@@ -357,7 +358,7 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
                 raise
             summary, stop = e.summary, e
         shared.put("before", before_key, summary["before"])
-        if cfg.eval.contexts == "fixed" and not contexts.is_file():
+        if cfg.eval.kept and not contexts.is_file():
             contexts.parent.mkdir(exist_ok=True)
             shutil.copyfile(run_dir / "eval_contexts.json", contexts)
         rows = read_metrics(run_dir)

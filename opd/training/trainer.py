@@ -31,8 +31,8 @@ from tqdm import tqdm
 from opd.config.run import TrainConfig
 from opd.models.devices import autocast_dtype, restored_threads
 from opd.io.errors import OpdError, first_line, require
-from opd.training.evaluate import Sums, context_quality, greedy_accuracy, load_contexts, sampled_quality, \
-    save_contexts
+from opd.training.evaluate import Sums, context_quality, greedy_accuracy, load_contexts, sample_batches, \
+    sampled_quality, save_contexts
 from opd.training.learner import Scores, Scoring, clip_gradients, collate, numerics_mu, score_batch
 from opd.health.metrics import masked_mean
 from opd.health.metrics import (exact_kl_metric, noise_to_signal, rollout_health, rollout_metrics, staleness_metrics,
@@ -59,8 +59,9 @@ def evaluate(run: Run, cfg: TrainConfig, run_dir: Path | None = None, final: boo
     """Held-out quality of the learner at full precision (the rollout plan is not used here) on the run's held-out
     examples (prompts.py): greedy (unless eval.greedy is off) and sampled accuracy under `scoring` (none: no
     accuracy), and the reverse KL to the teacher and the entropy on the student's own samples, or, under
-    eval.contexts "fixed", on the first evaluation's samples (kept in run_dir/eval_contexts.json; the final
-    evaluation samples anew too: eval/sampled_rkl, eval/sampled_entropy)."""
+    eval.contexts "fixed", on the first evaluation's samples, or under "teacher" on the teacher's samples drawn at
+    the first evaluation (kept in run_dir/eval_contexts.json; the first (under "teacher") and the final evaluation
+    sample the student anew too: eval/sampled_rkl, eval/sampled_entropy)."""
     student = run.shard.full_model if run.shard is not None else run.student  # whole weights (sharded.py)
     teacher, tok, start = run.teacher.trainer, run.tok, time.perf_counter()
     examples = run.prompts.held_out
@@ -77,18 +78,23 @@ def evaluate(run: Run, cfg: TrainConfig, run_dir: Path | None = None, final: boo
                                cfg.compute.micro_batch_size, cfg.compute.chunk_tokens, cfg.data.scoring, autocast, keep,
                                sums)
 
-    if cfg.eval.contexts == "fixed" and run_dir is not None:
+    if cfg.eval.kept and run_dir is not None:
         path, quality = run_dir / "eval_contexts.json", {}
         if path.exists():
             contexts = load_contexts(path)
             require([r.prompt_ids for r in contexts] == [tok.encode_prompt(ex.prompt) for ex in drawn],
                     f"{path}: its evaluation contexts are not this run's held-out prompts",
                     "give eval_contexts.json of a run with the same pair, prompts and eval settings")
-        else:  # the first evaluation: its samples become the contexts
+        else:  # the first evaluation: its samples (or the teacher's) become the contexts
             require(run.state.step == 0, f"{path} is missing: this run's later evaluations would score other contexts "
                     "than its first", "restore the file from where it was, or start the run anew")
-            contexts, sums = [], Sums()
-            quality = _renamed(sample(contexts, sums)) | sums.exact()  # the samples scored once: they are the contexts
+            if cfg.eval.contexts == "teacher":
+                contexts = [r for _, batch in sample_batches(teacher.model, tok, drawn, run.params, seed, batch_size,
+                                                             autocast) for r in batch]
+                quality = _renamed(sample())
+            else:
+                contexts, sums = [], Sums()
+                quality = _renamed(sample(contexts, sums)) | sums.exact()  # the samples scored once: the contexts
             save_contexts(path, contexts)
         if final and cfg.eval.resample_final and "eval/sampled_rkl" not in quality:
             quality = _renamed(sample())
@@ -227,8 +233,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: bool = False, overwrite: bool
     """Run (or continue) one OPD run in run_dir; returns the summary (also written to summary.json).
     on_step(step, run), if given, is called after each logged step (tests use it to inject faults). before, if given,
     is the initial student's held-out evaluation, measured earlier (a sweep shares it across runs): not measured again.
-    contexts: under eval.contexts "fixed", another run's eval_contexts.json to evaluate on instead of sampling them
-    (a run from the same start with the same eval.seed: a sweep or a paired trial samples them once).
+    contexts: under kept eval.contexts ("fixed", "teacher"), another run's eval_contexts.json to evaluate on instead of
+    sampling them (a run from the same start with the same eval.seed: a sweep or a paired trial samples them once).
     The run directory is locked for this process (runlog.RunLock) and its rules are checked before the models load;
     a resume is checked against the checkpoint (check_resume) before anything is written, so a refused command leaves
     the folder as it was. With compute.learner_ranks > 1 this process is one rank of a sharded learner (sharded.py:
@@ -368,11 +374,11 @@ def _train(run: Run, cfg: TrainConfig, run_dir: Path, progress: bool, on_step, b
     if leader:
         run.guard.resume(run_dir, run.state.step)
     kept = run_dir / "eval_contexts.json"
-    if run.state.step == 0 and leader and cfg.eval.contexts == "fixed" and contexts is not None and not kept.exists():
+    if run.state.step == 0 and leader and cfg.eval.kept and contexts is not None and not kept.exists():
         save_contexts(kept, load_contexts(Path(contexts)))
     if run.state.step > 0:
         before = _first_eval(run_dir)
-    elif leader and (before is None or (cfg.eval.contexts == "fixed" and not kept.exists())):
+    elif leader and (before is None or (cfg.eval.kept and not kept.exists())):
         before = evaluate(run, cfg, run_dir)  # (a shared `before` has no contexts: they are sampled here)
     bar = tqdm(range(run.state.step, cfg.steps), desc=f"opd {cfg.family if not cfg.student else 'train'}",
                disable=not progress, initial=run.state.step, total=cfg.steps)
