@@ -96,6 +96,49 @@ def test_a_sweep_on_fixed_contexts_samples_them_once_and_its_runs_equal_runs_alo
     assert shared[2]["curve"] == alone["curve"]
 
 
+def test_a_sweep_continues_a_run_cut_short_from_its_checkpoint(pair, tmp_path, monkeypatch):
+    """A grid's run cut short (a session's end) with save_every > 0 is continued by the next sweep from its last
+    checkpoint instead of started again (the steps before the cut are not run twice), and its result is the uncut
+    run's (the oracle: the same grid in a fresh sweep); with save_every 0, or a folder holding another config's run,
+    the run starts again as before."""
+    import opd.training.trainer
+    from opd.training.trainer import train
+    from helpers import crash_at
+    grid = tiny_grid(pair, [{"source": "bf16", "level": 0, "set": {"plan": "kv=bf16 w=bf16"}}])
+    grid["base"] |= {"steps": 4, "save_every": 1}
+    straight = run_sweep(grid, tmp_path / "a", progress=False)[0]
+    spec = expand(grid)[0]
+    run_dir = tmp_path / "b" / "runs" / spec["id"].replace("/", "__")
+    with pytest.raises(RuntimeError):
+        train(spec["cfg"], run_dir, progress=False, on_step=crash_at(2))
+    steps, real = [], opd.training.trainer.run_step
+    monkeypatch.setattr(opd.training.trainer, "run_step", lambda run: steps.append(1) or real(run))
+    resumed = run_sweep(grid, tmp_path / "b", progress=False)[0]
+    assert 0 < len(steps) < 4  # continued, not started again
+    strip = lambda d: {k: v for k, v in d.items() if not k.startswith("time/")}  # noqa: E731
+    assert resumed["curve"] == straight["curve"] and strip(resumed["after"]) == strip(straight["after"])
+    # save_every 0: no checkpoint to go on from, the run starts again
+    grid["base"]["save_every"] = 0
+    spec = expand(grid)[0]
+    run_dir = tmp_path / "c" / "runs" / spec["id"].replace("/", "__")
+    with pytest.raises(RuntimeError):
+        train(spec["cfg"], run_dir, progress=False, on_step=crash_at(2))
+    steps.clear()
+    run_sweep(grid, tmp_path / "c", progress=False)
+    assert len(steps) == 4
+    # a folder holding another config's run (here: another lr) is replaced, not continued
+    other = json.loads(json.dumps(grid))
+    other["base"] |= {"save_every": 1, "optim": {"warmup_steps": 1, "lr": 1e-2}}
+    spec = expand(other)[0]
+    run_dir = tmp_path / "d" / "runs" / spec["id"].replace("/", "__")
+    with pytest.raises(RuntimeError):
+        train(spec["cfg"], run_dir, progress=False, on_step=crash_at(2))
+    grid["base"]["save_every"] = 1
+    steps.clear()
+    again = run_sweep(grid, tmp_path / "d", progress=False)[0]
+    assert len(steps) == 4 and again["curve"] == straight["curve"]
+
+
 @pytest.mark.reliability
 def test_a_signal_during_a_runs_final_evaluation_records_that_run_and_stops_the_sweep(pair, tmp_path, monkeypatch):
     """SIGTERM while the last evaluation runs: the run finishes and is recorded, the sweep starts no other run (it

@@ -45,7 +45,7 @@ from opd.config.files import build_config, known_settings, merge, migrate
 from opd.models.devices import cpu_description
 from opd.io.errors import OpdError, require
 from opd.numerics.plan import Plan
-from opd.config.runlog import read_metrics
+from opd.config.runlog import read_metrics, read_run_config
 from opd.io.schema import Schema, check, parse_json, parse_yaml, problem, read_text
 from opd.config.sections import FAMILIES, REAL_PAIRS
 from opd.study.sweep_shared import BEFORE_IGNORES, Shared, append_result, shared_floor_probe, shared_key
@@ -346,9 +346,12 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
         before_key = shared_key(cfg, BEFORE_IGNORES)
         stop = None
         contexts = out / "contexts" / f"{contexts_key(cfg)}.json"  # kept eval.contexts: sampled once per start
+        resume = cut_short(run_dir, cfg)
+        if resume:
+            _note(progress, f"[{i}/{len(todo)}] {spec['id']}: continued from its checkpoint in {run_dir}")
         try:
-            summary = train(cfg, run_dir, overwrite=True, progress=False, before=shared.get("before", before_key),
-                            contexts=contexts if contexts.is_file() else None)
+            summary = train(cfg, run_dir, resume=resume, overwrite=not resume, progress=False,
+                            before=shared.get("before", before_key), contexts=contexts if contexts.is_file() else None)
         except RunDirLocked as e:
             print(f"opd: note: {spec['id']} skipped: another sweep (process {e.pid}) is running it in {run_dir}",
                   file=sys.stderr)
@@ -378,6 +381,19 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
         if stop is not None:
             raise stop
     return read_results(results_path)
+
+
+def cut_short(run_dir: Path, cfg) -> bool:
+    """run_dir holds this config's run, cut short (a session's end, a crash) after a checkpoint (save_every > 0): the
+    sweep continues it exactly (train's resume) instead of starting it again. Another config's run, or one with no
+    checkpoint yet, is replaced as before."""
+    from opd.training.resume import STATE_FILE
+    if not cfg.save_every or not (run_dir / "checkpoint" / STATE_FILE).is_file():
+        return False
+    try:
+        return config_key(read_run_config(run_dir)) == config_key(cfg)
+    except OpdError:
+        return False
 
 
 def _note(progress: bool, line: str) -> None:
