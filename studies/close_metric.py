@@ -41,7 +41,7 @@ from opd.engines.sampling import SamplingParams
 from opd.io.errors import OpdError, require
 from opd.models.checkpoint import load_model
 from opd.models.devices import autocast_dtype
-from opd.training.evaluate import load_contexts, sample_batches, save_contexts
+from opd.training.evaluate import load_contexts, sampled_contexts, save_contexts
 from opd.training.learner import Scoring, collate, score_batch
 from opd.training.setup import load_pair, with_pair_defaults
 from opd.training.teacher import LocalTeacher
@@ -112,8 +112,7 @@ def measure(cfg, teacher_model, tok, examples, weights: dict, contexts: list, te
             runs["greedy"] = engine.generate([tok.encode_prompt(ex.prompt) for ex in examples], greedy, 0)
         if "sampled" in qualities:
             repeated = [ex for ex in examples for _ in range(samples)]  # the trainer's eval.samples order
-            runs["sampled"] = [r for _, batch in sample_batches(model, tok, repeated, params, seed, autocast=autocast)
-                               for r in batch]
+            runs["sampled"] = sampled_contexts(model, tok, repeated, params, seed, autocast=autocast)
         runs = {q: runs[q] for q in qualities}
         for quality, rollouts in runs.items():
             lines.append({"weights": name, "quality": quality + suffix, "prompt": prompt_of(rollouts),
@@ -220,9 +219,8 @@ def main(argv=None):
             teacher_contexts = load_contexts(args.teacher_contexts)
         else:
             params = SamplingParams(cfg.new_tokens, **cfg.sampling.params())
-            teacher_contexts = [r for _, batch in sample_batches(teacher, tok, examples, params, args.seed + 1,
-                                                                 autocast=autocast_dtype(cfg.compute.dtype))
-                                for r in batch]
+            teacher_contexts = sampled_contexts(teacher, tok, examples, params, args.seed + 1,
+                                                autocast=autocast_dtype(cfg.compute.dtype))
             save_contexts(args.teacher_contexts, teacher_contexts)
         weights = {name: (student if folder == "student" else
                           (lambda f=folder: load_model(f, torch.float32).requires_grad_(False)))

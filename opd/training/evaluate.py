@@ -108,6 +108,13 @@ def sample_batches(student: Transformer, tok: TextTokenizer, examples: list[Exam
         yield chunk, engine.generate([tok.encode_prompt(ex.prompt) for ex in chunk], params, generator)
 
 
+def sampled_contexts(model: Transformer, tok: TextTokenizer, examples: list[Example], params: SamplingParams,
+                     seed: int, batch_size: int = 0, autocast: torch.dtype | None = None) -> list:
+    """sample_batches' samples in one list (sampling.Rollout, the examples' order): the contexts a model's own
+    completions make (the teacher's under eval.contexts "teacher")."""
+    return [r for _, batch in sample_batches(model, tok, examples, params, seed, batch_size, autocast) for r in batch]
+
+
 @torch.no_grad()
 def context_quality(student: Transformer, teacher, rollouts: list, pad_id: int, temperature: float = 1.0,
                     batch_size: int = 0, micro_batch_size: int = 0, chunk_tokens: int = 0,

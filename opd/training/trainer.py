@@ -31,7 +31,7 @@ from tqdm import tqdm
 from opd.config.run import TrainConfig
 from opd.models.devices import autocast_dtype, restored_threads
 from opd.io.errors import OpdError, first_line, require
-from opd.training.evaluate import Sums, context_quality, greedy_accuracy, load_contexts, sample_batches, \
+from opd.training.evaluate import Sums, context_quality, greedy_accuracy, load_contexts, sampled_contexts, \
     sampled_quality, save_contexts
 from opd.training.learner import Scores, Scoring, clip_gradients, collate, numerics_mu, score_batch
 from opd.health.metrics import masked_mean
@@ -89,8 +89,7 @@ def evaluate(run: Run, cfg: TrainConfig, run_dir: Path | None = None, final: boo
             require(run.state.step == 0, f"{path} is missing: this run's later evaluations would score other contexts "
                     "than its first", "restore the file from where it was, or start the run anew")
             if cfg.eval.contexts == "teacher":
-                contexts = [r for _, batch in sample_batches(teacher.model, tok, drawn, run.params, seed, batch_size,
-                                                             autocast) for r in batch]
+                contexts = sampled_contexts(teacher.model, tok, drawn, run.params, seed, batch_size, autocast)
                 quality = _renamed(sample())
             else:
                 contexts, sums = [], Sums()
