@@ -131,3 +131,23 @@ def test_admit_train_and_eval_run_on_the_pair(smollm2, tmp_path):
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     result = json.loads(evaluated.stdout)
     assert result["eval/scored"] == 2 and 0 <= result["eval/accuracy"] <= 1
+
+
+def test_a_sweep_recognises_a_real_pair_run_cut_short(smollm2, tmp_path):
+    """A real pair's run saves its config as set-up made it (HumanEval prompts filled in, sampling resolved), not as
+    the grid wrote it: the sweep still recognises the run as the grid's own and continues it from its checkpoint
+    (the close pair's grid lost its first step to this), and a run of another config is still started again."""
+    from opd.study.sweep import cut_short, expand
+    from opd.training.trainer import train
+    from helpers import crash_at
+    grid = {"base": {"batch_size": 2, "steps": 3, "save_every": 1, "sampling": {"max_new_tokens": 8}, "threads": 2,
+                     "eval": {"every": 0, "examples": 2}, "plan": "", "optim": {"warmup_steps": 1}},
+            "estimators": {"full_rkl": {"loss": {"name": "full_rkl"}}}, "families": ["smollm2"],
+            "points": [{"source": "bf16", "level": 0}]}
+    cfg = expand(grid)[0]["cfg"]
+    with pytest.raises(RuntimeError):
+        train(cfg, tmp_path / "run", progress=False, on_step=crash_at(1))
+    assert "humaneval" in (tmp_path / "run" / "config.yaml").read_text()  # saved unlike the grid's config
+    assert cut_short(tmp_path / "run", cfg)
+    grid["base"]["optim"]["lr"] = 1e-2
+    assert not cut_short(tmp_path / "run", expand(grid)[0]["cfg"])

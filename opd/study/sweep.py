@@ -386,14 +386,21 @@ def run_sweep(grid: dict, out: Path, families: list[str] | None = None, progress
 def cut_short(run_dir: Path, cfg) -> bool:
     """run_dir holds this config's run, cut short (a session's end, a crash) after a checkpoint (save_every > 0): the
     sweep continues it exactly (train's resume) instead of starting it again. Another config's run, or one with no
-    checkpoint yet, is replaced as before."""
+    checkpoint yet, is replaced as before (with a note where a checkpoint is thrown away). The run saved its config as
+    set-up made it (a real pair's default prompts filled in, the sampling settings resolved): the grid's config is
+    compared in that form."""
     from opd.training.resume import STATE_FILE
+    from opd.training.setup import with_pair_defaults
     if not cfg.save_every or not (run_dir / "checkpoint" / STATE_FILE).is_file():
         return False
     try:
-        return config_key(read_run_config(run_dir)) == config_key(cfg)
+        same = config_key(read_run_config(run_dir)) == config_key(with_pair_defaults(cfg))
     except OpdError:
-        return False
+        same = False
+    if not same:
+        print(f"opd: note: {run_dir} holds a checkpoint of another config's run: it is started again",
+              file=sys.stderr)
+    return same
 
 
 def _note(progress: bool, line: str) -> None:
