@@ -525,14 +525,21 @@ def test_guard_falls_back_to_calibrated_fp8_scales_first_and_keeps_them_on_resum
 
 @pytest.mark.slow
 def test_guard_fallback_in_the_async_schedule(pair, tmp_path):
+    """With the worker process, and in the inline schedule, which must re-sample the batches sampled ahead as the
+    worker does (the process run is its oracle)."""
     from opd.config.runlog import read_metrics
     from opd.training.trainer import train
-    cfg = config(pair, plan="noise=0.5", steps=6, guard=dict(every=2, action="fallback", limit=GUARD_LIMIT),
-                 sampling=dict(max_new_tokens=12), async_=dict(max_staleness=1), schedule="async", threads=2, save_every=0)
-    summary = train(cfg, tmp_path / "run", progress=False)
-    rows = read_metrics(tmp_path / "run")
-    assert rows[1]["guard/triggered"] == 1.0 and summary["guard_fallback"]
-    assert all(r["mismatch/kl_k3"] < 1e-3 for r in rows[2:6])  # batches in flight were re-sampled at BF16
+    from helpers import comparable
+    rows = {}
+    for backend, threads in (("process", 2), ("inline", 1)):
+        cfg = config(pair, plan="noise=0.5", steps=6, guard=dict(every=2, action="fallback", limit=GUARD_LIMIT),
+                     sampling=dict(max_new_tokens=12), async_=dict(max_staleness=1, backend=backend), schedule="async",
+                     threads=threads, save_every=0)
+        summary = train(cfg, tmp_path / backend, progress=False)
+        rows[backend] = read_metrics(tmp_path / backend)
+        assert rows[backend][1]["guard/triggered"] == 1.0 and summary["guard_fallback"]
+        assert all(r["mismatch/kl_k3"] < 1e-3 for r in rows[backend][2:6])  # batches in flight re-sampled at BF16
+    assert comparable(rows["inline"]) == comparable(rows["process"])
 
 
 @pytest.mark.slow

@@ -429,3 +429,40 @@ def test_a_tree_written_to_a_file_reads_back_as_the_bytes_path_gives_it(tmp_path
     (tmp_path / "bad").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     with pytest.raises(OpdError, match="bad is not an opd tensors"):
         wire.decode_file(tmp_path / "bad", what=str(tmp_path / "bad"))
+
+
+@pytest.mark.parametrize("plan, micro", [("kv=fp8_e4m3", 0), ("forward=bf16 kv=fp8_e5m2", 2)])
+def test_the_inline_backend_is_the_worker_schedule_without_the_worker(pair, tmp_path, plan, micro):
+    """async.backend inline samples the worker's batches with the worker's weights (staleness 2 here, q recomputed
+    under the sampling weights, the exact KL among them, in the learner's micro-batches), in the trainer's process:
+    every metric equals the worker process's run (the oracle), timing aside; the trainer gets every thread (1 here,
+    as the process run's trainer and worker get 1 each, so the arithmetic is the same)."""
+    settings = dict(max_staleness=2, plan=plan, optim=dict(lr=1e-2), compute=dict(micro_batch_size=micro))
+    train(async_config(pair, **settings), tmp_path / "process", progress=False)
+    train(async_config(pair, backend="inline", threads=1, **settings), tmp_path / "inline", progress=False)
+    process, inline = read_metrics(tmp_path / "process"), read_metrics(tmp_path / "inline")
+    assert [r["stale/version_gap_max"] for r in inline[:-1]] == [0, 1, 2, 2, 2, 2]
+    assert inline[2]["stale/upd_kl_k3"] > 1e-6 and inline[2]["mismatch/kl_exact"] > 0
+    assert comparable(inline) == comparable(process)
+
+
+def test_the_inline_backend_at_staleness_zero_is_the_sync_run(pair, tmp_path):
+    train(config(pair, plan="kv=fp8_e4m3"), tmp_path / "sync", progress=False)
+    train(async_config(pair, max_staleness=0, backend="inline", threads=1), tmp_path / "inline", progress=False)
+    assert same_as_sync(read_metrics(tmp_path / "inline"), read_metrics(tmp_path / "sync"))
+
+
+def test_an_inline_run_resumes_exactly(pair, tmp_path):
+    """Cut after the step-3 checkpoint, with batches sampled ahead and saved (at staleness 2, the batch of step 5
+    was sampled by version 3): continued, the same metrics as the uncut run."""
+    cfg = async_config(pair, backend="inline", threads=1, max_staleness=2, optim=dict(lr=1e-2))
+    train(cfg, tmp_path / "straight", progress=False)
+    with pytest.raises(RuntimeError):
+        train(cfg, tmp_path / "cut", progress=False, on_step=crash_at(4))
+    train(cfg, tmp_path / "cut", resume=True, progress=False)
+    assert comparable(read_metrics(tmp_path / "cut")) == comparable(read_metrics(tmp_path / "straight"))
+
+
+def test_the_inline_backend_refuses_to_sample_further_ahead_than_max_staleness(pair):
+    with pytest.raises(OpdError, match="inline samples at most max_staleness"):
+        async_config(pair, backend="inline", max_staleness=1, prefetch=2)

@@ -94,7 +94,7 @@ class TrainConfig:
                 f"config: compute.micro_batch_size {self.compute.micro_batch_size} does not divide batch_size "
                 f"{self.batch_size}", "use a divisor of batch_size (gradients are accumulated over equal "
                 "micro-batches), or 0")
-        require(self.schedule != "async" or self.threads > self.async_.worker_threads,
+        require(self.schedule != "async" or self.async_.backend == "inline" or self.threads > self.async_.worker_threads,
                 f"config: async needs more threads ({self.threads}) than the rollout worker's "
                 f"({self.async_.worker_threads})", "the trainer gets threads - async.worker_threads; on 2 cores use "
                 "threads=2 async.worker_threads=1")

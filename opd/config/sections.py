@@ -19,7 +19,7 @@ DEVICE_FORMS = "auto, cpu, cuda or cuda:N"  # the built-in pairs' model families
 REAL_PAIRS = tuple(PAIRS)  # real pretrained pairs, built from registry packages (real_pairs.py)
 
 SCHEDULES = ("sync", "async")
-BACKENDS = ("process", "ray")
+BACKENDS = ("process", "ray", "inline")
 ENGINES = engines.NAMES  # the rollout engines' kinds (engines.KINDS)
 BF16_GEMMS = ("float32", "native", "auto")  # how the built-in engine computes a bf16 forward's matmuls on a CPU
 TEACHER_ENGINES = ("trainer", "builtin", "vllm")  # who scores the student's tokens for the teacher (teacher.py)
@@ -233,7 +233,9 @@ class AsyncConfig:
     worker_threads: int = 1  # the rollout worker's threads (the trainer gets threads - worker_threads)
     worker_timeout: float = 120.0  # seconds without a message from a busy worker before it counts as hung
     max_worker_restarts: int = 2  # a dead or hung worker is restarted this many times, then the run stops
-    backend: str = "process"  # the rollout workers: "process" (one of our own, this machine) or "ray" (section ray)
+    # the rollout workers: "process" (one of our own, this machine), "ray" (section ray), or "inline": no worker, the
+    # same batches sampled in the trainer's process (the same staleness, no overlap, no second copy of the student)
+    backend: str = "process"
 
     def __post_init__(self):
         check_numbers(self, "async.")
@@ -244,6 +246,9 @@ class AsyncConfig:
         require(0 <= self.recompute_fraction <= 1,
                 f"config: async.recompute_fraction must be in [0, 1], got {self.recompute_fraction}")
         _at_least(self, "async", ["worker_threads"], 1)
+        require(self.backend != "inline" or self.prefetch <= self.max_staleness,
+                f"config: async.backend inline samples at most max_staleness ({self.max_staleness}) batches ahead, "
+                f"and async.prefetch is {self.prefetch}", "set async.prefetch to -1 or at most async.max_staleness")
         require(self.worker_timeout > 0, f"config: async.worker_timeout must be positive, got {self.worker_timeout}")
 
     @property

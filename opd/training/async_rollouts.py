@@ -15,6 +15,8 @@ and the newest weights (`async.stale_policy: requeue`) or discarded (`drop`); bo
 outstanding request, up to `async.max_worker_restarts` times; then the run stops with a clear error. An exception inside
 the worker stops the run (it would recur), as does a message from it that is not a wire tree of a known kind.
 """
+import functools
+import math
 import sys
 import time
 from collections import deque
@@ -22,7 +24,8 @@ from dataclasses import dataclass, replace
 
 from opd.io.errors import OpdError, require
 from opd.numerics.plan import Plan
-from opd.training.rollouts import StepRollouts, learner_logprobs, sampler_seed, shards, too_stale
+from opd.training.rollouts import (StepRollouts, SyncRollouts, generate_shards, learner_logprobs, sampler_seed, shards,
+                                   too_stale)
 from opd.engines.sampling import Rollout
 from opd.training.worker import RolloutWorker, WorkerLost, WorkerSpec, rollout_from_tree, rollout_tree, weights_message
 
@@ -111,17 +114,8 @@ class AsyncRollouts:
 
     def load_state_dict(self, saved: dict) -> None:
         """What state_dict saved (a checkpoint: checked, since it may come from elsewhere)."""
-        try:
-            next_index, counts = saved["next_index"], {k: int(saved["counts"][k]) for k in self.counts}
-            order = deque(tuple(int(i) for i in k) for k in saved["order"])
-            ready = {tuple(int(i) for i in k): Result([rollout_from_tree(t) for t in trees], (0.0, 0.0), time.time())
-                     for k, trees in saved["ready"]}
-            require(isinstance(next_index, int) and next_index >= 0 and set(ready) <= set(order), "", "")
-        except (KeyError, TypeError, ValueError, AttributeError, OpdError):
-            raise OpdError("the checkpoint's async rollout state is malformed",
-                           "it was not written by this version of opd, or it is damaged: start again with --overwrite")\
-                from None
-        self.next_index, self.counts, self.order, self.ready = next_index, counts, order, ready
+        self.next_index, self.counts, self.order, ready = read_state(saved, self.counts)
+        self.ready = {key: Result(rollouts, (0.0, 0.0), time.time()) for key, rollouts in ready.items()}
 
     # -- the two calls of a training step -------------------------------------------------------------------------
     def publish(self, weights: dict, version: int) -> None:
@@ -240,3 +234,101 @@ class AsyncRollouts:
                 return self._start_and_resend()
             except WorkerLost as e:
                 reason = f"{e} while restarting"
+
+
+def read_state(saved: dict, counts: dict) -> tuple[int, dict, deque, dict]:
+    """An async schedule's saved state (state_dict's "async" part, from a checkpoint: checked, since it may come from
+    elsewhere) -> next_index, counts (the keys of `counts`), the outstanding keys in order, and the finished batches'
+    rollouts by key. The worker and the inline schedule save it alike."""
+    try:
+        next_index, counts = saved["next_index"], {k: int(saved["counts"][k]) for k in counts}
+        order = deque(tuple(int(i) for i in k) for k in saved["order"])
+        ready = {tuple(int(i) for i in k): [rollout_from_tree(t) for t in trees] for k, trees in saved["ready"]}
+        require(isinstance(next_index, int) and next_index >= 0 and set(ready) <= set(order), "", "")
+    except (KeyError, TypeError, ValueError, AttributeError, OpdError):
+        raise OpdError("the checkpoint's async rollout state is malformed",
+                       "it was not written by this version of opd, or it is damaged: start again with --overwrite")\
+            from None
+    return next_index, counts, order, ready
+
+
+class InlineRollouts(SyncRollouts):
+    """The async schedule sampled in the trainer's process (`async.backend: inline`): the same batches, keys, seeds,
+    staleness and q recompute as the worker process, one phase at a time. The worker samples batch i once the
+    learner takes batch i - lookahead, with the weights published just before (version i - lookahead in steady
+    state, whatever the timing: the module docstring); here batch i is sampled at that same moment, with the
+    learner's own tensors, which are then those weights. So a run equals its worker-process twin, without the overlap
+    (no speed-up) and without the worker's copy of the student (no memory beyond a synchronous run's): the way to
+    measure what staleness does to a run whose worker would not fit beside it. It saves the worker schedule's
+    checkpoint state (read_state)."""
+
+    def __init__(self, build, plan: Plan, prompts, params, seed: int, exact_kl: bool, n_shards: int,
+                 max_staleness: int, lookahead: int, recompute_fraction: float, rescore):
+        """rescore(rollouts, rollout): the worker's `recompute` with the learner's model (q and the exact KL under the
+        sampling weights, computed as the learner computes), for batches that may be stale (lookahead > 0)."""
+        super().__init__(build, plan, prompts, params, seed, exact_kl, n_shards)
+        require(lookahead <= max_staleness, f"async.backend inline samples at most max_staleness ({max_staleness}) "
+                f"batches ahead, not {lookahead}", "set async.prefetch to -1 or at most async.max_staleness")
+        self.max_staleness, self.lookahead = max_staleness, lookahead
+        self.recompute_fraction, self.rescore = recompute_fraction, rescore
+        self.order: deque[tuple[int, int]] = deque()
+        self.ready: dict[tuple[int, int], list[Rollout]] = {}
+        self.next_index = 0
+        self.counts = {"dropped": 0, "requeued": 0, "worker_restarts": 0}  # the worker schedule's, none ever here
+
+    def start(self, weights: dict, version: int, saved: dict) -> None:
+        super().start(weights, version, saved)
+        if saved.get("async"):
+            self.next_index, self.counts, self.order, self.ready = read_state(saved["async"], self.counts)
+
+    def next_batch(self, step: int, version: int) -> StepRollouts:
+        """The oldest outstanding batch, after sampling every outstanding one not yet sampled with the weights of now
+        (`step` is not used: the batches are taken in order, as the worker schedule takes them)."""
+        start = time.perf_counter()
+        while len(self.order) < self.lookahead + 1:
+            self.order.append((self.next_index, 0))
+            self.next_index += 1
+        seconds = [0.0, 0.0]
+        for key in self.order:
+            if key not in self.ready:
+                self.ready[key] = self._sample(key, seconds)
+        depth = len(self.ready)
+        key = self.order.popleft()
+        rollouts = self.ready.pop(key)
+        reason = too_stale(rollouts[0].policy_version, version, self.max_staleness)
+        require(reason is None, f"a batch of the inline schedule was {reason}", "this is a bug in opd; please report it")
+        metrics = {"async/queue_depth": depth, "time/rollout_wait": time.perf_counter() - start,
+                   "time/rollout_in_queue": 0.0, "time/generate": seconds[0], "time/recompute": seconds[1],
+                   **{f"async/{k}": v for k, v in self.counts.items()}}
+        exact = functools.partial(self.engine.logprobs, params=self.params) if self.exact_kl and not self.lookahead \
+            else None
+        return StepRollouts(rollouts, metrics, exact, key)
+
+    def _sample(self, key: tuple[int, int], seconds: list[float]) -> list[Rollout]:
+        """One batch with the engine's weights of now; q recomputed as the worker does when batches may be stale."""
+        index, attempt = key
+        start = time.perf_counter()
+        rollouts = generate_shards(self.engine, shards(self.prompts.batch(index), sampler_seed(self.seed, index, attempt),
+                                                       self.n_shards), self.params, self.exact_kl)
+        sampled = time.perf_counter()
+        if self.lookahead:
+            n = math.ceil(self.recompute_fraction * len(rollouts))
+            exact = functools.partial(self.engine.logprobs, params=self.params) if self.exact_kl else None
+            self.rescore(rollouts[:n], exact)
+            for r in rollouts[n:]:
+                r.hidden = None  # stale: the trainer could not use them
+        seconds[0] += sampled - start
+        seconds[1] += time.perf_counter() - sampled
+        return rollouts
+
+    def set_plan(self, plan: Plan) -> None:
+        """As the worker schedule: every outstanding batch, sampled or not, is sampled again under the new plan with
+        the newest weights (at the next batch)."""
+        super().set_plan(plan)
+        self.ready.clear()
+
+    def state_dict(self, wait: bool) -> dict:
+        return {"async": {"next_index": self.next_index, "counts": dict(self.counts), "order": list(self.order),
+                          "ready": [(key, [rollout_tree(r) for r in self.ready[key]])
+                                    for key in self.order if key in self.ready]},
+                "engine_scales": dict(self.engine.scales)}

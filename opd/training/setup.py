@@ -15,7 +15,7 @@ import torch
 
 from opd.models import devices
 from opd.health.rules import estimator_class
-from opd.training.async_rollouts import AsyncRollouts
+from opd.training.async_rollouts import AsyncRollouts, InlineRollouts
 from opd.models.checkpoint import load_checkpoint
 from opd.config.run import TrainConfig, resolve_generation
 from opd.engines.kinds import kind, make_engine
@@ -33,7 +33,7 @@ from opd.engines.sampling import SamplingParams
 from opd.config.sections import DataConfig, REAL_PAIRS
 from opd.training.teacher import LocalTeacher, Teacher, make_teacher
 from opd.models.tokenizer import TextTokenizer, first_difference
-from opd.training.worker import RolloutWorker, WorkerSpec
+from opd.training.worker import RolloutWorker, WorkerSpec, recompute
 
 
 # The probe's completions are the run's max_new_tokens long, at most this: its statistics are per-token means, and at
@@ -167,7 +167,8 @@ def setup(cfg: TrainConfig, shard=None) -> Run:
         from opd.training.ray_backend import RayWorkers, connect
         connect(cfg.ray, cfg.async_.worker_threads)
         new_worker = functools.partial(RayWorkers, settings=cfg.ray)
-    threads = cfg.threads - cfg.async_.worker_threads if asynchronous else cfg.threads
+    inline = asynchronous and cfg.async_.backend == "inline"  # no worker process: every thread is the trainer's
+    threads = cfg.threads - cfg.async_.worker_threads if asynchronous and not inline else cfg.threads
     torch.set_num_threads(max(1, threads // shard.world) if shard is not None else threads)
     cfg = with_pair_defaults(cfg)
     student, teacher, tok, student_dir = load_pair(cfg)
@@ -196,7 +197,14 @@ def setup(cfg: TrainConfig, shard=None) -> Run:
     params = SamplingParams(cfg.new_tokens, **cfg.sampling.params())
     if shard is not None:  # the whole student: the in-process engine samples with it, rank 0 evaluates and saves it
         shard.full_model = copy.deepcopy(student).requires_grad_(False)
-    if asynchronous:
+    if inline:
+        settings = cfg.async_
+        rescore = functools.partial(rescore_rollouts, student, tok.pad_id, params, cfg.compute.chunk_tokens,
+                                    cfg.compute.dtype, cfg.compute.micro_batch_size)
+        rollouts = InlineRollouts(engine_builder(cfg, student, tok, student_dir, prompts), plan, prompts, params,
+                                  cfg.seed, exact_kl, cfg.shards, settings.max_staleness, settings.lookahead,
+                                  settings.recompute_fraction, rescore)
+    elif asynchronous:
         settings = cfg.async_
         rollouts = AsyncRollouts(worker_spec(cfg, student, tok, plan, params, exact_kl, student_dir, prompts), prompts,
                                  cfg.seed, settings.max_staleness, settings.lookahead, settings.stale_policy,
@@ -210,6 +218,14 @@ def setup(cfg: TrainConfig, shard=None) -> Run:
                   calibrate=not cfg.sharded_learner)
     return Run(cfg, student, scorer, tok, rollouts, plan, opt, prompts, params, State(), student_dir, guard,
                shard=shard)
+
+
+def rescore_rollouts(student: Transformer, pad_id: int, params: SamplingParams, chunk_tokens: int, dtype: str,
+                     micro_batch_size: int, rollouts: list, rollout=None) -> None:
+    """The inline schedule's q recompute: the worker's (worker.recompute), with the learner's model, whose weights are
+    the sampling weights at the moment a batch is sampled."""
+    with torch.no_grad():
+        recompute(student, rollouts, pad_id, params, chunk_tokens, rollout, dtype, micro_batch_size)
 
 
 def schedule_rollouts(run: Run, plan: Plan, staleness: int | None, first_batch: int = 0) -> Rollouts:
@@ -240,7 +256,8 @@ def worker_spec(cfg: TrainConfig, model: Transformer, tok, plan: Plan, params: S
                       return_hidden, recompute=settings.lookahead > 0, recompute_fraction=settings.recompute_fraction,
                       engine=cfg.engine.name, model_dir=str(model_dir), compile=cfg.engine.compile,
                       device=str(model.embed_tokens.weight.device), chunk_tokens=cfg.compute.chunk_tokens,
-                      dtype=cfg.compute.dtype, bf16_gemm=cfg.engine.bf16_gemm, **engine_size(cfg, prompts))
+                      dtype=cfg.compute.dtype, micro_batch_size=cfg.compute.micro_batch_size,
+                      bf16_gemm=cfg.engine.bf16_gemm, **engine_size(cfg, prompts))
 
 
 def probe_setup(cfg: TrainConfig, n: int) -> tuple[ProbeSetup, Plan]:

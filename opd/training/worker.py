@@ -92,6 +92,7 @@ class WorkerSpec:
     device: str = "cpu"  # where the worker's model, engine and recompute run
     chunk_tokens: int = 0  # the recompute's chunk of full-vocabulary work (chunked.py)
     dtype: str = "float32"  # the learner's compute dtype: q is recomputed as the learner computes
+    micro_batch_size: int = 0  # and in its micro-batches (rollouts per forward; 0: the whole batch)
     context: int = 0  # an own-copy engine's size: the longest prompt + max_new_tokens (engines.make_engine)
     max_seqs: int = 1  # and the most sequences one generate call holds
     bf16_gemm: str = "float32"  # the built-in engine's bf16 matmuls on a CPU (engine.py)
@@ -155,14 +156,15 @@ def rollout_from_tree(tree: dict, what: str = "a rollout") -> Rollout:
 
 # -- the worker process ------------------------------------------------------------------------------------------------
 def recompute(model: Transformer, rollouts: list[Rollout], pad_id: int, params: SamplingParams, chunk_tokens: int,
-              rollout=None, dtype: str = "float32") -> None:
+              rollout=None, dtype: str = "float32", micro_batch_size: int = 0) -> None:
     """Attach q and the exact per-token KL(p_rollout || p_q) to each rollout, from the sampling weights computed as
     the learner computes (`model`: the engine's base model, at full precision, under autocast for a bf16 learner;
-    rollout: the engine's hidden rows -> log-probs)."""
+    rollout: the engine's hidden rows -> log-probs; micro_batch_size: rollouts per forward, the learner's)."""
     if not rollouts:
         return
     batch = collate(rollouts, pad_id)
     scores = score_batch(model, batch, how=Scoring(temperature=params.temperature, chunk_tokens=chunk_tokens,
+                                                   micro_batch_size=micro_batch_size,
                                                    autocast=autocast_dtype(dtype)), rollout=rollout)
     for b, r in enumerate(rollouts):
         n = len(r.completion_ids)
@@ -265,7 +267,8 @@ def rollouts_message(engine, model: Transformer, spec: WorkerSpec, message: dict
     if spec.recompute:
         n = math.ceil(spec.recompute_fraction * len(rollouts))
         exact = functools.partial(engine.logprobs, params=spec.params) if spec.return_hidden else None
-        recompute(model, rollouts[:n], spec.pad_id, spec.params, spec.chunk_tokens, exact, spec.dtype)
+        recompute(model, rollouts[:n], spec.pad_id, spec.params, spec.chunk_tokens, exact, spec.dtype,
+                  spec.micro_batch_size)
         for r in rollouts[n:]:
             r.hidden = None  # stale: the trainer could not use them
     trees = [rollout_tree(r) for r in rollouts]
