@@ -93,6 +93,14 @@ def _fmt(value, spec: str = ".3f") -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def _schedule(cfg: dict) -> str:
+    """sync, or async with its staleness bound and where it samples (async.backend: process, ray, inline)."""
+    if cfg["schedule"] != "async":
+        return cfg["schedule"]
+    settings = cfg.get("async", {})
+    return f"async k={settings.get('max_staleness', '?')} ({settings.get('backend', 'process')})"
+
+
 def tables(runs: list[dict]) -> str:
     setup = ["| run | plan | schedule | loss | steps | accuracy before -> after "
              "| held-out reverse KL before -> after |", "|---|---|---|---|---|---|---|"]
@@ -102,7 +110,7 @@ def tables(runs: list[dict]) -> str:
     for run in runs:
         cfg, rows, b, a = run["config"], [r for r in run["rows"] if "time/step" in r], run["before"], run["after"]
         name = _cell(run["name"])
-        setup.append(f"| {name} | `{_cell(cfg['plan'] or 'float32')}` | {_cell(cfg['schedule'])} | "
+        setup.append(f"| {name} | `{_cell(cfg['plan'] or 'float32')}` | {_cell(_schedule(cfg))} | "
                      f"{_cell(cfg['loss']['name'])} | "
                      f"{len(rows)} | {_fmt(b.get('eval/accuracy'))} -> {_fmt(a.get('eval/accuracy'))} | "
                      f"{_fmt(b.get('eval/rkl'), '.4f')} -> {_fmt(a.get('eval/rkl'), '.4f')} |")
