@@ -107,9 +107,8 @@ class AsyncRollouts:
                     self._handle(message)
             except (WorkerLost, OpdError):
                 pass
-        return {"async": {"next_index": self.next_index, "counts": dict(self.counts), "order": list(self.order),
-                          "ready": [(key, [rollout_tree(r) for r in self.ready[key].rollouts])
-                                    for key in self.order if key in self.ready]},
+        return {"async": write_state(self.next_index, self.counts, self.order,
+                                     {key: result.rollouts for key, result in self.ready.items()}),
                 "engine_scales": dict(self.scales)}
 
     def load_state_dict(self, saved: dict) -> None:
@@ -236,6 +235,13 @@ class AsyncRollouts:
                 reason = f"{e} while restarting"
 
 
+def write_state(next_index: int, counts: dict, order: deque, ready: dict) -> dict:
+    """An async schedule's checkpoint state (a wire tree): its counters, the outstanding keys in order and the
+    finished batches' rollouts (ready: key -> rollouts). read_state reads it back."""
+    return {"next_index": next_index, "counts": dict(counts), "order": list(order),
+            "ready": [(key, [rollout_tree(r) for r in ready[key]]) for key in order if key in ready]}
+
+
 def read_state(saved: dict, counts: dict) -> tuple[int, dict, deque, dict]:
     """An async schedule's saved state (state_dict's "async" part, from a checkpoint: checked, since it may come from
     elsewhere) -> next_index, counts (the keys of `counts`), the outstanding keys in order, and the finished batches'
@@ -328,7 +334,5 @@ class InlineRollouts(SyncRollouts):
         self.ready.clear()
 
     def state_dict(self, wait: bool) -> dict:
-        return {"async": {"next_index": self.next_index, "counts": dict(self.counts), "order": list(self.order),
-                          "ready": [(key, [rollout_tree(r) for r in self.ready[key]])
-                                    for key in self.order if key in self.ready]},
+        return {"async": write_state(self.next_index, self.counts, self.order, self.ready),
                 "engine_scales": dict(self.engine.scales)}
