@@ -15,7 +15,6 @@ and the newest weights (`async.stale_policy: requeue`) or discarded (`drop`); bo
 outstanding request, up to `async.max_worker_restarts` times; then the run stops with a clear error. An exception inside
 the worker stops the run (it would recur), as does a message from it that is not a wire tree of a known kind.
 """
-import functools
 import math
 import sys
 import time
@@ -270,7 +269,7 @@ class InlineRollouts(SyncRollouts):
 
     def __init__(self, build, plan: Plan, prompts, params, seed: int, exact_kl: bool, n_shards: int,
                  max_staleness: int, lookahead: int, recompute_fraction: float, rescore):
-        """rescore(rollouts, rollout): the worker's `recompute` with the learner's model (q and the exact KL under the
+        """rescore(rollouts, rollout=...): the worker's `recompute` with the learner's model (q and the exact KL under the
         sampling weights, computed as the learner computes), for batches that may be stale (lookahead > 0)."""
         super().__init__(build, plan, prompts, params, seed, exact_kl, n_shards)
         require(lookahead <= max_staleness, f"async.backend inline samples at most max_staleness ({max_staleness}) "
@@ -306,9 +305,7 @@ class InlineRollouts(SyncRollouts):
         metrics = {"async/queue_depth": depth, "time/rollout_wait": time.perf_counter() - start,
                    "time/rollout_in_queue": 0.0, "time/generate": seconds[0], "time/recompute": seconds[1],
                    **{f"async/{k}": v for k, v in self.counts.items()}}
-        exact = functools.partial(self.engine.logprobs, params=self.params) if self.exact_kl and not self.lookahead \
-            else None
-        return StepRollouts(rollouts, metrics, exact, key)
+        return StepRollouts(rollouts, metrics, None if self.lookahead else self.engine_logprobs(), key)
 
     def _sample(self, key: tuple[int, int], seconds: list[float]) -> list[Rollout]:
         """One batch with the engine's weights of now; q recomputed as the worker does when batches may be stale."""
@@ -319,8 +316,7 @@ class InlineRollouts(SyncRollouts):
         sampled = time.perf_counter()
         if self.lookahead:
             n = math.ceil(self.recompute_fraction * len(rollouts))
-            exact = functools.partial(self.engine.logprobs, params=self.params) if self.exact_kl else None
-            self.rescore(rollouts[:n], exact)
+            self.rescore(rollouts[:n], rollout=self.engine_logprobs())
             for r in rollouts[n:]:
                 r.hidden = None  # stale: the trainer could not use them
         seconds[0] += sampled - start

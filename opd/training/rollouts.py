@@ -122,8 +122,11 @@ class SyncRollouts:
         if self.rank is not None:
             parts = parts[self.rank:self.rank + 1]
         rollouts = generate_shards(self.engine, parts, self.params, self.exact_kl)
-        logprobs = functools.partial(self.engine.logprobs, params=self.params) if self.exact_kl else None
-        return StepRollouts(rollouts, {"time/generate": time.perf_counter() - start}, logprobs, (step, 0))
+        return StepRollouts(rollouts, {"time/generate": time.perf_counter() - start}, self.engine_logprobs(), (step, 0))
+
+    def engine_logprobs(self) -> Callable | None:
+        """The engine's hidden rows -> its log-probs (for the exact KL), or None without exact_kl."""
+        return functools.partial(self.engine.logprobs, params=self.params) if self.exact_kl else None
 
     def publish(self, weights: dict, version: int) -> None:
         self.published = (weights, version)

@@ -199,8 +199,9 @@ def setup(cfg: TrainConfig, shard=None) -> Run:
         shard.full_model = copy.deepcopy(student).requires_grad_(False)
     if inline:
         settings = cfg.async_
-        rescore = functools.partial(rescore_rollouts, student, tok.pad_id, params, cfg.compute.chunk_tokens,
-                                    cfg.compute.dtype, cfg.compute.micro_batch_size)
+        rescore = functools.partial(recompute, student, pad_id=tok.pad_id, params=params,  # the learner's model
+                                    chunk_tokens=cfg.compute.chunk_tokens, dtype=cfg.compute.dtype,
+                                    micro_batch_size=cfg.compute.micro_batch_size)
         rollouts = InlineRollouts(engine_builder(cfg, student, tok, student_dir, prompts), plan, prompts, params,
                                   cfg.seed, exact_kl, cfg.shards, settings.max_staleness, settings.lookahead,
                                   settings.recompute_fraction, rescore)
@@ -218,14 +219,6 @@ def setup(cfg: TrainConfig, shard=None) -> Run:
                   calibrate=not cfg.sharded_learner)
     return Run(cfg, student, scorer, tok, rollouts, plan, opt, prompts, params, State(), student_dir, guard,
                shard=shard)
-
-
-def rescore_rollouts(student: Transformer, pad_id: int, params: SamplingParams, chunk_tokens: int, dtype: str,
-                     micro_batch_size: int, rollouts: list, rollout=None) -> None:
-    """The inline schedule's q recompute: the worker's (worker.recompute), with the learner's model, whose weights are
-    the sampling weights at the moment a batch is sampled."""
-    with torch.no_grad():
-        recompute(student, rollouts, pad_id, params, chunk_tokens, rollout, dtype, micro_batch_size)
 
 
 def schedule_rollouts(run: Run, plan: Plan, staleness: int | None, first_batch: int = 0) -> Rollouts:

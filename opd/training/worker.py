@@ -155,6 +155,7 @@ def rollout_from_tree(tree: dict, what: str = "a rollout") -> Rollout:
 
 
 # -- the worker process ------------------------------------------------------------------------------------------------
+@torch.no_grad()
 def recompute(model: Transformer, rollouts: list[Rollout], pad_id: int, params: SamplingParams, chunk_tokens: int,
               rollout=None, dtype: str = "float32", micro_batch_size: int = 0) -> None:
     """Attach q and the exact per-token KL(p_rollout || p_q) to each rollout, from the sampling weights computed as
