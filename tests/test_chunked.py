@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from opd.training import chunked
 from opd.training.chunked import Source, Student, chunk_size, log_probs, output_layer, score
 from opd.engines.builtin import Engine
 from opd.training.evaluate import context_quality, sampled_quality
@@ -240,3 +241,42 @@ def test_fixed_context_quality_is_the_exact_kl_and_entropy_on_the_kept_samples()
     again = context_quality(moved, LocalTeacher(teacher), kept, tok.pad_id)
     assert again == context_quality(moved, LocalTeacher(teacher), kept, tok.pad_id)  # no sampling: repeatable
     assert again["eval/rkl"] != pytest.approx(got["eval/rkl"], rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cfg", [LossConfig("full_rkl"), LossConfig("jsd", jsd_beta=0.3)], ids=lambda c: c.name)
+def test_the_output_weight_cast_once_equals_autocasts_cast_in_every_matmul(monkeypatch, cfg, dtype):
+    """Under a bf16 learner's autocast the output weight is cast once a call (chunked.as_multiplied) rather than by
+    autocast in each chunk's matmuls: loss, log-probs and every gradient equal to the bit; a float64 weight, which
+    autocast leaves alone, stays float64."""
+    student, teacher = tiny(0).to(dtype), tiny(1).to(dtype)
+    batch, _ = batch_of(student)
+    how = Scoring(cfg, 0.9, 2, 3, torch.bfloat16)
+
+    def run():
+        student.zero_grad(set_to_none=True)
+        scores = score_batch(student, batch, LocalTeacher(teacher), how, backward=True)
+        return scores, grads(student)
+
+    with torch.autocast("cpu", torch.bfloat16):
+        cast = chunked.as_multiplied(student.lm_head.weight)
+    assert cast.dtype == (torch.bfloat16 if dtype == torch.float32 else dtype) and not cast.requires_grad
+    got, got_grads = run()
+    monkeypatch.setattr(chunked, "as_multiplied", lambda weight: weight.detach())  # autocast casts it per matmul
+    want, want_grads = run()
+    assert got.loss == want.loss and torch.equal(got.pi, want.pi)
+    assert got_grads.keys() == want_grads.keys()
+    assert all(torch.equal(got_grads[name], want_grads[name]) for name in want_grads)
+
+
+def test_a_scaled_backward_scales_the_chunked_gradients():
+    """_ChunkedLoss.backward hands its stored gradients on as they are for loss.backward() (an incoming 1) and
+    scales them otherwise."""
+    h, w, th, tw, tokens, mu = case()
+    source = Source(th, lambda x: log_probs(x @ tw.T))
+    value, _ = score(Student(h, w), tokens, mu, None, LossConfig("full_rkl"), source, chunk_tokens=4)
+    once = torch.autograd.grad(value, [h, w])
+    value, _ = score(Student(h, w), tokens, mu, None, LossConfig("full_rkl"), source, chunk_tokens=4)
+    thrice = torch.autograd.grad(3 * value, [h, w])
+    for a, b in zip(once, thrice):
+        assert torch.equal(3 * a, b)
