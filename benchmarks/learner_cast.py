@@ -8,7 +8,7 @@ student's own bf16 copy as its teacher, forward and backward) both ways, alterna
 alike, and checks that loss and every gradient are equal.
 
     python benchmarks/learner_cast.py --quick   # the smollm2 student (V = 49,152), 4 alternations, ~20 s
-    python benchmarks/learner_cast.py           # the Qwen2.5-Coder student (V = 151,936), 4 alternations, ~1 min
+    python benchmarks/learner_cast.py           # the Qwen2.5-Coder student (V = 151,936), 4 alternations, ~2 min
 
 The real pair is built on first use (as `opd pairs build` does). The last line is `RESULT key=value ...`.
 """
